@@ -1,0 +1,138 @@
+"""Exercise checker: run the learner's function on real ranks against the reference behaviour.
+
+``check("ring_all_reduce")`` imports ``exercises.ch00_collectives.ring_all_reduce``, runs it
+on real gloo/nccl ranks with :func:`course_lib.launch.spawn`, compares every rank's result
+with the library collective, and returns a :class:`CheckResult` whose text says which rank,
+which tensor and how large the error was. An exercise still raising ``NotImplementedError``
+is reported as *unsolved* (with its hint), never as a crash of the checker.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .launch import RankError, RankTimeout, spawn
+
+__all__ = ["check", "CheckResult", "EXERCISES", "Exercise"]
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # "passed" | "failed" | "unsolved" | "error"
+    message: str
+    details: list = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def __str__(self) -> str:
+        mark = {"passed": "PASS", "failed": "FAIL", "unsolved": "UNSOLVED", "error": "ERROR"}[self.status]
+        return f"[{mark}] {self.name}: {self.message}"
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the sentence, not the dataclass
+        p.text(str(self))
+
+
+@dataclass(frozen=True)
+class Exercise:
+    module: str  # file under exercises/ and solutions/
+    function: str
+    summary: str
+    runner: Callable  # rank function(fn) -> list of failure strings on this rank (empty = ok)
+    world_sizes: tuple = (2, 3)
+
+
+# --------------------------------------------------------------------------- rank-side checks
+
+
+def _check_ring_all_reduce(fn) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from . import comm
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    problems = []
+    for numel in (1, 10, 1003):
+        gen = torch.Generator().manual_seed(1000 * rank + numel)
+        x = torch.randn(numel, generator=gen)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        got = x.clone()
+        with comm.CommLog() as log:
+            out = fn(got)
+        if out is None:
+            out = got
+        if out.shape != expected.shape:
+            problems.append(f"rank {rank}, tensor of {numel} elements: returned shape {tuple(out.shape)}, "
+                            f"expected {tuple(expected.shape)}")
+            continue
+        err = (out - expected).abs().max().item()
+        if not err <= 1e-5 * max(1.0, expected.abs().max().item()):
+            problems.append(f"rank {rank}, tensor of {numel} elements: max |error| {err:.3g} vs dist.all_reduce")
+        if log.count(op="all_reduce"):
+            problems.append(f"rank {rank}: used all_reduce; the exercise asks for send/recv only")
+    return problems
+
+
+EXERCISES: dict[str, Exercise] = {
+    "ring_all_reduce": Exercise("ch00_collectives", "ring_all_reduce",
+                                "ch00: sum a tensor over ranks with send/recv around a ring",
+                                _check_ring_all_reduce),
+}
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _course_root() -> Path:
+    """The folder holding exercises/ and solutions/ (the repository root)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def _load(package: str, ex: Exercise) -> Callable:
+    root = str(_course_root())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    module = importlib.import_module(f"{package}.{ex.module}")
+    module = importlib.reload(module)  # pick up the learner's latest edit
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)  # ranks run exactly this code, whatever their sys.path
+    return getattr(module, ex.function)
+
+
+def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckResult:
+    """Check exercise ``name`` (from ``exercises/``, or ``package="solutions"``) on real ranks."""
+    if name not in EXERCISES:
+        raise ValueError(f"unknown exercise {name!r}; available: {', '.join(sorted(EXERCISES))}")
+    if package not in ("exercises", "solutions"):
+        raise ValueError(f"package must be 'exercises' or 'solutions', got {package!r}")
+    ex = EXERCISES[name]
+    try:
+        fn = _load(package, ex)
+    except Exception as exc:  # noqa: BLE001 - a syntax error in the learner's file is a result, not a crash
+        return CheckResult(name, "error", f"could not import {package}/{ex.module}.py: {type(exc).__name__}: {exc}")
+    details = []
+    for world in ex.world_sizes:
+        try:
+            per_rank = spawn(ex.runner, world, args=(fn,), timeout=timeout)
+        except RankError as err:
+            if err.exc_type == "NotImplementedError":
+                hint = str(err.__cause__ or "").strip() or "still a TODO"
+                return CheckResult(name, "unsolved", f"not implemented yet — {hint}")
+            return CheckResult(name, "error", f"world_size={world}: rank {err.rank} raised {err.exc_type}: "
+                                              f"{str(err.__cause__ or err).splitlines()[0]}")
+        except RankTimeout as err:
+            return CheckResult(name, "error", f"world_size={world}: {str(err).splitlines()[0]} "
+                                              "(a send without a matching recv?)")
+        problems = [p for rank_problems in per_rank for p in rank_problems]
+        if problems:
+            return CheckResult(name, "failed", f"world_size={world}: {problems[0]}", problems)
+        details.append(world)
+    return CheckResult(name, "passed", f"matches the reference on world sizes {', '.join(map(str, details))}")

@@ -1,0 +1,122 @@
+"""``course-lib`` command line: doctor | quiz | check | run-notebooks."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+
+def doctor() -> int:
+    """Print the environment facts the course depends on; exit 1 if ranks cannot run."""
+    import torch
+
+    from .launch import hello, resolve_backend, spawn
+
+    ok = True
+    try:
+        import ray
+
+        ray_version = ray.__version__
+    except Exception as exc:  # noqa: BLE001
+        ray_version, ok = f"not importable ({exc})", False
+    cores = os.cpu_count() or 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = resolve_backend("auto", 2)
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    print(f"python        {sys.version.split()[0]} ({sys.executable})")
+    print(f"torch         {torch.__version__}")
+    print(f"ray           {ray_version}")
+    print(f"cpu cores     {cores}")
+    print(f"gpus          {gpus}")
+    print(f"backend       {backend} (auto, 2 ranks)")
+    if gpus:
+        print(f"ranks         up to {gpus} on nccl (one GPU each); up to {cores} on gloo without oversubscription")
+    else:
+        print(f"ranks         up to {cores} on gloo without oversubscribing the cores (more run, but measure contention)")
+    print(f"c++ compiler  {cxx or 'MISSING (DeepSpeed JIT-built ops will be skipped)'}")
+    print(f"Python.h      {'present' if header.exists() else 'MISSING'} ({header})")
+    t0 = time.perf_counter()
+    try:
+        res = spawn(hello, 2, timeout=120)
+        assert [r["sum_of_ranks"] for r in res] == [1, 1], res
+        print(f"spawn         2 ranks, all_reduce ok ({time.perf_counter() - t0:.1f} s)")
+    except Exception as exc:  # noqa: BLE001
+        print(f"spawn         FAILED: {exc}")
+        ok = False
+    print("doctor:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def run_notebooks(paths: list[str], inplace: bool, timeout: int) -> int:
+    """Execute notebooks headless, printing each one's runtime."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    files = []
+    for p in paths:
+        p = Path(p)
+        files += sorted(p.glob("[0-9][0-9]_*.ipynb")) if p.is_dir() else [p]
+    out_dir = Path(os.environ.get("COURSE_LIB_CACHE", ".cache")) / "executed"
+    total = 0.0
+    for f in files:
+        nb = nbformat.read(f, as_version=4)
+        t0 = time.perf_counter()
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(f.parent)}}).execute()
+        dt = time.perf_counter() - t0
+        total += dt
+        target = f if inplace else out_dir / f.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, target)
+        print(f"{f.name:<40} {dt:7.1f} s  -> {target}", flush=True)
+    print(f"{'all notebooks':<40} {total:7.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="course-lib", description="Hands-On Distributed Training companion CLI")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("doctor", help="check torch/ray, backend, cores, compiler; spawn 2 ranks")
+    q = sub.add_parser("quiz", help="O/X quiz in the terminal")
+    q.add_argument("--chapter", type=int, required=True)
+    q.add_argument("--lang", choices=["ko", "en"], default="ko")
+    q.add_argument("-n", type=int, default=None, help="number of statements")
+    q.add_argument("--shuffle", action="store_true")
+    c = sub.add_parser("check", help="check an exercise against its reference on real ranks")
+    c.add_argument("name", nargs="?", help="exercise name (omit to list them)")
+    c.add_argument("--solutions", action="store_true", help="check the reference solutions instead")
+    r = sub.add_parser("run-notebooks", help="execute notebooks headless and print each runtime")
+    r.add_argument("paths", nargs="*", default=["notebooks"])
+    r.add_argument("--inplace", action="store_true", help="store outputs in the notebooks themselves")
+    r.add_argument("--timeout", type=int, default=900, help="per-cell timeout (s)")
+    ns = parser.parse_args(argv)
+
+    if ns.cmd == "doctor":
+        return doctor()
+    if ns.cmd == "quiz":
+        from .quiz import run_terminal_quiz
+
+        run_terminal_quiz(ns.chapter, lang=ns.lang, n=ns.n, shuffle=ns.shuffle)
+        return 0
+    if ns.cmd == "check":
+        from .check import EXERCISES, check
+
+        if not ns.name:
+            for name, ex in EXERCISES.items():
+                print(f"{name:<24} {ex.summary}")
+            return 0
+        result = check(ns.name, package="solutions" if ns.solutions else "exercises")
+        print(result)
+        return 0 if result.passed else 1
+    if ns.cmd == "run-notebooks":
+        return run_notebooks(ns.paths, ns.inplace, ns.timeout)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Reference solutions, file for file the same as ``exercises/``."""

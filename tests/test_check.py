@@ -1,0 +1,53 @@
+"""The exercise checker: solutions pass, shipped exercises are reported unsolved, wrong answers fail clearly."""
+from pathlib import Path
+
+import pytest
+
+from course_lib.check import EXERCISES, check
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_exercises_and_solutions_mirror_each_other():
+    ex = sorted(p.name for p in (ROOT / "exercises").glob("*.py"))
+    sol = sorted(p.name for p in (ROOT / "solutions").glob("*.py"))
+    assert ex == sol
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_solution_passes(name):
+    result = check(name, package="solutions")
+    assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_shipped_exercise_is_reported_unsolved(name):
+    result = check(name, package="exercises")
+    assert result.status == "unsolved", str(result)
+    assert "hint" in result.message or "implement" in result.message
+
+
+def test_wrong_answer_names_rank_tensor_and_error(tmp_path, monkeypatch):
+    pkg = tmp_path / "exercises"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ch00_collectives.py").write_text(
+        "import torch.distributed as dist\n"
+        "def ring_all_reduce(t):\n"
+        "    return t * dist.get_world_size()  # wrong: not a sum over ranks\n")
+    import course_lib.check as chk
+
+    monkeypatch.setattr(chk, "_course_root", lambda: tmp_path)
+    import sys
+
+    for mod in [m for m in sys.modules if m == "exercises" or m.startswith("exercises.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = check("ring_all_reduce")
+    assert result.status == "failed"
+    assert "rank 0, tensor of 1 elements: max |error|" in result.message
+
+
+def test_unknown_exercise():
+    with pytest.raises(ValueError, match="unknown exercise 'nope'; available: ring_all_reduce"):
+        check("nope")
