@@ -22,7 +22,6 @@ what this rank actually holds. Meta tensors hold no memory and count 0.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -92,9 +91,12 @@ def model_state_bytes(model_or_params, optimizer=None, extra=()) -> dict[str, in
       copies, communication buckets ...).
 
     Each unique storage is counted once, in the first category it appears in
-    (in the order above), so e.g. gradients that are views into a parameter-sized
-    bucket are charged once.
+    (in the order above): gradients that are views into one flat bucket are one
+    bucket, and a buffer passed as ``extra`` that already holds the parameters is
+    not charged twice.
     """
+    if optimizer is not None and not hasattr(optimizer, "state"):
+        raise TypeError(f"optimizer must have a .state mapping (torch.optim.Optimizer), got {type(optimizer).__name__}")
     if isinstance(model_or_params, nn.Module):
         params = list(model_or_params.parameters())
     elif isinstance(model_or_params, torch.Tensor):
@@ -104,11 +106,9 @@ def model_state_bytes(model_or_params, optimizer=None, extra=()) -> dict[str, in
     groups = {
         "params": params,
         "grads": [p.grad for p in params if p.grad is not None],
-        "optimizer": list(_tensors_in(getattr(optimizer, "state", {}) if optimizer is not None else {})),
-        "extra": list(_tensors_in(list(extra))),
+        "optimizer": list(_tensors_in(optimizer.state)) if optimizer is not None else [],
+        "extra": list(_tensors_in(extra if isinstance(extra, torch.Tensor) else list(extra))),
     }
-    if optimizer is not None and not hasattr(optimizer, "state"):
-        raise TypeError(f"optimizer must have a .state mapping (torch.optim.Optimizer), got {type(optimizer).__name__}")
     seen: set = set()
     out = {}
     for name, tensors in groups.items():
@@ -156,7 +156,8 @@ class SavedTensorMeter:
       model state, already counted by ``model_state_bytes``;
     * everything else counts, including the small things: LayerNorm's per-row
       mean and 1/std, SDPA's log-sum-exp, integer token ids saved by the
-      embeddings and the loss, and 0-d scalars.
+      embeddings and the loss, and 0-d tensors. (A Python number an op keeps,
+      such as ``att * scale``'s scale, is not a tensor and never reaches the hook.)
 
     While active, the meter keeps a reference to each counted storage so that a
     freed-and-reused address cannot be mistaken for a repeat; it lets go on exit.

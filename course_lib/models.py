@@ -23,7 +23,6 @@ Notation used throughout the course (Megatron / Korthikanti et al. 2022):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 

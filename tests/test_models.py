@@ -79,6 +79,33 @@ def test_sdpa_and_explicit_softmax_attention_agree():
     torch.testing.assert_close(sdpa, math_, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_splits_by_heads_for_tensor_parallel():
+    """c_attn's output is laid out head by head, so halving its rows (and c_proj's columns) halves the heads."""
+    full = GPT(tiny_config()).blocks[0].attn
+    x = torch.randn(2, 16, 64)
+    h = 64
+    out = 0
+    for r in range(2):
+        part = GPT(tiny_config()).blocks[0].attn
+        with torch.no_grad():
+            rows = slice(r * 3 * h // 2, (r + 1) * 3 * h // 2)
+            cols = slice(r * h // 2, (r + 1) * h // 2)
+            part.c_attn.weight = torch.nn.Parameter(full.c_attn.weight[rows].clone())
+            part.c_attn.bias = torch.nn.Parameter(full.c_attn.bias[rows].clone())
+            part.c_proj.weight = torch.nn.Parameter(full.c_proj.weight[:, cols].clone())
+            part.c_proj.bias.copy_(full.c_proj.bias if r == 0 else torch.zeros(h))
+        out = out + part(x)  # the all-reduce of Megatron's row-parallel c_proj
+    torch.testing.assert_close(out, full(x), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_is_active_only_in_training():
+    model = GPT(tiny_config(dropout=0.5))
+    x, _ = make_batch(2, 16, 32, seed=0)
+    assert not torch.equal(model(x)[0], model(x)[0])
+    model.eval()
+    assert torch.equal(model(x)[0], model(x)[0])
+
+
 # ----------------------------------------------------------------------------- parameters
 
 
