@@ -80,10 +80,34 @@ def _check_ring_all_reduce(fn) -> list[str]:
     return problems
 
 
+def _check_count_model_state_bytes(fn) -> list[str]:
+    import torch
+
+    from .memory import model_state_bytes
+    from .models import GPT, tiny_config
+
+    problems = []
+    for tie in (True, False):
+        model = GPT(tiny_config(tie_weights=tie, n_layer=1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        _, loss = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+        loss.backward()
+        opt.step()
+        want = model_state_bytes(model, opt)
+        got = fn(model, opt)
+        for key in ("params", "grads", "optimizer"):
+            if got.get(key) != want[key]:
+                problems.append(f"tie_weights={tie}: {key} = {got.get(key)} bytes, expected {want[key]}")
+    return problems
+
+
 EXERCISES: dict[str, Exercise] = {
     "ring_all_reduce": Exercise("ch00_collectives", "ring_all_reduce",
                                 "ch00: sum a tensor over ranks with send/recv around a ring",
                                 _check_ring_all_reduce),
+    "count_model_state_bytes": Exercise("ch01_memory", "count_model_state_bytes",
+                                        "ch01: bytes of params, grads and optimizer state over unique storages",
+                                        _check_count_model_state_bytes, world_sizes=(1,)),
 }
 
 

@@ -224,3 +224,49 @@ def busbw_table(rows: list[dict]) -> str:
         lines.append(f"{r['op']:<15}{r['bytes']:>10}{r['time_s'] * 1e6:>12.1f}{r['algbw_GBps']:>12.3f}"
                      f"{r['busbw_GBps']:>12.3f}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- "is distributed always faster?"
+
+
+def toy_data_parallel_step(d_model: int = 512, global_batch: int = 64, steps: int = 10, warmup: int = 2) -> dict:
+    """Rank function: one data-parallel step of a ``d_model × d_model`` linear layer, timed.
+
+    Each rank computes forward + backward on ``global_batch / N`` rows (compute shrinks
+    with N), then all-reduces the ``d_model²`` gradient (communication does not shrink:
+    a ring moves 2(N−1)/N × 4·d_model² bytes per rank). With a small batch the gradient
+    all-reduce dominates and more ranks are *slower*; with a large batch compute dominates
+    and more ranks are faster. Returns mean seconds per step (max over ranks), split into
+    compute and communication.
+    """
+    from .launch import device
+
+    n = dist.get_world_size()
+    if global_batch % n:
+        raise ValueError(f"global_batch={global_batch} is not divisible by world_size={n}")
+    dev = device()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(d_model, d_model, generator=gen).to(dev).requires_grad_()
+    x = torch.randn(global_batch, d_model, generator=gen).to(dev)
+    local = x.chunk(n)[dist.get_rank()]
+    t_comp = t_comm = 0.0
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = (local @ w).square().mean()
+        loss.backward()
+        _sync(dev)
+        t1 = time.perf_counter()
+        if n > 1:
+            dist.all_reduce(w.grad)
+        _sync(dev)
+        t2 = time.perf_counter()
+        w.grad = None
+        if i >= warmup:
+            t_comp += t1 - t0
+            t_comm += t2 - t1
+    times = torch.tensor([t_comp / steps, t_comm / steps], dtype=torch.float64, device=dev)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    comp, comm_t = times.tolist()
+    return {"world_size": n, "compute_s": comp, "comm_s": comm_t, "step_s": comp + comm_t,
+            "grad_bytes": 4 * d_model * d_model, "rows_per_rank": global_batch // n}
