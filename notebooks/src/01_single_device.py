@@ -24,7 +24,7 @@ from course_lib.data import loss_floor, make_batch
 from course_lib.models import GPT, tiny_config
 from course_lib.train import train_single_device
 
-torch.manual_seed(0)
+_ = torch.manual_seed(0)
 
 # %% [markdown]
 # ## 1. The model and the task
