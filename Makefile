@@ -10,6 +10,8 @@ export TORCH_EXTENSIONS_DIR := $(CACHE)/torch_extensions
 export MPLBACKEND := Agg
 export RAY_AUTH_MODE := disabled
 export PYTHONHASHSEED := 0
+# Jupyter refuses to run as root (containers) without this flag; normal users never get it.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: help setup lab test unit exercises nbval course doctor clean
 
@@ -30,7 +32,7 @@ $(STAMP): requirements.txt pyproject.toml
 setup: $(STAMP)
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --notebook-dir=notebooks $(ROOT_FLAG)
 
 doctor: $(STAMP)
 	$(VENV)/bin/course-lib doctor

@@ -40,3 +40,28 @@ def test_doctor_passes():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for word in ("torch", "ray", "backend", "cpu cores", "ranks", "c++ compiler", "Python.h", "doctor: ok"):
         assert word in proc.stdout
+
+
+def test_jupyterlab_starts_on_localhost_with_a_token(tmp_path):
+    """What `make lab` runs: JupyterLab on notebooks/, bound to 127.0.0.1, token kept."""
+    import os
+    import time
+
+    lab = Path(sys.executable).parent / "jupyter"
+    mk = (ROOT / "Makefile").read_text()
+    assert "--ServerApp.ip=127.0.0.1" in mk and "token" not in mk.lower(), "make lab must not drop the token"
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path), HOME=str(tmp_path))
+    proc = subprocess.Popen([str(lab), "lab", "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0", "--no-browser",
+                             *(["--allow-root"] if os.getuid() == 0 else []), f"--notebook-dir={ROOT / 'notebooks'}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline, seen = time.monotonic() + 90, ""
+        while time.monotonic() < deadline and "?token=" not in seen:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "http://127.0.0.1:" in seen and "?token=" in seen, seen[-2000:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
