@@ -7,7 +7,6 @@ STAMP  := $(VENV)/.installed
 CACHE  := $(CURDIR)/.cache
 export COURSE_LIB_CACHE := $(CACHE)
 export TORCH_EXTENSIONS_DIR := $(CACHE)/torch_extensions
-export MPLBACKEND := Agg
 export RAY_AUTH_MODE := disabled
 export PYTHONHASHSEED := 0
 # Jupyter refuses to run as root (containers) without this flag; normal users never get it.

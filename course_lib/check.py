@@ -101,6 +101,100 @@ def _check_count_model_state_bytes(fn) -> list[str]:
     return problems
 
 
+def _ddp_check_setup(rank: int, step: int):
+    """A small equality GPT (tied weights, wpe frozen) and this rank's own batch for ``step``."""
+    from .data import make_batch
+    from .models import GPT, equality_config
+
+    model = GPT(equality_config(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32), seed=0)
+    model.wpe.weight.requires_grad_(False)
+    x, y = make_batch(4, 16, 32, seed=100 * rank + step)
+    return model, x, y
+
+
+def _reference_grads(ref, x, y) -> dict:
+    """Gradients of an identical, independent model, averaged with plain dist.all_reduce (not counted)."""
+    import torch.distributed as dist
+
+    ref.zero_grad(set_to_none=True)
+    ref(x, y)[1].backward()
+    out = {}
+    for name, p in ref.named_parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            out[name] = p.grad / dist.get_world_size()
+    return out
+
+
+def _compare_grads(model, want: dict, rank: int, what: str) -> list[str]:
+    problems = []
+    for name, p in model.named_parameters():
+        if name not in want:
+            if p.grad is not None:
+                problems.append(f"rank {rank}, {what}: {name} is frozen but got a gradient")
+            continue
+        if p.grad is None:
+            problems.append(f"rank {rank}, {what}: {name}.grad is None")
+            continue
+        err = (p.grad - want[name]).abs().max().item()
+        if not err <= 1e-6 + 1e-5 * want[name].abs().max().item():
+            problems.append(f"rank {rank}, {what}: {name}.grad differs from the average over ranks "
+                            f"by max |error| {err:.3g}")
+    return problems
+
+
+def _check_allreduce_gradients(fn) -> list[str]:
+    import torch.distributed as dist
+
+    from . import comm
+
+    rank = dist.get_rank()
+    model, x, y = _ddp_check_setup(rank, 0)
+    want = _reference_grads(_ddp_check_setup(rank, 0)[0], x, y)
+    model(x, y)[1].backward()
+    with comm.CommLog() as log:
+        fn(model)
+    problems = _compare_grads(model, want, rank, "after allreduce_gradients")
+    if not log.count(op="all_reduce", tag="grad"):
+        problems.append(f"rank {rank}: CommLog saw no all-reduce tagged 'grad' — use "
+                        "comm.all_reduce(p.grad, tag='grad') so the bytes are counted")
+    return problems
+
+
+def _check_bucketed_reducer(cls) -> list[str]:
+    import torch.distributed as dist
+
+    from . import comm
+
+    rank = dist.get_rank()
+    model, _, _ = _ddp_check_setup(rank, 0)
+    ref = _ddp_check_setup(rank, 0)[0]
+    reducer = cls(model, bucket_cap_mb=0.03)
+    n_buckets = len(reducer.buckets)
+    want_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    problems = []
+    for step in range(3):  # several steps: the reducer must reset itself
+        _, x, y = _ddp_check_setup(rank, step)
+        want = _reference_grads(ref, x, y)
+        model.zero_grad(set_to_none=True)
+        with comm.CommLog() as log:
+            model(x, y)[1].backward()
+            launched = log.count(op="all_reduce", tag="grad")
+            reducer.finish()
+        if launched != n_buckets:
+            problems.append(f"rank {rank}, step {step}: {launched} all-reduce(s) tagged 'grad' were launched "
+                            f"during backward, expected one per bucket = {n_buckets} (launch each bucket from "
+                            "the hook, as soon as it is complete)")
+        sent = log.total("tensor_bytes", tag="grad")
+        if sent != want_bytes:
+            problems.append(f"rank {rank}, step {step}: all-reduced {sent} bytes tagged 'grad', expected the "
+                            f"trainable parameters' {want_bytes} bytes (each gradient exactly once)")
+        problems += _compare_grads(model, want, rank, f"step {step} after finish()")
+        if problems:
+            break
+    return problems
+
+
 EXERCISES: dict[str, Exercise] = {
     "ring_all_reduce": Exercise("ch00_collectives", "ring_all_reduce",
                                 "ch00: sum a tensor over ranks with send/recv around a ring",
@@ -108,6 +202,12 @@ EXERCISES: dict[str, Exercise] = {
     "count_model_state_bytes": Exercise("ch01_memory", "count_model_state_bytes",
                                         "ch01: bytes of params, grads and optimizer state over unique storages",
                                         _check_count_model_state_bytes, world_sizes=(1,)),
+    "allreduce_gradients": Exercise("ch02_ddp", "allreduce_gradients",
+                                    "ch02: average every gradient over ranks after backward (naive DDP)",
+                                    _check_allreduce_gradients),
+    "bucketed_reducer": Exercise("ch02_ddp", "BucketedReducer",
+                                 "ch02: async all-reduce of gradient buckets launched during backward",
+                                 _check_bucketed_reducer),
 }
 
 
