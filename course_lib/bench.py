@@ -1,0 +1,265 @@
+"""Measurements the notebooks plot: DDP throughput, bucket size vs step time, scaling, timelines.
+
+Command line: ``python -m course_lib.bench ddp [--world 2]`` races, in one run, the four ways
+of averaging gradients on the same model and prints tokens/s and the own-bucketed / torch
+ratio. In a notebook call :func:`ddp_benchmark` (it returns the numbers).
+
+Fairness rules used by every race here:
+
+* every variant trains its own copy of the same model, with the same data and optimizer;
+* variants are timed in **interleaved rounds** (the order rotates each round), so a noisy
+  neighbour or a thermal dip hits all of them alike; the figure is the median over rounds;
+* a round's time is the **max over ranks** (the slowest rank sets the pace of a synchronous
+  step), after a barrier so every rank starts together.
+
+Rank functions (run them with ``launch.spawn``): :func:`ddp_throughput`, :func:`bucket_size_sweep`,
+:func:`ddp_step_time`, :func:`ddp_timelines`. Parent-side helpers: :func:`ddp_benchmark`,
+:func:`scaling`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .data import make_batch
+from .ddp import DDP, naive_allreduce_gradients, torch_ddp
+from .models import GPT, GPTConfig, equality_config
+
+__all__ = ["bench_config", "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines",
+           "ddp_benchmark", "scaling", "format_throughput", "main"]
+
+VARIANTS = ("naive", "own_per_param", "own_bucketed", "torch_ddp")
+
+
+def bench_config(**overrides) -> GPTConfig:
+    """A model where communication matters on CPU: d_model 256, 4 layers (≈3.2M params, 12.6 MB of fp32 grads)."""
+    return equality_config(**{"vocab_size": 32, "block_size": 32, "n_layer": 4, "n_head": 4, "d_model": 256,
+                              **overrides})
+
+
+# --------------------------------------------------------------------------- the race
+
+
+def _make_variant(kind: str, config: GPTConfig, bucket_cap_mb: float | None):
+    """(model to call, function run after backward, parameters) for one way of averaging gradients."""
+    model = GPT(config, seed=0)
+    if kind == "naive":
+        return model, lambda: naive_allreduce_gradients(model), model.parameters()
+    if kind == "own_per_param":
+        wrapped = DDP(model, bucket_cap_mb=None)
+    elif kind == "own_bucketed":
+        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    elif kind == "torch_ddp":
+        wrapped = torch_ddp(model, bucket_cap_mb=bucket_cap_mb)
+    else:
+        raise ValueError(f"unknown variant {kind!r}; choose from {VARIANTS}")
+    return wrapped, (lambda: None), wrapped.parameters()
+
+
+def _race(entries: dict, config: GPTConfig, batch_size: int, rounds: int, steps_per_round: int,
+          warmup: int) -> dict:
+    """Time ``{name: (model, after_backward, params)}`` in interleaved rounds; per name: seconds per step."""
+    rank = dist.get_rank()
+    T, V = config.block_size, config.vocab_size
+    opts = {name: torch.optim.SGD(params, lr=1e-3) for name, (_, _, params) in entries.items()}
+    names = list(entries)
+    step_counter = [0]
+
+    def step(name):
+        model, after_backward, _ = entries[name]
+        x, y = make_batch(batch_size, T, V, seed=1000 * rank + step_counter[0] % 16)
+        step_counter[0] += 1
+        opts[name].zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+        after_backward()
+        opts[name].step()
+
+    for name in names:
+        for _ in range(warmup):
+            step(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps_per_round):
+                step(name)
+            elapsed = torch.tensor([(time.perf_counter() - t0) / steps_per_round], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(elapsed.item())
+    return times
+
+
+def ddp_throughput(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 4.0,
+                   variants=VARIANTS, rounds: int = 7, steps_per_round: int = 3, warmup: int = 2) -> dict:
+    """Rank function: tokens/s of each variant (naive, own per-parameter, own bucketed, torch DDP).
+
+    ``batch_size`` is per rank; tokens per step = world · batch_size · block_size. Both bucketed
+    variants use the same ``bucket_cap_mb`` (torch additionally caps its first bucket at 1 MiB).
+    Returns ``{variant: {"step_s", "tokens_per_s", "step_s_rounds"}, "world_size", "params", ...}``.
+    """
+    config = config or bench_config()
+    world = dist.get_world_size()
+    entries = {v: _make_variant(v, config, bucket_cap_mb) for v in variants}
+    times = _race(entries, config, batch_size, rounds, steps_per_round, warmup)
+    tokens = world * batch_size * config.block_size
+    out = {"world_size": world, "batch_size_per_rank": batch_size, "tokens_per_step": tokens,
+           "bucket_cap_mb": bucket_cap_mb, "params": GPT(config).num_params()}
+    for v, ts in times.items():
+        med = statistics.median(ts)
+        out[v] = {"step_s": med, "tokens_per_s": tokens / med, "step_s_rounds": ts}
+    return out
+
+
+def bucket_size_sweep(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0), config: GPTConfig | None = None,
+                      batch_size: int = 8, rounds: int = 3, steps_per_round: int = 3, warmup: int = 1) -> list[dict]:
+    """Rank function: own DDP step time for each ``bucket_cap_mb`` (None = one all-reduce per parameter).
+
+    Returns rows ``{"bucket_cap_mb", "n_buckets", "step_s", "tokens_per_s"}`` (max over ranks,
+    median over interleaved rounds). Small buckets pay the per-message latency many times; one
+    huge bucket cannot start until backward ends (no overlap): the optimum lies in between.
+    """
+    config = config or bench_config()
+    world = dist.get_world_size()
+    entries, n_buckets = {}, {}
+    for cap in bucket_sizes_mb:
+        ddp = DDP(GPT(config, seed=0), bucket_cap_mb=cap)
+        entries[str(cap)] = (ddp, lambda: None, ddp.parameters())
+        n_buckets[str(cap)] = len(ddp.buckets)
+    times = _race(entries, config, batch_size, rounds, steps_per_round, warmup)
+    tokens = world * batch_size * config.block_size
+    return [{"bucket_cap_mb": cap, "n_buckets": n_buckets[str(cap)], "step_s": statistics.median(times[str(cap)]),
+             "tokens_per_s": tokens / statistics.median(times[str(cap)])} for cap in bucket_sizes_mb]
+
+
+def ddp_step_time(config: GPTConfig | None = None, global_batch: int = 8, bucket_cap_mb: float | None = 4.0,
+                  steps: int = 6, warmup: int = 2) -> dict:
+    """Rank function: seconds per training step of own DDP with a *fixed global batch* (strong scaling).
+
+    Each of N ranks gets ``global_batch / N`` sequences: more ranks → less compute each, but the
+    same gradient bytes to all-reduce (and 2(N−1)/N of them on the wire per rank). Also reports
+    the step time with the all-reduce left out (``compute_s``: forward, backward, optimizer only).
+    """
+    config = config or bench_config()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if global_batch % world:
+        raise ValueError(f"global_batch={global_batch} is not divisible by world_size={world}")
+    local = global_batch // world
+    ddp = DDP(GPT(config, seed=0), bucket_cap_mb=bucket_cap_mb)
+    plain = GPT(config, seed=0)
+    result = {"world_size": world, "global_batch": global_batch, "tokens_per_step": global_batch * config.block_size}
+    for key, model in (("step_s", ddp), ("compute_s", plain)):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for i in range(warmup + steps):
+            if i == warmup:
+                dist.barrier()
+                t0 = time.perf_counter()
+            x, y = make_batch(local, config.block_size, config.vocab_size, seed=100 * rank + i)
+            opt.zero_grad(set_to_none=True)
+            model(x, y)[1].backward()
+            opt.step()
+        elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        result[key] = elapsed.item()
+    result["tokens_per_s"] = result["tokens_per_step"] / result["step_s"]
+    return result
+
+
+def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 2.0,
+                  steps: int = 3) -> dict:
+    """Rank function: one step's compute/communication timeline, naive vs overlapped (own DDP).
+
+    Returns ``{"naive": events, "overlapped": events, "per_param": events}`` where events are
+    ``(kind, name, t_start, t_end)`` in seconds from the start of that step's forward (the last
+    of ``steps`` steps, after warm-up). Kinds: ``compute``, ``comm``, ``wait`` (see ``DDP``).
+    """
+    config = config or bench_config()
+    rank = dist.get_rank()
+    x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=rank)
+    out = {}
+
+    model = GPT(config, seed=0)  # naive: backward, then every gradient, one blocking all-reduce each
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        events = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        naive_allreduce_gradients(model, timeline=events)
+        events = [("compute", "forward", t0, t1), ("compute", "backward", t1, t2)] + events
+    out["naive"] = [(k, n, a - t0, b - t0) for k, n, a, b in events]
+
+    for key, cap in (("overlapped", bucket_cap_mb), ("per_param", None)):
+        ddp = DDP(GPT(config, seed=0), bucket_cap_mb=cap, record_timeline=True)
+        for _ in range(steps):
+            ddp.module.zero_grad(set_to_none=True)
+            ddp.timeline.clear()
+            dist.barrier()
+            ddp(x, y)[1].backward()
+        t0 = min(e[2] for e in ddp.timeline)
+        out[key] = [(k, n, a - t0, b - t0) for k, n, a, b in ddp.timeline]
+    return out
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def ddp_benchmark(world_size: int = 2, timeout: float = 600, **kwargs) -> dict:
+    """Run :func:`ddp_throughput` on ``world_size`` ranks; add ``ratio_own_bucketed_vs_torch`` etc."""
+    from .launch import spawn
+
+    res = spawn(ddp_throughput, world_size, kwargs=kwargs, timeout=timeout)[0]
+    variants = [v for v in VARIANTS if v in res]
+    if "torch_ddp" in res:
+        res["ratios_vs_torch"] = {v: res[v]["tokens_per_s"] / res["torch_ddp"]["tokens_per_s"] for v in variants}
+    return res
+
+
+def scaling(world_sizes=None, timeout: float = 600, **kwargs) -> list[dict]:
+    """Strong scaling of own DDP: :func:`ddp_step_time` at each world size (default 1 … min(4, CPUs)).
+
+    Beyond the number of cores, ranks share cores and the measurement says more about the
+    machine than about DDP, so the default stops at ``os.cpu_count()``.
+    """
+    from .launch import spawn
+
+    if world_sizes is None:
+        world_sizes = list(range(1, min(4, os.cpu_count() or 1) + 1))
+    return [spawn(ddp_step_time, w, kwargs=kwargs, timeout=timeout)[0] for w in world_sizes]
+
+
+def format_throughput(res: dict) -> str:
+    lines = [f"world {res['world_size']}, {res['params'] / 1e6:.2f}M params, {res['tokens_per_step']} tokens/step, "
+             f"bucket_cap_mb={res['bucket_cap_mb']}",
+             f"{'variant':<16}{'step (ms)':>11}{'tokens/s':>11}{'vs torch':>10}"]
+    for v in VARIANTS:
+        if v in res:
+            ratio = res.get("ratios_vs_torch", {}).get(v, float("nan"))
+            lines.append(f"{v:<16}{res[v]['step_s'] * 1e3:>11.1f}{res[v]['tokens_per_s']:>11.0f}{ratio:>10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["ddp"], help="which benchmark")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--bucket-cap-mb", type=float, default=4.0)
+    parser.add_argument("--rounds", type=int, default=7)
+    ns = parser.parse_args(argv)
+    res = ddp_benchmark(ns.world, batch_size=ns.batch_size, bucket_cap_mb=ns.bucket_cap_mb, rounds=ns.rounds)
+    print(format_throughput(res))
+    print(f"own bucketed / torch DDP tokens/s: {res['ratios_vs_torch']['own_bucketed']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

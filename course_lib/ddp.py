@@ -1,0 +1,348 @@
+"""Chapter 02 — data parallelism from scratch: every rank holds the whole model, and they average gradients.
+
+Data parallelism (DP) in one sentence: N ranks start from the same weights, each runs
+forward/backward on its own 1/N of the global batch, the gradients are *averaged* with
+an all-reduce, and every rank takes the same optimizer step — so the weights stay
+identical, and the run is mathematically the same as one device on the full batch
+(the mean of N equal-sized shard means is the full-batch mean).
+
+Three versions of "average the gradients", side by side:
+
+1. :func:`naive_allreduce_gradients` — after ``loss.backward()`` returns, all-reduce every
+   gradient, one blocking call per parameter. Correct, but communication starts only
+   when computation has ended, and each small tensor pays the full per-call latency.
+2. :class:`DDP` with ``bucket_cap_mb=None`` — an *asynchronous* all-reduce per parameter,
+   launched from a hook the moment that parameter's gradient is final. Backward keeps
+   computing earlier layers while later layers' gradients travel: **overlap**.
+3. :class:`DDP` with ``bucket_cap_mb=25`` (the default, like ``torch.nn.parallel.DDP``) —
+   gradients are copied into a few flat *buckets*; one all-reduce per full bucket. Fewer,
+   larger messages amortise the per-call latency (α in the α + β·bytes cost model) while
+   keeping the overlap. This is the design of PyTorch DDP (Li et al. 2020, "PyTorch
+   Distributed: Experiences on Accelerating Data Parallel Training", arXiv:2006.15704).
+
+:func:`torch_ddp` wraps a module with the real ``torch.nn.parallel.DistributedDataParallel``
+so the notebook can race the two.
+
+The rule that keeps every rank in step (read this before changing the code)
+---------------------------------------------------------------------------
+Collectives are matched by *call order*: the k-th all-reduce on rank 0 pairs with the k-th on
+rank 1. Hooks fire in the order gradients become ready, and that order can differ between
+ranks — most of all when a parameter is unused on one rank (its hook never fires there).
+So :class:`DDP` launches buckets **strictly in bucket order** 0, 1, 2, …: a ready bucket waits
+until every earlier bucket has been launched. At the end of backward (an autograd callback)
+every bucket not launched yet is launched, still in order, with zeros standing in for the
+gradients this rank does not have; then one small all-reduce (tag ``"used"``, one byte per
+parameter, MAX over ranks) tells every rank which parameters had a gradient *anywhere*.
+Hence, on every rank and every synced step, the collectives are identical:
+``grad bucket 0, …, grad bucket K−1, used-flags``.
+
+* A parameter's local contribution is its ``.grad`` if it has one (whatever accumulated since
+  the last ``zero_grad`` — this is what makes ``no_sync`` accumulation work), zeros otherwise.
+* Used on some rank → every rank gets the average (ranks that did not use it contributed 0).
+* ``.grad`` is None on every rank → it stays None, so the optimizer skips it (as on one device).
+
+The price: a parameter unused on one rank holds back its bucket *and every later one* until
+backward ends (less overlap), and the flag all-reduce costs one small message per step. Torch
+DDP makes the same trade only when asked (``find_unused_parameters=True``); without it, it
+assumes every parameter gets a gradient, and an unused one makes it raise at the next forward
+(or wait for its peers until the timeout).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import comm
+
+__all__ = ["DDP", "naive_allreduce_gradients", "torch_ddp", "trainable_parameters", "make_buckets"]
+
+
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, param)`` for every *unique* parameter that requires grad, in registration order.
+
+    ``named_parameters()`` already removes duplicates by identity: a tied weight (one
+    Parameter reached under two names) appears once, under its first name. Frozen
+    parameters (``requires_grad=False``) get no gradient, so there is nothing to reduce.
+    """
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def make_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """Pack parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own).
+
+    Why *reverse* registration order: backward visits layers last-to-first, so the last
+    registered parameters get their gradients first; packing them into the first bucket
+    lets that bucket fill — and its all-reduce start — while backward is still busy with
+    the early layers. A bucket holds one dtype on one device (it is one flat tensor).
+    (Torch DDP goes one step further: after the first iteration it rebuilds its buckets in
+    the order gradients actually arrived.)
+    """
+    buckets: list[list[tuple[str, nn.Parameter]]] = []
+    size = 0
+    for name, p in reversed(named_params):
+        nbytes = p.numel() * p.element_size()
+        current = buckets[-1] if buckets else None
+        if current is None or size + nbytes > cap_bytes or current[0][1].dtype != p.dtype \
+                or current[0][1].device != p.device:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, p))
+        size += nbytes
+    return buckets
+
+
+class DDP(nn.Module):
+    """Data-parallel wrapper: after ``loss.backward()`` returns, every ``.grad`` is the average over ranks.
+
+    ``DDP(module, bucket_cap_mb=25.0, process_group=None, record_timeline=False)``
+
+    * At wrap time every parameter and buffer is broadcast from rank 0, so all ranks start
+      identical even if they were initialised differently. (Buffers are broadcast only here;
+      torch DDP re-broadcasts them every forward by default, which matters for BatchNorm.)
+    * During backward a ``register_post_accumulate_grad_hook`` on each trainable parameter
+      fires once its gradient is final for this backward (once, after *all* uses of a tied
+      weight have accumulated). Full buckets are launched as async all-reduces, in bucket
+      order; a callback queued on the autograd engine (``Variable._execution_engine.
+      queue_callback``) runs when backward is done, launches the rest, waits, and writes the
+      averaged gradients back — so no extra call is needed before ``optimizer.step()``.
+    * ``bucket_cap_mb=None``: one bucket per parameter, and the all-reduce runs **in place on
+      ``.grad``** — no extra memory. ``bucket_cap_mb=<MiB>``: parameters are packed (reverse
+      registration order, :func:`make_buckets`) into flat buffers allocated once at wrap
+      time; each gradient is **copied** into its bucket, the bucket is reduced, and the result
+      is **copied back** into ``.grad``. The buckets are a second copy of the gradients:
+      +4 bytes per trainable fp32 parameter of memory (what torch DDP does by default,
+      ``gradient_as_bucket_view=False``). ``.buckets`` lists the parameter names per bucket;
+      ``.bucket_bytes`` is the memory the flat buffers hold (0 with ``bucket_cap_mb=None``).
+    * The gradient is divided by N *before* the sum-all-reduce (like torch DDP): the
+      average, with less risk of overflow in low precision.
+    * ``no_sync()``: backward passes inside it only accumulate local gradients; the next
+      synced backward reduces the accumulated sum once. The decision is taken at forward
+      time (as in torch DDP): run both forward and backward inside the context.
+    * ``record_timeline=True`` appends ``(kind, name, t_start, t_end)`` tuples to ``.timeline``
+      (``time.perf_counter`` seconds): ``"compute"`` forward / backward, ``"comm"`` one per
+      bucket from launch until the collective completed (on gloo it runs in a background
+      thread; the end is taken from the Work's future), and ``"wait"`` for the time the
+      training thread sat blocked at the end of backward (waiting, then copying back).
+
+    Unused parameters never hang a step and keep optimizer semantics; see the module
+    docstring for the rule. Cost: one extra all-reduce of one byte per parameter per step.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0, process_group=None,
+                 record_timeline: bool = False):
+        super().__init__()
+        if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
+            raise ValueError(f"bucket_cap_mb must be None (one all-reduce per parameter) or a size >= 0 in MiB, "
+                             f"got {bucket_cap_mb!r}")
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.record_timeline = record_timeline
+        self.timeline: list[tuple[str, str, float, float]] = []
+        self._sync_enabled = True  # False inside no_sync()
+        self._armed = False  # set at forward: will the next backward reduce?
+
+        self._broadcast_from_rank0()
+
+        named = trainable_parameters(module)
+        if bucket_cap_mb is None:
+            groups = [[(name, p)] for name, p in reversed(named)]
+        else:
+            groups = make_buckets(named, int(bucket_cap_mb * 2**20))
+        self.buckets: list[list[str]] = [[name for name, _ in g] for g in groups]
+        self._bucket_params: list[list[nn.Parameter]] = [[p for _, p in g] for g in groups]
+        self._bucket_of = {p: i for i, g in enumerate(self._bucket_params) for p in g}
+        # Bucketed mode: one flat buffer per bucket and, per parameter, a view shaped like it.
+        self._flat: list[torch.Tensor | None] = [None] * len(groups)
+        self._slot: dict[nn.Parameter, torch.Tensor] = {}
+        if bucket_cap_mb is not None:
+            for i, params in enumerate(self._bucket_params):
+                flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                self._flat[i], offset = flat, 0
+                for p in params:
+                    self._slot[p] = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+        self._reset_step_state()
+        for p in self._bucket_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bytes held by the flat bucket buffers: a second copy of the gradients (0 in per-parameter mode)."""
+        return sum(f.numel() * f.element_size() for f in self._flat if f is not None)
+
+    # ------------------------------------------------------------------ set-up and per-step state
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        """Make every rank start from rank 0's weights (and buffers): DP only works if they agree."""
+        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            comm.broadcast(t.detach(), src=src, group=self.process_group, tag="init")
+
+    def _reset_step_state(self) -> None:
+        self._pending = [len(g) for g in self._bucket_params]  # gradients still missing per bucket
+        self._next = 0  # next bucket to launch (launch order = bucket order)
+        self._fired: set[nn.Parameter] = set()  # parameters whose hook ran in this backward
+        self._inflight: list[tuple[int, object, torch.Tensor, list]] = []  # (bucket, work, buffer, event)
+        self._callback_queued = False
+        self._backward_start: float | None = None
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():  # an eval forward under no_grad must not disarm a pending backward
+            self._armed = self._sync_enabled
+            self._reset_step_state()
+        t0 = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        if self.record_timeline:
+            self.timeline.append(("compute", "forward", t0, time.perf_counter()))
+            self._mark_backward_start(out)
+        return out
+
+    def _mark_backward_start(self, out) -> None:
+        """A hook on each output's gradient fires when backward begins (for the timeline only)."""
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._note_backward_start)
+
+    def _note_backward_start(self, grad):
+        if self._backward_start is None:
+            self._backward_start = time.perf_counter()
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) for forward+backward passes inside the block."""
+        before = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = before
+
+    # ------------------------------------------------------------------ during backward
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: ``p.grad`` is final for this backward."""
+        if not self._armed:
+            return
+        if not self._callback_queued:  # first hook of this backward: make sure we finish it
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+            if self._backward_start is None:
+                self._backward_start = time.perf_counter()
+        if p in self._slot:
+            self._slot[p].copy_(p.grad)  # into the bucket's flat buffer
+        self._fired.add(p)
+        self._pending[self._bucket_of[p]] -= 1
+        while self._next < len(self._pending) and self._pending[self._next] == 0:
+            self._launch(self._next)  # strictly in bucket order: see the module docstring
+
+    def _launch(self, i: int) -> None:
+        params = self._bucket_params[i]
+        if self._flat[i] is not None:
+            buf = self._flat[i]
+        else:  # per-parameter mode reduces .grad in place (zeros if this rank has no gradient)
+            p = params[0]
+            buf = p.grad if p.grad is not None else torch.zeros_like(p)
+        buf.div_(self.world_size)  # sum of grad/N over ranks = the average
+        event = ["comm", f"bucket {i}", time.perf_counter(), None]
+        work = comm.all_reduce(buf, group=self.process_group, async_op=True, tag="grad")
+        if self.record_timeline:
+            work.get_future().add_done_callback(lambda _fut, ev=event: ev.__setitem__(3, time.perf_counter()))
+        self._inflight.append((i, work, buf, event))
+        self._next = i + 1
+
+    def _finish_backward(self) -> None:
+        """Autograd callback at the end of backward: launch the rest, wait, write gradients back."""
+        t_end_compute = time.perf_counter()
+        # 1. Buckets still waiting for a gradient this rank will never produce in this backward:
+        #    fill them with what this rank has (an accumulated .grad) or zeros, and launch in order.
+        for i in range(self._next, len(self._bucket_params)):
+            for p in self._bucket_params[i]:
+                if p in self._slot and p not in self._fired:
+                    if p.grad is not None:
+                        self._slot[p].copy_(p.grad)
+                    else:
+                        self._slot[p].zero_()
+            self._launch(i)
+        # 2. Which parameters have a gradient on *some* rank? One byte per parameter, MAX over ranks.
+        #    Launched after every bucket: the same last collective on every rank.
+        order = [p for g in self._bucket_params for p in g]
+        used = torch.tensor([p.grad is not None for p in order], dtype=torch.uint8, device=_device_of(order))
+        used_work = comm.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True,
+                                    tag="used")
+        # 3. Wait for every bucket and write the averages back into .grad.
+        t_wait = time.perf_counter()
+        used_work.wait()
+        used_anywhere = dict(zip(order, used.tolist()))
+        for i, work, buf, event in self._inflight:
+            work.wait()
+            if event[3] is None:
+                event[3] = time.perf_counter()
+            for p in self._bucket_params[i]:
+                if not used_anywhere[p]:
+                    p.grad = None  # no rank has a gradient: the optimizer must skip it, as on one device
+                elif self._flat[i] is not None:
+                    if p.grad is None:
+                        p.grad = self._slot[p].clone()
+                    else:
+                        p.grad.copy_(self._slot[p])
+                elif p.grad is None:
+                    p.grad = buf  # per-parameter mode: the zeros we reduced are now the average
+        if self.record_timeline:
+            now = time.perf_counter()
+            start = self._backward_start if self._backward_start is not None else t_end_compute
+            self.timeline.append(("compute", "backward", start, t_end_compute))
+            self.timeline.extend(tuple(ev) for _, _, _, ev in self._inflight)
+            self.timeline.append(("wait", "wait + copy back", t_wait, now))
+        self._reset_step_state()  # a second backward through the same graph syncs again
+
+
+def _device_of(params: list[torch.Tensor]) -> torch.device:
+    return params[0].device if params else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- for contrast
+
+
+def naive_allreduce_gradients(module: nn.Module, process_group=None, timeline: list | None = None) -> None:
+    """Average every gradient over ranks *after* backward: one blocking all-reduce per parameter.
+
+    The simplest correct data parallelism (what chapter 02's exercise (a) asks for). Two
+    costs it does not hide: nothing is sent until backward has finished (no overlap), and
+    every small tensor pays the full per-call latency (no bucketing). Every rank reduces every
+    trainable parameter in registration order; a missing gradient is sent as zeros (so no rank
+    ever hangs), which means such a parameter ends with a (zero-based) gradient on all ranks.
+    ``timeline`` (optional list) receives one ``("comm", name, t_start, t_end)`` per call.
+    """
+    world = dist.get_world_size(process_group)
+    for name, p in trainable_parameters(module):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        t0 = time.perf_counter()
+        comm.all_reduce(p.grad, group=process_group, tag="grad")
+        p.grad.div_(world)
+        if timeline is not None:
+            timeline.append(("comm", name, t0, time.perf_counter()))
+
+
+def torch_ddp(module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, **kwargs) -> nn.Module:
+    """Wrap ``module`` with PyTorch's own ``DistributedDataParallel`` (for comparison with :class:`DDP`).
+
+    On CPU ``device_ids`` must be None; under nccl the module's GPU is passed. Extra keyword
+    arguments go straight to torch (e.g. ``find_unused_parameters=True``).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(module.parameters()).device
+    device_ids = [device] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+                                   process_group=process_group, **kwargs)
