@@ -30,7 +30,7 @@ from .data import make_batch
 from .ddp import DDP, naive_allreduce_gradients, torch_ddp
 from .models import GPT, GPTConfig, equality_config
 
-__all__ = ["bench_config", "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines",
+__all__ = ["bench_config", "equality_with_single_device", "accumulation_with_no_sync", "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines",
            "ddp_benchmark", "scaling", "format_throughput", "main"]
 
 VARIANTS = ("naive", "own_per_param", "own_bucketed", "torch_ddp")
@@ -208,6 +208,84 @@ def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_c
         t0 = min(e[2] for e in ddp.timeline)
         out[key] = [(k, n, a - t0, b - t0) for k, n, a, b in ddp.timeline]
     return out
+
+
+def equality_with_single_device(variant: str = "own_bucketed", optimizer: str = "sgd", steps: int = 5,
+                                global_batch: int = 16, bucket_cap_mb: float = 0.03,
+                                config: GPTConfig | None = None) -> dict:
+    """Rank function: train data-parallel and, on the same rank, one device on the full batch; compare.
+
+    Rank r starts from a *different* init (seed r) to show that wrapping broadcasts rank 0's
+    weights. Each step rank r trains on its ``global_batch / N`` slice of the same batch the
+    single-device model sees whole. Returns the max |Δparam| after ``steps`` steps.
+    """
+    config = config or equality_config(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if global_batch % world:
+        raise ValueError(f"global_batch={global_batch} is not divisible by world_size={world}")
+    model = GPT(config, seed=rank)
+    if variant == "naive":
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+        wrapped, after = model, lambda: naive_allreduce_gradients(model)
+    elif variant == "torch_ddp":
+        wrapped, after = torch_ddp(model, bucket_cap_mb=bucket_cap_mb), lambda: None
+    else:
+        cap = None if variant == "own_per_param" else bucket_cap_mb
+        wrapped, after = DDP(model, bucket_cap_mb=cap), lambda: None
+    reference = GPT(config, seed=0)
+    make_opt = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
+                "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)}[optimizer]
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    local = global_batch // world
+    for step in range(steps):
+        x, y = make_batch(global_batch, config.block_size, config.vocab_size, seed=step)
+        for m, o, xb, yb, hook in ((wrapped, opt, x[rank * local:(rank + 1) * local],
+                                    y[rank * local:(rank + 1) * local], after),
+                                   (reference, ref_opt, x, y, lambda: None)):
+            o.zero_grad(set_to_none=True)
+            m(xb, yb)[1].backward()
+            hook()
+            o.step()
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return {"variant": variant, "optimizer": optimizer, "steps": steps, "max_abs_diff": diff}
+
+
+def accumulation_with_no_sync(micro_batches: int = 4, global_batch: int = 16, bucket_cap_mb: float = 0.03,
+                              config: GPTConfig | None = None) -> dict:
+    """Rank function: gradient accumulation with ``no_sync`` vs one device on the whole batch.
+
+    Each rank splits its share into ``micro_batches`` pieces; all but the last backward run
+    inside ``no_sync()`` (local accumulation, no communication), the last one syncs. Loss is
+    scaled by 1/micro_batches so the accumulated gradient is the mean. Returns the number of
+    gradient all-reduces per optimizer step and max |Δparam| after one step.
+    """
+    config = config or equality_config(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if global_batch % (world * micro_batches):
+        raise ValueError(f"global_batch={global_batch} is not divisible by world_size × micro_batches = "
+                         f"{world * micro_batches}")
+    ddp = DDP(GPT(config, seed=0), bucket_cap_mb=bucket_cap_mb)
+    reference = GPT(config, seed=0)
+    opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    x, y = make_batch(global_batch, config.block_size, config.vocab_size, seed=0)
+    local = global_batch // world
+    xs, ys = x[rank * local:(rank + 1) * local].chunk(micro_batches), y[rank * local:(rank + 1) * local].chunk(
+        micro_batches)
+    from . import comm
+
+    with comm.CommLog() as log:
+        for i in range(micro_batches):
+            if i < micro_batches - 1:
+                with ddp.no_sync():
+                    (ddp(xs[i], ys[i])[1] / micro_batches).backward()
+            else:
+                (ddp(xs[i], ys[i])[1] / micro_batches).backward()
+    opt.step()
+    reference(x, y)[1].backward()
+    ref_opt.step()
+    diff = max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), reference.parameters()))
+    return {"grad_allreduces": log.count(tag="grad"), "buckets": len(ddp.buckets), "max_abs_diff": diff}
 
 
 # --------------------------------------------------------------------------- parent side
