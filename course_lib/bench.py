@@ -30,7 +30,8 @@ from .data import make_batch
 from .ddp import DDP, naive_allreduce_gradients, torch_ddp
 from .models import GPT, GPTConfig, equality_config
 
-__all__ = ["bench_config", "equality_with_single_device", "accumulation_with_no_sync", "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines",
+__all__ = ["bench_config", "equality_with_single_device", "accumulation_with_no_sync",
+           "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines",
            "ddp_benchmark", "scaling", "format_throughput", "main"]
 
 VARIANTS = ("naive", "own_per_param", "own_bucketed", "torch_ddp")

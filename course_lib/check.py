@@ -56,7 +56,7 @@ def _check_ring_all_reduce(fn) -> list[str]:
 
     from . import comm
 
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     problems = []
     for numel in (1, 10, 1003):
         gen = torch.Generator().manual_seed(1000 * rank + numel)

@@ -37,7 +37,8 @@ def doctor() -> int:
     if gpus:
         print(f"ranks         up to {gpus} on nccl (one GPU each); up to {cores} on gloo without oversubscription")
     else:
-        print(f"ranks         up to {cores} on gloo without oversubscribing the cores (more run, but measure contention)")
+        print(f"ranks         up to {cores} on gloo without oversubscribing the cores "
+              "(more run, but then measure contention)")
     print(f"c++ compiler  {cxx or 'MISSING (DeepSpeed JIT-built ops will be skipped)'}")
     print(f"Python.h      {'present' if header.exists() else 'MISSING'} ({header})")
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 __all__ = ["spawn", "device", "hello", "resolve_backend", "RankError", "RankTimeout", "free_port"]
 
@@ -256,7 +256,8 @@ def spawn(fn: Callable, world_size: int = 2, *, args: Sequence = (), kwargs: dic
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as exc:  # noqa: BLE001
         raise TypeError(f"the function or its arguments cannot be sent to a rank (cloudpickle failed: {exc}); "
-                        "pass picklable values (tensors, numbers, configs), not open files, locks or processes") from exc
+                        "pass picklable values (tensors, numbers, configs), not open files, locks or processes"
+                        ) from exc
 
     run_dir = tempfile.mkdtemp(prefix="course_lib_run_")
     _write_atomic(os.path.join(run_dir, "payload.pkl"), payload)

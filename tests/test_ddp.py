@@ -31,14 +31,6 @@ OPTS = {"sgd": SGD_STEPS, "adamw": ADAMW_STEPS}
 NO_SYNC_BATCH = 24  # 3 equal micro-batches per rank at world 2 and 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------- models and references
 
 

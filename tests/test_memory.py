@@ -18,14 +18,6 @@ from course_lib.memory import (
 from course_lib.models import GPT, tiny_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def adam_step(model, batch=(2, 8)):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _, loss = model(*make_batch(*batch, model.config.vocab_size, seed=0))

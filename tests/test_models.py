@@ -10,14 +10,6 @@ from course_lib.data import SyntheticDataset, loss_floor, make_batch
 from course_lib.models import GPT, GPTConfig, equality_config, tiny_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def expected_num_params(cfg: GPTConfig, unique: bool = True) -> int:
     """Hand count: embeddings + L blocks + ln_f (+ lm_head when untied or counted per name)."""
     h, r, V, T, L = cfg.d_model, cfg.mlp_ratio, cfg.vocab_size, cfg.block_size, cfg.n_layer

@@ -52,7 +52,8 @@ def test_jupyterlab_starts_on_localhost_with_a_token(tmp_path):
     assert "--ServerApp.ip=127.0.0.1" in mk and "token" not in mk.lower(), "make lab must not drop the token"
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path), HOME=str(tmp_path))
     proc = subprocess.Popen([str(lab), "lab", "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0", "--no-browser",
-                             *(["--allow-root"] if os.getuid() == 0 else []), f"--notebook-dir={ROOT / 'notebooks'}"], stdout=subprocess.PIPE,
+                             *(["--allow-root"] if os.getuid() == 0 else []),
+                             f"--notebook-dir={ROOT / 'notebooks'}"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline, seen = time.monotonic() + 90, ""

@@ -20,7 +20,6 @@ _t_notebook = time.perf_counter()
 import os
 
 import matplotlib.pyplot as plt
-import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from course_lib import bench
