@@ -189,6 +189,16 @@ class SavedTensorMeter:
     def _unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def live_bytes(self) -> int:
+        """Bytes the counted storages hold *now* (call inside the context, e.g. after forward).
+
+        Differs from ``.bytes`` when a saved storage was freed after it was saved: ZeRO-3
+        saves the gathered full weight for the matmul's backward, then frees it with
+        ``resize_(0)`` and re-gathers it before backward — it is not held as an activation.
+        """
+        return sum(h.untyped_storage().nbytes() if isinstance(h, torch.Tensor) else h.nbytes()
+                   for h in self._held.values())
+
     def __enter__(self) -> "SavedTensorMeter":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
