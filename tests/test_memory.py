@@ -224,3 +224,18 @@ def test_format_bytes():
     assert format_bytes(1.2e11, binary=True) == "111.8 GiB"
     assert format_bytes(999_960) == "1.0 MB"
     assert format_bytes(1536, binary=True, digits=2) == "1.50 KiB"
+
+
+def test_live_bytes_drops_a_saved_storage_freed_after_forward():
+    """ZeRO-3 frees gathered weights after forward: saved, but not held as activation memory."""
+    from course_lib.memory import SavedTensorMeter
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    gathered = w.detach().clone().requires_grad_()  # stands in for an all-gathered weight
+    with SavedTensorMeter(exclude=[w]) as meter:
+        y = x @ gathered
+        assert meter.live_bytes() == meter.bytes == (8 * 8 + 4 * 8) * 4
+        gathered.data.untyped_storage().resize_(0)
+        assert meter.live_bytes() == 4 * 8 * 4
+    del y
