@@ -195,6 +195,142 @@ def _check_bucketed_reducer(cls) -> list[str]:
     return problems
 
 
+def _close(got, want, rtol: float = 1e-5, atol: float = 1e-5) -> tuple[bool, float]:
+    """(every element within atol + rtol·|want|, max |error|) — torch.testing.assert_close's rule."""
+    diff = (got.detach() - want.detach()).abs()
+    return bool((diff <= atol + rtol * want.detach().abs()).all()), diff.max().item()
+
+
+def _check_zero1_step(cls) -> list[str]:
+    """ZeRO-1 on N ranks, each on 1/N of the batch, == AdamW on one device over the whole batch."""
+    import torch
+    import torch.distributed as dist
+
+    from . import comm
+    from .data import make_batch
+    from .models import GPT, equality_config
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Ψ = 26,272: not a multiple of 3, so the padding is exercised at N = 3
+    config = equality_config(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+    model, ref = GPT(config, seed=0), GPT(config, seed=0)
+    options = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)  # eps: see COURSE_DESIGN's note on Adam and ~0 gradients
+    zero1 = cls(model, torch.optim.AdamW, **options)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **options)
+    padded, shard = zero1.flat_params.numel(), zero1.shard.numel()
+    problems = []
+    for step in range(3):
+        x, y = make_batch(6, 16, 32, seed=step)  # the global batch; rank r trains on its 1/N of it
+        ref(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
+        with comm.CommLog() as log:
+            zero1.step()
+        zero1.zero_grad()
+        where = f"rank {rank}, step {step}"
+        if log.count(op="all_reduce"):
+            problems.append(f"{where}: used all_reduce; ZeRO-1 replaces it by its two halves, "
+                            "comm.reduce_scatter(tag='grad') and comm.all_gather(tag='param')")
+        scattered = [r.numel for r in log.select(op="reduce_scatter", tag="grad")]
+        if scattered != [padded]:
+            problems.append(f"{where}: expected one reduce_scatter tagged 'grad' of the whole flat gradient "
+                            f"({padded} elements); CommLog saw {scattered or 'none'}")
+        gathered = [r.numel for r in log.select(op="all_gather", tag="param")]
+        if gathered != [padded]:
+            problems.append(f"{where}: expected one all_gather tagged 'param' into flat_params ({padded} "
+                            f"elements); CommLog saw {gathered or 'none'}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            ok, err = _close(p, q)
+            if not ok:
+                problems.append(f"{where}: parameter {name} differs from single-device AdamW on the whole batch "
+                                f"by max |error| {err:.3g} (did you divide the reduce-scattered sum by N?)")
+        if problems:
+            return problems
+    state = sum(t.numel() for st in zero1.optimizer.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    if state != 2 * shard:
+        problems.append(f"rank {rank}: the optimizer state holds {state} elements, expected 2 × {shard} "
+                        "(AdamW's two moments for this rank's shard only)")
+    return problems
+
+
+def _check_sharded_linear(cls) -> list[str]:
+    """Outputs, input gradients and shard gradients == a full nn.Linear's; the full weight is freed in between."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from . import comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    in_f, out_f = 7, 5  # 35 weight elements: padded at N = 2 and 3
+    full = nn.Linear(in_f, out_f, bias=False)
+    with torch.no_grad():
+        full.weight.copy_(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0)))
+    layer = cls(copy.deepcopy(full))
+    size = -(-full.weight.numel() // world)  # S
+    if layer.shard.numel() != size:
+        return [f"rank {rank}: shard has {layer.shard.numel()} elements, expected ceil(35 / {world}) = {size}"]
+    problems = []
+    for step in range(2):  # twice: the freed storage must be refillable
+        where = f"rank {rank}, step {step}"
+        # every rank's input and loss weights (known everywhere, so each rank can build the reference)
+        gens = [torch.Generator().manual_seed(100 * step + q) for q in range(world)]
+        xs = [torch.randn(2, 3, in_f, generator=g) for g in gens]  # a (batch, time, features) input
+        gs = [torch.randn(2, 3, out_f, generator=g) for g in gens]  # loss = Σ y · g, so dL/dy = g
+        x = xs[rank].clone().requires_grad_()
+        layer.shard.grad = None
+        with comm.CommLog() as log:
+            y = layer(x)
+        held = layer.full_weight.untyped_storage().size()
+        if held:
+            problems.append(f"{where}: after forward full_weight still holds {held} bytes; free it "
+                            "(untyped_storage().resize_(0)) as soon as F.linear has run")
+        if log.count(op="all_gather", tag="param") != 1:
+            problems.append(f"{where}: forward issued {log.count(op='all_gather', tag='param')} all_gather(s) "
+                            "tagged 'param', expected exactly 1")
+        x_ref = xs[rank].clone().requires_grad_()
+        y_ref = full(x_ref)
+        if y.shape != y_ref.shape:
+            return problems + [f"{where}: output has shape {tuple(y.shape)}, nn.Linear's {tuple(y_ref.shape)}"]
+        ok, err = _close(y, y_ref)
+        if not ok:
+            return problems + [f"{where}: output differs from nn.Linear's by max |error| {err:.3g}"]
+        with comm.CommLog() as log:
+            (y * gs[rank]).sum().backward()
+        held = layer.full_weight.untyped_storage().size()
+        if held:
+            problems.append(f"{where}: after backward full_weight still holds {held} bytes; free it again")
+        counts = (log.count(op="all_gather", tag="param"), log.count(op="reduce_scatter", tag="grad"))
+        if counts != (1, 1):
+            problems.append(f"{where}: backward issued {counts[0]} all_gather(s) tagged 'param' and {counts[1]} "
+                            "reduce_scatter(s) tagged 'grad', expected 1 and 1 (re-gather W, scatter dL/dW)")
+        (y_ref * gs[rank]).sum().backward()
+        if x.grad is None:
+            problems.append(f"{where}: the input got no gradient (return grad_x from backward)")
+        else:
+            ok, err = _close(x.grad, x_ref.grad)
+            if not ok:
+                problems.append(f"{where}: input gradient differs from nn.Linear's by max |error| {err:.3g}")
+        # the weight gradient data parallelism wants: the average over ranks of each rank's dL/dW
+        want = sum(g.reshape(-1, out_f).T @ xq.reshape(-1, in_f) for g, xq in zip(gs, xs)) / world
+        want = torch.cat([want.reshape(-1), torch.zeros(size * world - want.numel())])[rank * size:(rank + 1) * size]
+        if layer.shard.grad is None:
+            problems.append(f"{where}: shard.grad is None after backward (return the reduce-scattered gradient "
+                            "as the shard's gradient)")
+        else:
+            ok, err = _close(layer.shard.grad, want)
+            if not ok:
+                problems.append(f"{where}: shard.grad differs from slice {rank} of the rank-averaged full weight "
+                                f"gradient by max |error| {err:.3g}")
+        if problems:
+            return problems
+    return problems
+
+
 EXERCISES: dict[str, Exercise] = {
     "ring_all_reduce": Exercise("ch00_collectives", "ring_all_reduce",
                                 "ch00: sum a tensor over ranks with send/recv around a ring",
@@ -208,6 +344,12 @@ EXERCISES: dict[str, Exercise] = {
     "bucketed_reducer": Exercise("ch02_ddp", "BucketedReducer",
                                  "ch02: async all-reduce of gradient buckets launched during backward",
                                  _check_bucketed_reducer),
+    "zero1_step": Exercise("ch03_zero", "Zero1Step",
+                           "ch03: ZeRO-1 step: reduce-scatter gradients, step own shard, all-gather parameters",
+                           _check_zero1_step),
+    "sharded_linear": Exercise("ch03_zero", "ShardedLinear",
+                               "ch03: ZeRO-3 for one nn.Linear: gather before use, free after, reduce-scatter "
+                               "the weight gradient", _check_sharded_linear),
 }
 
 

@@ -33,7 +33,8 @@ before that layer runs (forward, and again in backward) — one extra all-gather
 In this file
 ------------
 * :class:`ZeroOptimizer` — stages 1 and 2 around any element-wise torch optimizer.
-* :class:`Zero3` — stage 3 as a module wrapper (the idea behind FSDP, chapter 04).
+* :class:`Zero3` — stage 3 as a module wrapper (the idea behind FSDP, chapter 04), with a global
+  ``clip_grad_norm_`` and full-tensor checkpoints (``full_state_dict`` / ``load_full_state_dict``).
 * :func:`model_state_accounting`, :func:`comm_accounting` — measure bytes held and bytes sent,
   and compare them with the formulas above.
 
@@ -677,6 +678,27 @@ class Zero3(nn.Module):
 
     Call the wrapper (``zero3(x)``), not ``zero3.module(x)``. ``state_dict()`` holds no
     parameters (they are not registered anywhere); use :meth:`full_state_dict`.
+
+    Gradient clipping: :meth:`clip_grad_norm_` computes the norm of the whole model's
+    gradient from the shards (one scalar all-reduce) — the same number as
+    ``torch.nn.utils.clip_grad_norm_`` on one device.
+
+    Checkpoint and resume (same world size)::
+
+        model_sd = zero3.full_state_dict()      # collective; full tensors, identical on every rank
+        optim_sd = optimizer.state_dict()       # local; this rank's shards' state only (AdamW: 2 × 1/N)
+        # rank 0 saves model_sd once; every rank saves its own optim_sd (e.g. optim.rank{r}.pt)
+        ...
+        zero3 = Zero3(build_model())
+        zero3.load_full_state_dict(model_sd)    # each rank slices its shard out of the full tensors
+        optimizer = torch.optim.AdamW(zero3.parameters(), ...)
+        optimizer.load_state_dict(optim_sd)     # this rank's file
+
+    Why one optimizer file per rank: the optimizer runs over the shards, so its state *is*
+    sharded already; saving it as is needs no communication and no code (DeepSpeed writes
+    ``zero_pp_rank_{r}_…_optim_states.pt`` the same way). The price: the shards' shapes depend
+    on N, so it resumes at the same world size only. The model weights are saved full, so they
+    also load into a plain model or into a ``Zero3`` at another world size.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, process_group=None):
@@ -830,6 +852,54 @@ class Zero3(nn.Module):
             outs[i] = w
         return outs[0] if isinstance(output, torch.Tensor) else type(output)(outs)
 
+    # ------------------------------------------------------------------ gradient clipping
+
+    def _own_numel(self, sp: _ShardedParam) -> int:
+        """How many elements of this rank's shard are real (the rest, at the end, is padding)."""
+        size = sp.shard.numel()
+        return max(0, min(size, sp.numel - self.rank * size))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient norm of the *whole* model, as ``torch.nn.utils.clip_grad_norm_`` on one device.
+
+        Call after ``backward()`` and before ``optimizer.step()``. No rank has the whole
+        gradient — rank r holds the averaged gradient of its shard of every parameter — but a
+        p-norm is a sum over elements, and the shards partition the elements::
+
+            ‖g‖_p = ( Σ_ranks Σ_{own elements} |g|^p )^(1/p)     one all-reduce (SUM) of a scalar
+            ‖g‖_∞ = max_ranks max_{own elements} |g|              one all-reduce (MAX) of a scalar
+
+        Only the *real* elements of each shard count (padding is cut off; it holds zeros
+        anyway, but a max or a stray value there must not decide the norm). Every rank gets
+        the same total, so every rank scales its shard gradients in place by the same
+        ``min(1, max_norm / (total + 1e-6))`` — torch's formula — and the step is the
+        single-device one (up to the rounding of a sum taken in another order). Returns the
+        total norm (before clipping). Collective (tag ``"norm"``): call it on every rank, also
+        on one whose shards have no gradient.
+        """
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type={norm_type} must be > 0 (e.g. 2.0, or math.inf for the largest |g|)")
+        with_grad = [sp for sp in self._sharded.values() if sp.shard.grad is not None]
+        own = [sp.shard.grad[:self._own_numel(sp)] for sp in with_grad]
+        local = torch.zeros((), device=self.device)  # a fresh tensor: the all-reduce works in place
+        if norm_type == math.inf:
+            for g in own:
+                if g.numel():
+                    local = torch.maximum(local, g.abs().max())
+            comm.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group, tag="norm")
+            total = local
+        else:
+            for g in own:
+                local += g.abs().pow(norm_type).sum()
+            comm.all_reduce(local, group=self.process_group, tag="norm")
+            total = local.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for sp in with_grad:
+            sp.shard.grad.mul_(coef)  # padding is zero and stays zero
+        return total
+
     # ------------------------------------------------------------------ checkpoints and accounting
 
     @torch.no_grad()
@@ -849,6 +919,45 @@ class Zero3(nn.Module):
                 gathered[sp.name] = full[:sp.numel].view(sp.shape)
             out[key] = gathered[sp.name]
         return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load full tensors (keys and shapes of the wrapped module's ``state_dict()``) into the shards.
+
+        The inverse of :meth:`full_state_dict`, and it also takes a plain single-device
+        model's ``state_dict()``. Not a collective: every rank is handed the same full
+        tensors and copies only its own slice — elements ``[r·S, (r+1)·S)`` of the flattened
+        tensor, zeros where that runs past the end (padding). Buffers go to the wrapped
+        module. A tied weight appears under two keys; as in ``nn.Module.load_state_dict`` both
+        are loaded into the one shard (the later key wins; :meth:`full_state_dict` writes the
+        same tensor under both). The shards stay the same ``nn.Parameter`` objects, so an
+        optimizer built over ``parameters()`` keeps pointing at them.
+
+        ``strict=True`` (default) raises on missing or unexpected keys; a shape mismatch
+        always raises.
+        """
+        keys = set(self._state_dict_keys)
+        missing = [k for k in self._state_dict_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Zero3.load_full_state_dict: missing keys {missing}, unexpected keys {unexpected} "
+                               f"(expected the wrapped module's state_dict() keys; pass strict=False to skip them)")
+        buffers = {}
+        for key, value in state_dict.items():
+            if key not in keys:
+                continue
+            sp = self._names.get(key)
+            if sp is None:  # a buffer (or extra state): the wrapped module still owns it
+                buffers[key] = value
+                continue
+            if tuple(value.shape) != tuple(sp.shape):
+                raise ValueError(f"Zero3.load_full_state_dict: {key} has shape {tuple(value.shape)} in the state "
+                                 f"dict, {tuple(sp.shape)} in the model")
+            size, own = sp.shard.numel(), self._own_numel(sp)
+            lo = self.rank * size
+            sp.shard.zero_()  # the padding
+            sp.shard[:own].copy_(value.detach().reshape(-1)[lo:lo + own])
+        self.module.load_state_dict(buffers, strict=strict)
 
     @property
     def numel(self) -> int:

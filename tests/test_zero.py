@@ -35,13 +35,14 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
               "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1, eps=1e-6))}
 SMALL_BUCKETS = 0.05  # MiB: ~13k fp32 elements per bucket, so stage 2 reduces in several buckets during backward
 CLIP = 0.5  # below the gradient norm of every step (~1.3), so clipping really scales
+CLIP_INF = 0.02  # below the largest |gradient element| of every step (~0.05): the inf-norm clips too
 
 
-def case(stage, opt="adamw", *, cap=None, clip=None, resume_at=None, tie=True, dtype=None, probe=False,
-         groups=False, micro=1):
+def case(stage, opt="adamw", *, cap=None, clip=None, norm_type=2.0, resume_at=None, tie=True, dtype=None,
+         probe=False, groups=False, micro=1):
     """One training configuration; ``micro`` > 1 accumulates gradients over that many backward passes per step."""
-    return dict(stage=stage, opt=opt, cap=cap, clip=clip, resume_at=resume_at, tie=tie, dtype=dtype, probe=probe,
-                groups=groups, micro=micro)
+    return dict(stage=stage, opt=opt, cap=cap, clip=clip, norm_type=norm_type, resume_at=resume_at, tie=tie,
+                dtype=dtype, probe=probe, groups=groups, micro=micro)
 
 
 CASES = {
@@ -63,6 +64,10 @@ CASES = {
     "stage3-adamw-untied": case(3, tie=False),
     "stage3-sgd": case(3, "sgd"),
     "stage3-adamw-bf16": case(3, dtype="bf16"),
+    "stage3-sgd-clip": case(3, "sgd", clip=CLIP),
+    "stage3-sgd-clip-inf": case(3, "sgd", clip=CLIP_INF, norm_type=math.inf),
+    "stage3-adamw-clip": case(3, clip=CLIP),
+    "stage3-adamw-resume": case(3, groups=True, resume_at=5),
 }
 WORLDS = [2, 4]
 
@@ -161,13 +166,25 @@ def _train_zero3(c) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     opt_cls, kwargs = OPTIMIZERS[c["opt"]]
     plain = make_model(c)
-    model = Zero3(make_model(c), compute_dtype=torch.bfloat16 if c["dtype"] == "bf16" else None)
-    params = param_groups(model.named_parameters()) if c["groups"] else model.parameters()
-    opt = opt_cls(params, **kwargs)
+
+    def build(seed=0):
+        model = Zero3(make_model(c, seed=seed), compute_dtype=torch.bfloat16 if c["dtype"] == "bf16" else None)
+        params = param_groups(model.named_parameters()) if c["groups"] else model.parameters()
+        return model, opt_cls(params, **kwargs)
+
+    model, opt = build()
     out = {"names": [n for n, _ in model.named_parameters()],
            "shards": [(p.dtype, p.numel()) for p in model.parameters()],
-           "module_params_left": len(list(model.module.parameters())), "records": []}
+           "module_params_left": len(list(model.module.parameters())), "records": [], "norms": []}
     for step in range(STEPS):
+        if step == c["resume_at"]:  # full weights (same on every rank) + this rank's optimizer state, as documented
+            blob = io.BytesIO()
+            torch.save({"model": model.full_state_dict(), "optim": opt.state_dict()}, blob)
+            blob.seek(0)
+            saved = torch.load(blob)
+            model, opt = build(seed=1)  # other weights, fresh optimizer: everything must come from the checkpoint
+            model.load_full_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
         x, y = batch(step, world, rank)
         with comm.CommLog() as log:
             for xm, ym in zip(x.chunk(c["micro"]), y.chunk(c["micro"])):
@@ -178,6 +195,8 @@ def _train_zero3(c) -> dict:
                     out["saved_bytes_plain"] = sum(r["bytes"] for r in saved_tensors_table(plain_loss, exclude=plain)
                                                    if r["new"])
                 (loss / c["micro"]).backward()
+            if c["clip"]:
+                out["norms"].append(model.clip_grad_norm_(c["clip"], c["norm_type"]).item())
             opt.step()
         if step == 1:
             out["memory"] = model_state_accounting(model, opt)
@@ -229,7 +248,7 @@ def reference(name: str, world: int) -> dict:
             for pm, pw in zip(master.parameters(), work.parameters()):
                 pm.grad, pw.grad = pw.grad.float(), None
         if c["clip"]:
-            norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), c["clip"]).item())
+            norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), c["clip"], c["norm_type"]).item())
         opt.step()
         opt.zero_grad()
         if work is not master:
@@ -262,7 +281,7 @@ def test_equality_model_is_big_enough():
     assert GLOBAL_BATCH % max(WORLDS) == 0
 
 
-SGD_CASES = ["stage1-sgd", "stage2-sgd", "stage3-sgd"]
+SGD_CASES = ["stage1-sgd", "stage2-sgd", "stage3-sgd", "stage3-sgd-clip", "stage3-sgd-clip-inf"]
 
 
 @pytest.mark.parametrize("world,name", grid(SGD_CASES), ids=ids(SGD_CASES))
@@ -297,19 +316,21 @@ def test_gradient_accumulation_over_two_backwards_matches_single_device(world, n
         torch.testing.assert_close(got["params"][k], ref["params"][k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-CLIP_CASES = ["stage1-adamw-clip", "stage2-adamw-clip"]
+CLIP_CASES = ["stage1-adamw-clip", "stage2-adamw-clip", "stage3-adamw-clip", "stage3-sgd-clip", "stage3-sgd-clip-inf"]
 
 
 @pytest.mark.parametrize("world,name", grid(CLIP_CASES), ids=ids(CLIP_CASES))
 def test_clip_grad_norm_uses_the_global_norm_like_single_device(world, name):
     got, ref = results(world)[name], reference(name, world)
-    assert min(ref["norms"]) > CLIP  # clipping really happened on every step
+    assert min(ref["norms"]) > CASES[name]["clip"]  # clipping really happened on every step
+    assert all(r["norms"] == got["norms"] for r in got["all_ranks"])  # every rank scaled by the same factor
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
     for k in ref["params"]:
         torch.testing.assert_close(got["params"][k], ref["params"][k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-RESUME = [("stage1-adamw-resume", "stage1-adamw"), ("stage2-adamw-resume", "stage2-adamw")]
+RESUME = [("stage1-adamw-resume", "stage1-adamw"), ("stage2-adamw-resume", "stage2-adamw"),
+          ("stage3-adamw-resume", "stage3-adamw")]
 
 
 @pytest.mark.parametrize("world,resumed,uninterrupted", [(w, a, b) for w in WORLDS for a, b in RESUME],
@@ -478,6 +499,11 @@ def _error_cases() -> dict:
     out["resume-other-world"] = catch(lambda: z.load_state_dict(dict(z.state_dict(), world_size=3)))
     z3 = Zero3(model())
     out["zero3-inner-call"] = catch(lambda: z3.module(*make_batch(2, SEQ, MODEL["vocab_size"], seed=0)))
+    sd = z3.full_state_dict()
+    out["zero3-load-missing"] = catch(lambda: z3.load_full_state_dict({k: v for k, v in sd.items()
+                                                                       if k != "wte.weight"}))
+    out["zero3-load-shape"] = catch(lambda: z3.load_full_state_dict(dict(sd, **{"ln_f.weight": torch.ones(3)})))
+    out["zero3-clip-norm-type"] = catch(lambda: z3.clip_grad_norm_(1.0, norm_type=0))
     return out
 
 
@@ -502,6 +528,9 @@ def errors():
     ("zero3-of-ddp", "ValueError", ["plain module"]),
     ("resume-other-world", "ValueError", ["world_size=3"]),
     ("zero3-inner-call", "RuntimeError", ["call the wrapper"]),
+    ("zero3-load-missing", "RuntimeError", ["missing keys ['wte.weight']"]),
+    ("zero3-load-shape", "ValueError", ["ln_f.weight has shape (3,)"]),
+    ("zero3-clip-norm-type", "ValueError", ["norm_type=0.0"]),
 ])
 def test_misuse_gives_a_clear_error(errors, label, exc_type, words):
     if label not in errors:
