@@ -1,0 +1,185 @@
+"""Plots and widgets for the notebooks.
+
+``zero_memory_calculator()`` -- the ZeRO memory calculator (chapter 03): how many bytes of model
+states each GPU holds under ZeRO stages 0-3, from the formulas in ``memory.py``
+(Rajbhandari et al. 2019, arXiv:1910.02054, Figure 1). ``zero_memory_table()`` is the same
+numbers as plain text, printable anywhere (and what the widget shows as its text
+representation, so an executed notebook stores a deterministic output).
+"""
+from __future__ import annotations
+
+import io
+
+from .memory import zero_model_state_breakdown
+
+__all__ = ["zero_memory_table", "zero_memory_calculator", "ZERO_STAGE_NAMES"]
+
+ZERO_STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+_FORMULAS = {  # per GPU, bytes: p / g bytes per parameter, K optimizer bytes per parameter
+    0: "(p+g+K)Ψ",
+    1: "(p+g)Ψ + KΨ/N",
+    2: "pΨ + (g+K)Ψ/N",
+    3: "(p+g+K)Ψ/N",
+}
+_PRECISION = {"mixed": (2, 2, 12, "mixed precision: 2-byte params and grads"),
+              "fp32": (4, 4, 8, "fp32: 4-byte params and grads")}
+_UNITS = [(1e12, "TB", 2**40, "TiB"), (1e9, "GB", 2**30, "GiB"), (1e6, "MB", 2**20, "MiB"), (1e3, "kB", 2**10, "KiB"),
+          (1, "B", 1, "B")]
+
+
+def _unit(smallest: float) -> tuple[float, str, float, str]:
+    """The largest decimal unit in which ``smallest`` is at least 1 (and its binary sibling)."""
+    for unit in _UNITS:
+        if smallest >= unit[0]:
+            return unit
+    return _UNITS[-1]
+
+
+def _psi_text(psi: float) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if psi >= scale:
+            return f"{psi / scale:g}{suffix}"
+    return f"{psi:g}"
+
+
+def zero_rows(psi: float, n: int, precision: str = "mixed", k: float | None = None) -> list[dict]:
+    """Per-GPU bytes for stages 0-3: ``[{"stage", "name", "params", "grads", "optimizer", "total"}, ...]``."""
+    return [dict(stage=s, name=ZERO_STAGE_NAMES[s], **zero_model_state_breakdown(psi, n, s, precision, k))
+            for s in range(4)]
+
+
+def zero_memory_table(psi: float, n: int, precision: str = "mixed", k: float | None = None,
+                      stage: int | None = None) -> str:
+    """Per-GPU model-state memory under ZeRO stages 0-3 as a fixed-width text table.
+
+    ``psi`` parameters (a count, e.g. ``7.5e9``), ``n`` GPUs, ``precision`` ``"mixed"`` (the
+    paper: fp16 params and grads, K = 12) or ``"fp32"`` (K = 8), ``k`` overrides K. Sizes are in
+    decimal units (1 GB = 10^9 bytes), one unit for the whole table, with the total also in the
+    binary unit (GiB). ``stage`` marks one row. The paper's example (Ψ = 7.5B, N = 64):
+
+    >>> print(zero_memory_table(7.5e9, 64))
+    ZeRO model states per GPU: Ψ = 7.5B parameters, N = 64 GPUs, mixed precision: 2-byte params and grads, K = 12
+      stage           params      grads  optimizer      total    (GiB)   formula (p=2, g=2)
+      0 DDP          15.0 GB    15.0 GB    90.0 GB   120.0 GB    111.8   (p+g+K)Ψ
+      1 P_os         15.0 GB    15.0 GB     1.4 GB    31.4 GB     29.2   (p+g)Ψ + KΨ/N
+      2 P_os+g       15.0 GB     0.2 GB     1.4 GB    16.6 GB     15.5   pΨ + (g+K)Ψ/N
+      3 P_os+g+p      0.2 GB     0.2 GB     1.4 GB     1.9 GB      1.7   (p+g+K)Ψ/N
+      model states only (no activations, buffers or fragmentation); Rajbhandari et al. 2019, Fig. 1
+    """
+    if precision not in _PRECISION:
+        raise ValueError(f"precision={precision!r} must be 'mixed' or 'fp32'")
+    p_bytes, g_bytes, k_default, words = _PRECISION[precision]
+    k = k_default if k is None else k
+    rows = zero_rows(psi, n, precision, k)
+    dec, unit, binary, bunit = _unit(min(r["total"] for r in rows))  # one unit; even the smallest total >= 1
+    width = max(11, len(f"{rows[0]['total'] / dec:,.1f} {unit}") + 2)
+
+    def cell(value: float) -> str:
+        return f"{value / dec:,.1f} {unit}".rjust(width)
+
+    gpus = f"{n} GPU{'s' if n != 1 else ''}"
+    lines = [f"ZeRO model states per GPU: Ψ = {_psi_text(psi)} parameters, N = {gpus}, {words}, K = {k:g}",
+             f"  {'stage':<11}{'params':>{width}}{'grads':>{width}}{'optimizer':>{width}}{'total':>{width}}"
+             f"{'(' + bunit + ')':>9}   formula (p={p_bytes}, g={g_bytes})"]
+    for r in rows:
+        mark = " <" if stage == r["stage"] else ""
+        lines.append(f"  {r['stage']} {r['name']:<9}{cell(r['params'])}{cell(r['grads'])}{cell(r['optimizer'])}"
+                     f"{cell(r['total'])}{r['total'] / binary:>9,.1f}   {_FORMULAS[r['stage']]}{mark}")
+    lines.append("  model states only (no activations, buffers or fragmentation); Rajbhandari et al. 2019, Fig. 1")
+    return "\n".join(lines)
+
+
+def _bar_chart_png(psi: float, n: int, precision: str, k: float, stage: int) -> bytes:
+    """Stacked bars (params / grads / optimizer) per stage, as PNG bytes."""
+    from matplotlib.figure import Figure  # not pyplot: no global figure, no backend switch in the notebook
+    from matplotlib.patches import Patch
+
+    rows = zero_rows(psi, n, precision, k)
+    dec, unit, _, _ = _unit(min(r["total"] for r in rows))
+    fig = Figure(figsize=(6.4, 3.6), dpi=80)
+    ax = fig.subplots()
+    x = [f"{r['stage']}\n{r['name']}" for r in rows]
+    bottom = [0.0] * 4
+    colors = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
+    for part in ("params", "grads", "optimizer"):
+        heights = [r[part] / dec for r in rows]
+        bars = ax.bar(x, heights, bottom=bottom, label=part, color=colors[part])
+        for bar, r in zip(bars, rows):  # the chosen stage in full colour, the others faded
+            bar.set_alpha(1.0 if r["stage"] == stage else 0.45)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for i, total in enumerate(bottom):
+        ax.annotate(f"{total:,.1f}", (i, total), ha="center", va="bottom", fontsize=9,
+                    fontweight="bold" if i == stage else "normal")
+    for label in ax.get_xticklabels():
+        label.set_fontweight("bold" if label.get_text().startswith(str(stage)) else "normal")
+    ax.set_ylabel(f"{unit} per GPU")
+    ax.set_title(f"Ψ = {_psi_text(psi)}, N = {n}, {precision}, K = {k:g}", fontsize=10)
+    ax.set_ylim(0, max(bottom) * 1.15 or 1)
+    ax.legend(handles=[Patch(color=c, label=part) for part, c in colors.items()], frameon=False, fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def zero_memory_calculator(psi_billions: float = 7.5, n: int = 64, stage: int = 3, precision: str = "mixed",
+                           k: float | None = None):
+    """An ipywidgets calculator: Ψ (billions), N GPUs, stage 0-3, precision, K -> bytes per GPU.
+
+    Shows the table of ``zero_memory_table`` (all four stages, the chosen one marked) and a stacked
+    bar chart of params / grads / optimizer states per stage; both update as the inputs change.
+    The defaults reproduce the ZeRO paper's example (Ψ = 7.5B, N = 64, mixed precision, K = 12):
+    120.0 / 31.4 / 16.6 / 1.9 GB. Switching precision resets K to its default (12 mixed, 8 fp32).
+
+    The returned widget's text representation is the table for its current values, so a notebook
+    that is executed headless (nbval) stores a deterministic text output.
+    """
+    import ipywidgets as widgets
+
+    if precision not in _PRECISION:
+        raise ValueError(f"precision={precision!r} must be 'mixed' or 'fp32'")
+    k = _PRECISION[precision][2] if k is None else k
+    style = {"description_width": "initial"}
+    w_psi = widgets.BoundedFloatText(value=psi_billions, min=0.001, max=100000, step=0.5,
+                                     description="Ψ (billions of parameters)", style=style)
+    w_n = widgets.BoundedIntText(value=n, min=1, max=1_000_000, description="N GPUs", style=style)
+    w_stage = widgets.ToggleButtons(options=[("0 DDP", 0), ("1 P_os", 1), ("2 P_os+g", 2), ("3 P_os+g+p", 3)],
+                                    value=stage, description="stage", style=style)
+    w_prec = widgets.ToggleButtons(options=["mixed", "fp32"], value=precision, description="precision", style=style)
+    w_k = widgets.BoundedFloatText(value=k, min=0, max=1000, step=1, description="K (optimizer bytes/param)",
+                                   style=style)
+    table = widgets.HTML()
+    chart = widgets.Image(format="png")
+
+    class ZeroMemoryCalculator(widgets.VBox):
+        """The calculator; ``table()`` is the current text table (also its text/plain repr)."""
+
+        def table(self) -> str:
+            return zero_memory_table(w_psi.value * 1e9, w_n.value, w_prec.value, w_k.value, stage=w_stage.value)
+
+        def __repr__(self) -> str:
+            return self.table()
+
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            data = bundle[0] if isinstance(bundle, tuple) else bundle
+            data["text/plain"] = self.table()
+            return bundle
+
+    calc = ZeroMemoryCalculator()
+
+    def update(*_):
+        import html
+
+        table.value = f"<pre style='font-size: 12px'>{html.escape(calc.table())}</pre>"
+        chart.value = _bar_chart_png(w_psi.value * 1e9, w_n.value, w_prec.value, w_k.value, w_stage.value)
+
+    def on_precision(change):
+        w_k.value = _PRECISION[change["new"]][2]  # triggers update through w_k
+
+    w_prec.observe(on_precision, names="value")
+    for w in (w_psi, w_n, w_stage, w_k):
+        w.observe(update, names="value")
+    calc.children = [widgets.HBox([w_psi, w_n]), w_stage, widgets.HBox([w_prec, w_k]), table, chart]
+    update()
+    return calc
