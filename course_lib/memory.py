@@ -177,6 +177,10 @@ class SavedTensorMeter:
 
     def _pack(self, t: torch.Tensor):
         kb = _storage_key_and_bytes(t)
+        if kb is not None and kb[0] in self._held and not self._same_storage(self._held[kb[0]], t):
+            # the held storage was freed (``resize_(0)``, as ZeRO-3 does with gathered weights) and
+            # the allocator handed its address to this new one: retire the old entry, count the new
+            self._held[("retired", len(self.records))] = self._held.pop(kb[0])
         if kb is not None and kb[0] not in self._excluded and kb[0] not in self._held:
             key, nbytes = kb
             self._held[key] = _local(t).untyped_storage() if key[0] != "tensor" else t
@@ -188,6 +192,12 @@ class SavedTensorMeter:
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
         return t
+
+    @staticmethod
+    def _same_storage(held, t: torch.Tensor) -> bool:
+        if isinstance(held, torch.Tensor):
+            return held is t
+        return held._cdata == _local(t).untyped_storage()._cdata
 
     def live_bytes(self) -> int:
         """Bytes the counted storages hold *now* (call inside the context, e.g. after forward).

@@ -239,3 +239,18 @@ def test_live_bytes_drops_a_saved_storage_freed_after_forward():
         gathered.data.untyped_storage().resize_(0)
         assert meter.live_bytes() == 4 * 8 * 4
     del y
+
+
+def test_a_new_storage_at_a_freed_storages_address_is_still_counted():
+    """After ``resize_(0)`` the allocator may hand the same address to the next tensor: it is a new storage."""
+    from course_lib.memory import SavedTensorMeter
+
+    x = torch.randn(64, 64, requires_grad=True)
+    with SavedTensorMeter() as meter:
+        w1 = torch.randn(64, 64, requires_grad=True) * 1.0  # non-leaf: saved by the matmul below
+        y1 = x @ w1
+        w1.data.untyped_storage().resize_(0)
+        w2 = torch.randn(64, 64, requires_grad=True) * 1.0  # likely lands at w1's old address
+        y2 = x @ w2
+    assert meter.bytes == 3 * 64 * 64 * 4, "x, w1 and w2 are three different storages"
+    del y1, y2
