@@ -109,7 +109,18 @@ def model_state_bytes(model_or_params, optimizer=None, extra=()) -> dict[str, in
         "optimizer": list(_tensors_in(optimizer.state)) if optimizer is not None else [],
         "extra": list(_tensors_in(extra if isinstance(extra, torch.Tensor) else list(extra))),
     }
-    seen: set = set()
+    out = unique_storage_bytes(groups)
+    out["total"] = sum(out.values())
+    return out
+
+
+def unique_storage_bytes(groups: dict, seen: set | None = None) -> dict[str, int]:
+    """``{group: bytes}`` over storages not seen before, in the groups' order.
+
+    A storage reachable from two groups is charged to the first; ``seen`` (updated in
+    place) carries the storages already charged across calls.
+    """
+    seen = set() if seen is None else seen
     out = {}
     for name, tensors in groups.items():
         total = 0
@@ -119,7 +130,6 @@ def model_state_bytes(model_or_params, optimizer=None, extra=()) -> dict[str, in
                 seen.add(kb[0])
                 total += kb[1]
         out[name] = total
-    out["total"] = sum(out.values())
     return out
 
 

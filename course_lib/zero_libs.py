@@ -69,7 +69,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .data import make_batch
-from .memory import _storage_key_and_bytes, _tensors_in, zero_model_state_breakdown
+from .memory import _storage_key_and_bytes, _tensors_in, unique_storage_bytes, zero_model_state_breakdown
 from .models import GPT, GPTConfig, equality_config, tiny_config
 
 __all__ = [
@@ -357,15 +357,7 @@ def _snapshot(engine, extra_grads=()) -> dict:
         + from_attrs(_GRAD_ATTRS),
     }
     seen: set = set()
-    out = {}
-    for name, tensors in groups.items():
-        total = 0
-        for t in tensors:
-            kb = _storage_key_and_bytes(t)
-            if kb is not None and kb[0] not in seen:
-                seen.add(kb[0])
-                total += kb[1]
-        out[name] = total
+    out = unique_storage_bytes(groups, seen)
     buffers: dict[str, int] = {}
     for path, t in found + ([("gathered params", p) for p in module_params] if stage3 else []):
         kb = _storage_key_and_bytes(t)
