@@ -331,6 +331,133 @@ def _check_sharded_linear(cls) -> list[str]:
     return problems
 
 
+
+def _check_fsdp2_wrap_blocks(fn) -> list[str]:
+    """One FSDP2 unit per block plus the root: L+1 all-gathers per pass, and one SGD step == one device."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from .data import make_batch
+    from .fsdp import CollectiveCounter, fsdp_config, full_state_dict
+    from .launch import device
+    from .models import GPT
+
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    config = fsdp_config(n_layer=3)
+    units = config.n_layer + 1
+    problems = []
+    for reshard in (True, False):
+        where = f"rank {rank}, reshard_after_forward={reshard}"
+        model = GPT(config, seed=0).to(dev)
+        out = fn(model, init_device_mesh(dev.type, (world,)), reshard_after_forward=reshard)
+        model = out if out is not None else model
+        if not isinstance(model, FSDPModule):
+            return problems + [f"{where}: the root is not wrapped — call fully_shard(model, mesh=mesh, ...) "
+                               f"after the blocks"]
+        unwrapped = [i for i, b in enumerate(model.blocks) if not isinstance(b, FSDPModule)]
+        if unwrapped:
+            return problems + [f"{where}: block(s) {unwrapped} are not wrapped — call fully_shard on every "
+                               f"block of model.blocks before the root"]
+        reference = GPT(config, seed=0).to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        x, y = make_batch(2 * world, config.block_size, config.vocab_size, seed=0)
+        x, y = x.to(dev), y.to(dev)
+        with CollectiveCounter() as cc:
+            _, loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
+            cc.phase = "backward"
+            loss.backward()
+        opt.step()
+        reference(x, y)[1].backward()
+        ref_opt.step()
+        fwd, bwd = cc.count("all_gather", "forward"), cc.count("all_gather", "backward")
+        scatters = cc.count("reduce_scatter")
+        want_bwd = units if reshard else 0
+        if fwd != units:
+            problems.append(f"{where}: {fwd} all-gather(s) in forward, expected {units} (one per block and one "
+                            f"for the root)" + (" — one unit gathers the whole model at once: wrap each block "
+                                                "before the root" if fwd == 1 else ""))
+        if bwd != want_bwd:
+            why = "the forward freed the gathered weights" if reshard else "the forward kept them"
+            problems.append(f"{where}: {bwd} all-gather(s) in backward, expected {want_bwd} ({why}; pass "
+                            f"reshard_after_forward to every fully_shard call, the root's too)")
+        if scatters != units:
+            problems.append(f"{where}: {scatters} reduce-scatter(s), expected {units} (one per unit)")
+        full, ref = full_state_dict(model), reference.state_dict()
+        err = max((full[k] - ref[k]).abs().max().item() for k in ref)
+        if not err <= 1e-6:
+            problems.append(f"{where}: after one SGD step the weights differ from one device's (full batch) by "
+                            f"max |error| {err:.3g}")
+        if problems:
+            return problems
+    return problems
+
+
+def _check_sharded_checkpoint(cls) -> list[str]:
+    """DCP save writes one file per rank; load into a fresh model restores everything; resume is bit-exact."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from .data import make_batch
+    from .fsdp import full_training_state, fsdp2_wrap, fsdp_config, full_state_dict
+    from .launch import device
+    from .models import GPT
+
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    config = fsdp_config()
+    box = [tempfile.mkdtemp(prefix="course_ckpt_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = os.path.join(box[0], "ckpt")
+
+    def build(seed):
+        model = fsdp2_wrap(GPT(config, seed=seed).to(dev))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def train(model, opt, steps):
+        for step in steps:
+            x, y = make_batch(2 * world, config.block_size, config.vocab_size, seed=step)
+            opt.zero_grad(set_to_none=True)
+            model(x.chunk(world)[rank].to(dev), y.chunk(world)[rank].to(dev))[1].backward()
+            opt.step()
+
+    problems = []
+    try:
+        model, opt = build(0)
+        train(model, opt, range(2))
+        saved = full_training_state(model, opt)
+        cls.save(model, opt, path)
+        dist.barrier()
+        files = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        want = [".metadata"] + [f"__{r}_0.distcp" for r in range(world)]
+        if files != want:
+            problems.append(f"rank {rank}: the checkpoint at path holds {files}, expected {want} — dcp.save(..., "
+                            f"checkpoint_id=path) on every rank writes one file per rank and .metadata")
+        fresh, fresh_opt = build(123)  # other weights, no optimizer state
+        cls.load(fresh, fresh_opt, path)
+        restored = full_training_state(fresh, fresh_opt)
+        wrong = [k for k in saved if k not in restored or not torch.equal(restored[k], saved[k])]
+        if wrong:
+            problems.append(f"rank {rank}: after load, {len(wrong)} of {len(saved)} tensors differ from the saved "
+                            f"ones, e.g. {wrong[0]} (load the optimizer state too, with set_state_dict)")
+        train(model, opt, range(2, 4))
+        train(fresh, fresh_opt, range(2, 4))
+        a, b = full_state_dict(model), full_state_dict(fresh)
+        err = max((a[k] - b[k]).abs().max().item() for k in a)
+        if err != 0.0:
+            problems.append(f"rank {rank}: two steps after resuming, the weights differ from the uninterrupted "
+                            f"run by max |error| {err:.3g} (expected bit-for-bit equal)")
+        dist.barrier()
+    finally:
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+    return problems
+
 EXERCISES: dict[str, Exercise] = {
     "ring_all_reduce": Exercise("ch00_collectives", "ring_all_reduce",
                                 "ch00: sum a tensor over ranks with send/recv around a ring",
@@ -350,6 +477,12 @@ EXERCISES: dict[str, Exercise] = {
     "sharded_linear": Exercise("ch03_zero", "ShardedLinear",
                                "ch03: ZeRO-3 for one nn.Linear: gather before use, free after, reduce-scatter "
                                "the weight gradient", _check_sharded_linear),
+    "fsdp2_wrap_blocks": Exercise("ch04_fsdp", "wrap_blocks",
+                                  "ch04: FSDP2 units — fully_shard every block, then the root",
+                                  _check_fsdp2_wrap_blocks),
+    "sharded_checkpoint": Exercise("ch04_fsdp", "ShardedCheckpoint",
+                                   "ch04: save and restore FSDP2 model + optimizer shards with DCP",
+                                   _check_sharded_checkpoint),
 }
 
 
