@@ -13,3 +13,39 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def learner_answer(tmp_path, monkeypatch):
+    """Install a learner's answer file as ``exercises/<module>.py`` and return ``check`` bound to it.
+
+    ``run = learner_answer("ch00_collectives", source)`` writes the source into a temporary
+    ``exercises`` package that the checker loads instead of the shipped one; ``run(name)`` checks
+    exercise ``name`` against it. The real ``exercises`` modules come back after the test.
+    """
+    import sys
+
+    import course_lib.check as chk
+
+    def forget():
+        for mod in [m for m in sys.modules if m == "exercises" or m.startswith("exercises.")]:
+            del sys.modules[mod]
+
+    def install(module: str, source: str):
+        pkg = tmp_path / "exercises"
+        pkg.mkdir(exist_ok=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / f"{module}.py").write_text(source)
+        monkeypatch.setattr(chk, "_course_root", lambda: tmp_path)
+        for mod in [m for m in sys.modules if m == "exercises" or m.startswith("exercises.")]:
+            monkeypatch.delitem(sys.modules, mod)
+        monkeypatch.syspath_prepend(str(tmp_path))
+
+        def run(name: str):
+            try:
+                return chk.check(name)
+            finally:  # forget the answer's modules; monkeypatch then puts the real ones back
+                forget()
+        return run
+
+    return install
