@@ -1,6 +1,6 @@
 """Chapter 04 — FSDP2: torch's ZeRO-3, next to the one we wrote in chapter 03.
 
-``torch.distributed.fsdp.fully_shard`` ("FSDP2") does what :class:`course_lib.zero.Zero3` does —
+``torch.distributed.fsdp.fully_shard`` ("FSDP2") does what :class:`course_lib.zero3.Zero3` does —
 every rank keeps 1/N of every parameter, gradient and optimizer state; full weights exist only
 while a layer runs — with three engineering differences worth measuring:
 
@@ -58,7 +58,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from . import comm
 from .data import make_batch
 from .launch import device
-from .memory import model_state_bytes, zero_model_state_breakdown
+from .formulas import zero_model_state_breakdown
+from .memory import model_state_bytes
 from .models import GPT, GPTConfig, equality_config
 
 __all__ = ["fsdp_config", "fsdp2_wrap", "padded_numel", "full_state_dict", "fsdp2_model_state_accounting",
@@ -187,7 +188,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def fsdp2_model_state_accounting(model: nn.Module, optimizer) -> dict:
     """Per-rank model-state bytes of an FSDP2 model, measured, against 16Ψ_pad/N (fp32 AdamW).
 
-    Same fields as :func:`course_lib.zero.model_state_accounting`. Measured from real tensors
+    Same fields as :func:`course_lib.experiments.ch03_zero.model_state_accounting`. Measured from real tensors
     (``memory.model_state_bytes``: each DTensor counts its local shard's storage). Call after
     ``step()`` and before ``zero_grad()``. What FSDP2 keeps on a rank:
 
@@ -456,7 +457,8 @@ def fsdp2_vs_zero3(steps: int = 3, config: GPTConfig | None = None, global_batch
     FSDP2 with ``reshard_after_forward=False``). ``Zero3`` gathers the tied embedding once per
     *use* (twice per pass), so it sends more than 3Ψ; FSDP2 gathers its root unit once per pass.
     """
-    from .zero import Zero3, model_state_accounting
+    from .experiments.ch03_zero import model_state_accounting
+    from .zero3 import Zero3
 
     config = config or fsdp_config()
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()

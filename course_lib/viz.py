@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 
-from .memory import zero_model_state_breakdown
+from .formulas import zero_model_state_breakdown
 
 __all__ = ["zero_memory_table", "zero_memory_calculator", "ZERO_STAGE_NAMES"]
 

@@ -69,7 +69,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .data import make_batch
-from .memory import _storage_key_and_bytes, _tensors_in, unique_storage_bytes, zero_model_state_breakdown
+from .formulas import zero_model_state_breakdown
+from .memory import _storage_key_and_bytes, _tensors_in, unique_storage_bytes
 from .models import GPT, GPTConfig, equality_config, tiny_config
 
 __all__ = [

@@ -142,7 +142,7 @@ class ShardedLinear(nn.Module):
 
     Per forward + backward: all-gather (forward), all-gather (backward), reduce-scatter (the
     weight gradient) — 3 × (N−1)/N × the weight's bytes per rank, against DDP's 2. In exchange
-    the full weight exists only while this layer computes. ``course_lib.zero.Zero3`` does the
+    the full weight exists only while this layer computes. ``course_lib.zero3.Zero3`` does the
     same for every module of a model with hooks; FSDP (chapter 04) adds prefetching.
     """
 
@@ -150,7 +150,7 @@ class ShardedLinear(nn.Module):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("ShardedLinear shards the weight only; build nn.Linear(..., bias=False) "
-                             "(course_lib.zero.Zero3 shards every parameter, biases included)")
+                             "(course_lib.zero3.Zero3 shards every parameter, biases included)")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)

@@ -4,16 +4,18 @@ import pytest
 import torch
 
 from course_lib.data import make_batch
+from course_lib.formulas import (
+    activation_bytes_estimate,
+    korthikanti_activation_bytes,
+    zero_model_state_breakdown,
+    zero_model_state_bytes,
+)
 from course_lib.memory import (
     SavedTensorMeter,
-    activation_bytes_estimate,
     format_bytes,
-    korthikanti_activation_bytes,
     model_state_bytes,
     saved_activation_bytes,
     saved_tensors_table,
-    zero_model_state_breakdown,
-    zero_model_state_bytes,
 )
 from course_lib.models import GPT, tiny_config
 

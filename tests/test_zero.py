@@ -115,7 +115,8 @@ def full_params(model) -> dict:
 
 
 def _train_zero_optimizer(c) -> dict:
-    from course_lib.zero import ZeroOptimizer, comm_accounting, model_state_accounting
+    from course_lib.experiments.ch03_zero import comm_accounting, model_state_accounting
+    from course_lib.zero import ZeroOptimizer
 
     world, rank = dist.get_world_size(), dist.get_rank()
     opt_cls, kwargs = OPTIMIZERS[c["opt"]]
@@ -161,7 +162,8 @@ def _train_zero_optimizer(c) -> dict:
 
 
 def _train_zero3(c) -> dict:
-    from course_lib.zero import Zero3, comm_accounting, model_state_accounting
+    from course_lib.experiments.ch03_zero import comm_accounting, model_state_accounting
+    from course_lib.zero3 import Zero3
 
     world, rank = dist.get_world_size(), dist.get_rank()
     opt_cls, kwargs = OPTIMIZERS[c["opt"]]
@@ -414,7 +416,7 @@ MEMORY_CASES = ["stage1-adamw", "stage2-adamw", "stage2-adamw-one-bucket", "stag
 
 
 def test_ddp_model_state_bytes_match_16_psi():
-    from course_lib.zero import model_state_accounting
+    from course_lib.experiments.ch03_zero import model_state_accounting
 
     model = GPT(equality_config(**MODEL))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -462,7 +464,8 @@ def test_zero3_tied_weight_is_gathered_per_use_and_reduced_once(world):
 def _error_cases() -> dict:
     """Rank function: build every misuse, return {label: (exception type, message)}."""
     from course_lib.ddp import DDP
-    from course_lib.zero import Zero3, ZeroOptimizer
+    from course_lib.zero import ZeroOptimizer
+    from course_lib.zero3 import Zero3
 
     def model():
         return GPT(equality_config(**MODEL))

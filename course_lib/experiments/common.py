@@ -8,7 +8,7 @@ that "the ZeRO model", "AdamW" or "rank r's slice of step k's batch" mean the sa
   (3.2M parameters: communication matters on CPU), :func:`parallel_config` (chapters 05–06: untied,
   ``n_layer = 4``, heads, ``d_model`` and vocabulary divisible by 4).
 * **Optimizers** — :data:`OPTIMIZERS` and :func:`make_optimizer` (with per-call overrides).
-* **Data** — :func:`global_batch` (step k's batch, identical on every rank) and :func:`shard_batch`
+* **Data** — :func:`step_batch` (step k's batch, identical on every rank) and :func:`shard_batch`
   (rank r's ``1/N``: the mean of N equal shard means is the full-batch mean).
 * **Steps** — :func:`train_step`; :func:`reference_run`: one device on the full batches.
 * **Reductions over ranks** — :func:`mean_over_ranks`, :func:`max_over_ranks`.
@@ -31,7 +31,7 @@ from ..launch import device
 from ..models import GPT, GPTConfig, equality_config
 
 __all__ = ["small_config", "zero_config", "bench_config", "parallel_config", "OPTIMIZERS", "make_optimizer",
-           "check_global_batch", "global_batch", "shard_batch", "train_step", "reference_run", "mean_over_ranks",
+           "check_global_batch", "step_batch", "shard_batch", "train_step", "reference_run", "mean_over_ranks",
            "max_over_ranks", "max_abs_diff", "state_diff", "race", "median_times", "Result"]
 
 
@@ -101,7 +101,7 @@ def check_global_batch(global_batch: int, world_size: int, micro_batches: int = 
         raise ValueError(f"global_batch={global_batch} is not divisible by {what} = {world_size * micro_batches}")
 
 
-def global_batch(step: int, config: GPTConfig, batch_size: int, dev=None) -> tuple[torch.Tensor, torch.Tensor]:
+def step_batch(step: int, config: GPTConfig, batch_size: int, dev=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s batch of ``batch_size`` sequences: the same on every rank (seeded by the step)."""
     x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=step)
     dev = device() if dev is None else dev
@@ -132,7 +132,7 @@ def train_step(model, optimizer, x, y, after_backward: Callable[[], None] | None
 
 def reference_run(config: GPTConfig, steps: int, batch_size: int, optimizer: str = "adamw", *, seed: int = 0,
                   max_norm: float | None = None, dev=None, **optimizer_overrides):
-    """One device trained on the *full* batches ``global_batch(0 … steps−1)``: what every technique must equal.
+    """One device trained on the *full* batches ``step_batch(0 … steps−1)``: what every technique must equal.
 
     Returns ``(model, losses, grad_norms)`` (``grad_norms`` only with ``max_norm``: the norm that
     ``torch.nn.utils.clip_grad_norm_`` returned before clipping).
@@ -145,7 +145,7 @@ def reference_run(config: GPTConfig, steps: int, batch_size: int, optimizer: str
     if max_norm is not None:
         clip = lambda: norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())  # noqa: E731
     for step in range(steps):
-        losses.append(train_step(model, opt, *global_batch(step, config, batch_size, dev), after_backward=clip))
+        losses.append(train_step(model, opt, *step_batch(step, config, batch_size, dev), after_backward=clip))
     return model, losses, norms
 
 

@@ -19,7 +19,7 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from course_lib import memory
+from course_lib import formulas, memory
 from course_lib.data import loss_floor, make_batch
 from course_lib.models import GPT, tiny_config
 from course_lib.train import train_single_device
@@ -84,7 +84,7 @@ print(f"16Ψ = {16 * psi:,} bytes; measured − 16Ψ = {states['total'] - 16 * p
 # %% [markdown]
 # **Activations.** What autograd saves during the forward pass for the backward pass. We measure it with
 # `saved_tensors_hooks` (`memory.SavedTensorMeter`) and compare it with the formula derived in
-# `memory.activation_bytes_estimate` for this model on a CPU in fp32: per transformer layer about **64·s·b·h bytes**
+# `formulas.activation_bytes_estimate` for this model on a CPU in fp32: per transformer layer about **64·s·b·h bytes**
 # (s sequence, b batch, h d_model). The well-known Korthikanti et al. (2022) formula, s·b·h·(34 + 5·a·s/h), is for 16-bit
 # activations on GPUs with dropout masks and a stored s×s softmax; the CPU's fused attention kernel stores no s×s matrix.
 
@@ -93,12 +93,12 @@ b, s = 32, cfg.block_size
 x, y = make_batch(b, s, cfg.vocab_size, seed=0)
 with memory.SavedTensorMeter(exclude=model) as meter:
     _, loss = model(x, y)
-est = memory.activation_bytes_estimate(cfg, b)
+est = formulas.activation_bytes_estimate(cfg, b)
 print(f"measured activations : {meter.bytes:,} bytes")
 print(f"estimated (derived)  : {est['total']:,} bytes  (per layer {est['per_layer']:,} = "
       f"{est['per_layer'] / (s * b * cfg.d_model):.1f}·s·b·h)")
 print(f"estimate equals measurement: {est['total'] == meter.bytes}")
-k16 = memory.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_head, n_layers=cfg.n_layer)
+k16 = formulas.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_head, n_layers=cfg.n_layer)
 print(f"for comparison, the 16-bit GPU formula s·b·h·(34+5as/h)·L = {k16:,.0f} bytes")
 loss.backward()
 
@@ -126,7 +126,7 @@ plt.show()
 
 # %%
 for stage in range(4):
-    gb = memory.zero_model_state_bytes(7.5e9, 64, stage) / 1e9
+    gb = formulas.zero_model_state_bytes(7.5e9, 64, stage) / 1e9
     print(f"7.5B params, 64 GPUs, ZeRO stage {stage}: {gb:6.1f} GB per GPU")
 
 # %% [markdown]

@@ -19,7 +19,7 @@ import time
 _t_notebook = time.perf_counter()
 import matplotlib.pyplot as plt
 
-from course_lib import bench, memory
+from course_lib.experiments import ch03_zero
 from course_lib.launch import spawn
 
 # %% [markdown]
@@ -57,7 +57,7 @@ from course_lib.launch import spawn
 
 # %%
 def all_stages():
-    return [bench.zero_stage_report(stage) for stage in range(4)]
+    return [ch03_zero.zero_stage_report(stage) for stage in range(4)]
 
 
 reports = {world: spawn(all_stages, world) for world in (2, 4)}
@@ -110,7 +110,7 @@ for world, per_rank in reports.items():
 # reducing its gradient once. With Ψ_tied the tied weight's size, the ratio is 1 + 2Ψ_tied/(3Ψ):
 
 # %%
-cfg = bench.zero_config()
+cfg = ch03_zero.zero_config()
 psi_tied = cfg.vocab_size * cfg.d_model
 for world, per_rank in reports.items():
     r = per_rank[0][3]
@@ -153,7 +153,7 @@ for world, per_rank in reports.items():
 # optimizer state; resuming from it continues exactly as if never interrupted.
 
 # %%
-clip = {stage: spawn(bench.zero_clip_and_resume, 2, kwargs=dict(stage=stage))[0] for stage in (1, 2)}
+clip = {stage: spawn(ch03_zero.zero_clip_and_resume, 2, kwargs=dict(stage=stage))[0] for stage in (1, 2)}
 for stage, r in clip.items():
     norms_ok = all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], r["reference_norms"]))
     print(f"stage {stage}: global grad norm = torch.nn.utils.clip_grad_norm_ on one device: {norms_ok}; "
@@ -190,7 +190,7 @@ print(f"parameter-granular partition is imbalanced (max/mean > 1.05): {z1['imbal
 ds_ok, ds_reason = zero_libs.deepspeed_available()
 print(ds_reason)
 if ds_ok:
-    ds = spawn(zero_libs.deepspeed_zero_stages, 2, kwargs=dict(stages=(0, 1, 2, 3), config=bench.zero_config()))[0]
+    ds = spawn(zero_libs.deepspeed_zero_stages, 2, kwargs=dict(stages=(0, 1, 2, 3), config=ch03_zero.zero_config()))[0]
     print(zero_libs.deepspeed_table(ds))
 
 # %%
