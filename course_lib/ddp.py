@@ -23,29 +23,9 @@ Three versions of "average the gradients", side by side:
 :func:`torch_ddp` wraps a module with the real ``torch.nn.parallel.DistributedDataParallel``
 so the notebook can race the two.
 
-The rule that keeps every rank in step (read this before changing the code)
----------------------------------------------------------------------------
-Collectives are matched by *call order*: the k-th all-reduce on rank 0 pairs with the k-th on
-rank 1. Hooks fire in the order gradients become ready, and that order can differ between
-ranks — most of all when a parameter is unused on one rank (its hook never fires there).
-So :class:`DDP` launches buckets **strictly in bucket order** 0, 1, 2, …: a ready bucket waits
-until every earlier bucket has been launched. At the end of backward (an autograd callback)
-every bucket not launched yet is launched, still in order, with zeros standing in for the
-gradients this rank does not have; then one small all-reduce (tag ``"used"``, one byte per
-parameter, MAX over ranks) tells every rank which parameters had a gradient *anywhere*.
-Hence, on every rank and every synced step, the collectives are identical:
-``grad bucket 0, …, grad bucket K−1, used-flags``.
-
-* A parameter's local contribution is its ``.grad`` if it has one (whatever accumulated since
-  the last ``zero_grad`` — this is what makes ``no_sync`` accumulation work), zeros otherwise.
-* Used on some rank → every rank gets the average (ranks that did not use it contributed 0).
-* ``.grad`` is None on every rank → it stays None, so the optimizer skips it (as on one device).
-
-The price: a parameter unused on one rank holds back its bucket *and every later one* until
-backward ends (less overlap), and the flag all-reduce costs one small message per step. Torch
-DDP makes the same trade only when asked (``find_unused_parameters=True``); without it, it
-assumes every parameter gets a gradient, and an unused one makes it raise at the next forward
-(or wait for its peers until the timeout).
+The rule that keeps every rank in step (buckets launched strictly in bucket order, a "used" flag
+all-reduce at the end of backward, zeros for gradients a rank does not have) lives in
+``grad_buckets.py``, shared with ZeRO-2; read its docstring before changing the code.
 """
 from __future__ import annotations
 
@@ -57,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .grad_buckets import GradBuckets, make_buckets, mark_reduced_by
 
 __all__ = ["DDP", "naive_allreduce_gradients", "torch_ddp", "trainable_parameters", "make_buckets"]
 
@@ -69,30 +50,6 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     parameters (``requires_grad=False``) get no gradient, so there is nothing to reduce.
     """
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-
-
-def make_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
-    """Pack parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own).
-
-    Why *reverse* registration order: backward visits layers last-to-first, so the last
-    registered parameters get their gradients first; packing them into the first bucket
-    lets that bucket fill — and its all-reduce start — while backward is still busy with
-    the early layers. A bucket holds one dtype on one device (it is one flat tensor).
-    (Torch DDP goes one step further: after the first iteration it rebuilds its buckets in
-    the order gradients actually arrived.)
-    """
-    buckets: list[list[tuple[str, nn.Parameter]]] = []
-    size = 0
-    for name, p in reversed(named_params):
-        nbytes = p.numel() * p.element_size()
-        current = buckets[-1] if buckets else None
-        if current is None or size + nbytes > cap_bytes or current[0][1].dtype != p.dtype \
-                or current[0][1].device != p.device:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, p))
-        size += nbytes
-    return buckets
 
 
 class DDP(nn.Module):
@@ -128,8 +85,8 @@ class DDP(nn.Module):
       thread; the end is taken from the Work's future), and ``"wait"`` for the time the
       training thread sat blocked at the end of backward (waiting, then copying back).
 
-    Unused parameters never hang a step and keep optimizer semantics; see the module
-    docstring for the rule. Cost: one extra all-reduce of one byte per parameter per step.
+    Unused parameters never hang a step and keep optimizer semantics; see ``grad_buckets.py``
+    for the rule. Cost: one extra all-reduce of one byte per parameter per step.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0, process_group=None,
@@ -150,33 +107,32 @@ class DDP(nn.Module):
         self._broadcast_from_rank0()
 
         named = trainable_parameters(module)
+        names = {p: name for name, p in named}
         if bucket_cap_mb is None:
-            groups = [[(name, p)] for name, p in reversed(named)]
+            groups = [[p] for _, p in reversed(named)]
         else:
-            groups = make_buckets(named, int(bucket_cap_mb * 2**20))
-        self.buckets: list[list[str]] = [[name for name, _ in g] for g in groups]
-        self._bucket_params: list[list[nn.Parameter]] = [[p for _, p in g] for g in groups]
-        self._bucket_of = {p: i for i, g in enumerate(self._bucket_params) for p in g}
+            groups = make_buckets([p for _, p in named], int(bucket_cap_mb * 2**20))
+        self.buckets: list[list[str]] = [[names[p] for p in g] for g in groups]
+        self._bucket_params: list[list[nn.Parameter]] = groups
         # Bucketed mode: one flat buffer per bucket and, per parameter, a view shaped like it.
         self._flat: list[torch.Tensor | None] = [None] * len(groups)
         self._slot: dict[nn.Parameter, torch.Tensor] = {}
         if bucket_cap_mb is not None:
-            for i, params in enumerate(self._bucket_params):
+            for i, params in enumerate(groups):
                 flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
                 self._flat[i], offset = flat, 0
                 for p in params:
                     self._slot[p] = flat[offset:offset + p.numel()].view_as(p)
                     offset += p.numel()
-        self._reset_step_state()
-        for p in self._bucket_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._inflight: list[tuple[int, object, torch.Tensor, list]] = []  # (bucket, work, buffer, event)
+        self._grad_buckets = GradBuckets(groups, self._copy_in, self._launch, self._finish_backward,
+                                         process_group=process_group, armed=lambda: self._armed)
+        mark_reduced_by([p for _, p in named], "course_lib.ddp.DDP")
 
     @property
     def bucket_bytes(self) -> int:
         """Bytes held by the flat bucket buffers: a second copy of the gradients (0 in per-parameter mode)."""
         return sum(f.numel() * f.element_size() for f in self._flat if f is not None)
-
-    # ------------------------------------------------------------------ set-up and per-step state
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
@@ -185,20 +141,13 @@ class DDP(nn.Module):
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             comm.broadcast(t.detach(), src=src, group=self.process_group, tag="init")
 
-    def _reset_step_state(self) -> None:
-        self._pending = [len(g) for g in self._bucket_params]  # gradients still missing per bucket
-        self._next = 0  # next bucket to launch (launch order = bucket order)
-        self._fired: set[nn.Parameter] = set()  # parameters whose hook ran in this backward
-        self._inflight: list[tuple[int, object, torch.Tensor, list]] = []  # (bucket, work, buffer, event)
-        self._callback_queued = False
-        self._backward_start: float | None = None
-
     # ------------------------------------------------------------------ forward
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # an eval forward under no_grad must not disarm a pending backward
             self._armed = self._sync_enabled
-            self._reset_step_state()
+            self._grad_buckets.reset()
+            self._inflight = []
         t0 = time.perf_counter()
         out = self.module(*args, **kwargs)
         if self.record_timeline:
@@ -214,8 +163,8 @@ class DDP(nn.Module):
                 t.register_hook(self._note_backward_start)
 
     def _note_backward_start(self, grad):
-        if self._backward_start is None:
-            self._backward_start = time.perf_counter()
+        if self._grad_buckets.backward_start is None:
+            self._grad_buckets.backward_start = time.perf_counter()
 
     @contextmanager
     def no_sync(self):
@@ -227,30 +176,24 @@ class DDP(nn.Module):
         finally:
             self._sync_enabled = before
 
-    # ------------------------------------------------------------------ during backward
+    # ------------------------------------------------------------------ during backward (called by GradBuckets)
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: ``p.grad`` is final for this backward."""
-        if not self._armed:
-            return
-        if not self._callback_queued:  # first hook of this backward: make sure we finish it
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
-            if self._backward_start is None:
-                self._backward_start = time.perf_counter()
+    def _copy_in(self, i: int, p: nn.Parameter) -> None:
         if p in self._slot:
             self._slot[p].copy_(p.grad)  # into the bucket's flat buffer
-        self._fired.add(p)
-        self._pending[self._bucket_of[p]] -= 1
-        while self._next < len(self._pending) and self._pending[self._next] == 0:
-            self._launch(self._next)  # strictly in bucket order: see the module docstring
 
-    def _launch(self, i: int) -> None:
-        params = self._bucket_params[i]
+    def _launch(self, i: int, missing: list) -> None:
+        """All-reduce bucket i asynchronously; ``missing`` params contribute an accumulated .grad or zeros."""
+        for p in missing:
+            if p in self._slot:
+                if p.grad is not None:
+                    self._slot[p].copy_(p.grad)
+                else:
+                    self._slot[p].zero_()
         if self._flat[i] is not None:
             buf = self._flat[i]
         else:  # per-parameter mode reduces .grad in place (zeros if this rank has no gradient)
-            p = params[0]
+            p = self._bucket_params[i][0]
             buf = p.grad if p.grad is not None else torch.zeros_like(p)
         buf.div_(self.world_size)  # sum of grad/N over ranks = the average
         event = ["comm", f"bucket {i}", time.perf_counter(), None]
@@ -258,31 +201,10 @@ class DDP(nn.Module):
         if self.record_timeline:
             work.get_future().add_done_callback(lambda _fut, ev=event: ev.__setitem__(3, time.perf_counter()))
         self._inflight.append((i, work, buf, event))
-        self._next = i + 1
 
-    def _finish_backward(self) -> None:
-        """Autograd callback at the end of backward: launch the rest, wait, write gradients back."""
-        t_end_compute = time.perf_counter()
-        # 1. Buckets still waiting for a gradient this rank will never produce in this backward:
-        #    fill them with what this rank has (an accumulated .grad) or zeros, and launch in order.
-        for i in range(self._next, len(self._bucket_params)):
-            for p in self._bucket_params[i]:
-                if p in self._slot and p not in self._fired:
-                    if p.grad is not None:
-                        self._slot[p].copy_(p.grad)
-                    else:
-                        self._slot[p].zero_()
-            self._launch(i)
-        # 2. Which parameters have a gradient on *some* rank? One byte per parameter, MAX over ranks.
-        #    Launched after every bucket: the same last collective on every rank.
-        order = [p for g in self._bucket_params for p in g]
-        used = torch.tensor([p.grad is not None for p in order], dtype=torch.uint8, device=_device_of(order))
-        used_work = comm.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True,
-                                    tag="used")
-        # 3. Wait for every bucket and write the averages back into .grad.
+    def _finish_backward(self, used_anywhere: dict, t_end_compute: float) -> None:
+        """End of backward: wait for every bucket and write the averages back into ``.grad``."""
         t_wait = time.perf_counter()
-        used_work.wait()
-        used_anywhere = dict(zip(order, used.tolist()))
         for i, work, buf, event in self._inflight:
             work.wait()
             if event[3] is None:
@@ -299,15 +221,12 @@ class DDP(nn.Module):
                     p.grad = buf  # per-parameter mode: the zeros we reduced are now the average
         if self.record_timeline:
             now = time.perf_counter()
-            start = self._backward_start if self._backward_start is not None else t_end_compute
-            self.timeline.append(("compute", "backward", start, t_end_compute))
+            start = self._grad_buckets.backward_start
+            self.timeline.append(("compute", "backward", start if start is not None else t_end_compute,
+                                  t_end_compute))
             self.timeline.extend(tuple(ev) for _, _, _, ev in self._inflight)
             self.timeline.append(("wait", "wait + copy back", t_wait, now))
-        self._reset_step_state()  # a second backward through the same graph syncs again
-
-
-def _device_of(params: list[torch.Tensor]) -> torch.device:
-    return params[0].device if params else torch.device("cpu")
+        self._inflight = []
 
 
 # --------------------------------------------------------------------------- for contrast
@@ -344,5 +263,7 @@ def torch_ddp(module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None
 
     device = next(module.parameters()).device
     device_ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
-                                   process_group=process_group, **kwargs)
+    wrapped = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+                                      process_group=process_group, **kwargs)
+    mark_reduced_by(module.parameters(), "torch.nn.parallel.DistributedDataParallel")
+    return wrapped

@@ -45,7 +45,6 @@ exactly as a single-device optimizer skips it.
 """
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import dataclass
 
@@ -54,6 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .grad_buckets import GradBuckets, make_buckets, mark_reduced_by, reducer_of
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
 
@@ -97,42 +97,11 @@ def _check_fp32(named, who: str) -> None:
                              + (" and pass compute_dtype=torch.bfloat16 for 16-bit compute" if who == "Zero3" else ""))
 
 
-def _data_parallel_wrapper_of(params) -> str | None:
-    """The data-parallel wrapper that already reduces these parameters' gradients, if any.
-
-    ZeRO does its own gradient reduction; under DDP every gradient would be all-reduced
-    *and* reduce-scattered (twice the traffic, and a full gradient copy we meant to free).
-    ``course_lib.ddp.DDP`` is recognised by the post-accumulate-grad hooks it registers;
-    ``torch.nn.parallel.DistributedDataParallel`` registers its hooks in C++, invisible from
-    Python, so we look for a live wrapper object whose module holds one of these parameters.
-    """
-    try:
-        from .ddp import DDP as CourseDDP
-    except ImportError:  # pragma: no cover - the DDP chapter is optional here
-        CourseDDP = ()
-    for p in params:
-        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
-            owner = getattr(hook, "__self__", None)
-            if CourseDDP and isinstance(owner, CourseDDP):
-                return "course_lib.ddp.DDP"
-            if isinstance(owner, ZeroOptimizer):
-                return "another ZeroOptimizer"
-    from torch.nn.parallel import DistributedDataParallel
-
-    ids = {id(p) for p in params}  # type(), not isinstance(): some lazy objects warn on __class__
-    for obj in gc.get_objects():
-        if issubclass(type(obj), DistributedDataParallel) and any(id(q) in ids for q in obj.module.parameters()):
-            return "torch.nn.parallel.DistributedDataParallel"
-    return None
-
-
 def _is_data_parallel_module(module) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
-    try:
-        from .ddp import DDP as CourseDDP
-    except ImportError:  # pragma: no cover
-        CourseDDP = DistributedDataParallel
+    from .ddp import DDP as CourseDDP
+
     return isinstance(module, (DistributedDataParallel, CourseDDP))
 
 
@@ -176,25 +145,7 @@ class _Segment:
     param: nn.Parameter
 
 
-def _pack_buckets(params: list, cap_bytes: float) -> list[list]:
-    """Group parameters into buckets of at most ``cap_bytes`` (a larger parameter gets its own).
-
-    Reverse registration order, as in DDP: backward produces the last layers' gradients
-    first, so the first bucket fills (and its reduce-scatter starts) while backward is still
-    working on the early layers.
-    """
-    buckets, size = [], 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > cap_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around an element-wise torch optimizer.
 
     ``ZeroOptimizer(params, optimizer_cls, stage=1, process_group=None, bucket_cap_mb=25.0, **kwargs)``
@@ -240,7 +191,7 @@ class ZeroOptimizer:
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
         _check_fp32([(f"parameter {i}", p) for i, p in enumerate(self.params)], "ZeroOptimizer")
         self.device = _check_same_device(self.params, "ZeroOptimizer")
-        wrapper = _data_parallel_wrapper_of(self.params)
+        wrapper = reducer_of(self.params)
         if wrapper is not None:
             raise ValueError(f"these parameters belong to a module wrapped by {wrapper}, which already reduces "
                              f"gradients; ZeroOptimizer does its own reduce-scatter — pass the plain module's "
@@ -269,6 +220,11 @@ class ZeroOptimizer:
             options = {k: v for k, v in group.items() if k != "params"}
             inner_groups.append({"params": segs, **options})
         self.optimizer = optimizer_cls(inner_groups, **kwargs)
+        # A torch.optim.Optimizer itself (LR schedulers check isinstance), whose param groups and
+        # state *are* the inner optimizer's: a scheduler changing ``lr`` here changes it there.
+        super().__init__(self.params, dict(self.optimizer.defaults))
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
 
         # 3. Gradient storage. Stage 1: a full flat gradient buffer per group (p.grad are views).
         #    Stage 2: only this rank's partition of the gradient (Σ chunks of its buckets).
@@ -284,10 +240,16 @@ class ZeroOptimizer:
             self.partition_grads = [torch.zeros(n, device=self.device) for n in sizes]
         self._used = torch.zeros(len(self.params), dtype=torch.uint8, device=self.device)  # used on any rank
         self._reduced = False  # stage 1: gradients of this step already reduce-scattered
-        self._reset_backward_state()
-        for p in self.params:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._staging: dict[int, torch.Tensor] = {}  # stage 2: bucket → full-size gradient, until reduced
+        self._inflight: list = []
+        if stage == 1:
+            for p in self.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._accumulate_flat)
+        else:  # reduce-scatter bucket by bucket during backward, in bucket order (grad_buckets.py)
+            self._grad_buckets = GradBuckets([b.params for b in self.buckets], self._copy_in, self._launch,
+                                             self._finish_backward, process_group=process_group)
+        mark_reduced_by(self.params, "another ZeroOptimizer")
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -320,7 +282,7 @@ class ZeroOptimizer:
         """Copy the group's parameters into one padded flat buffer; make them views of it."""
         n = self.world_size
         layout, start = [], 0
-        for members in _pack_buckets(params, cap):
+        for members in make_buckets(params, cap):
             size = sum(p.numel() for p in members)
             padded = -(-size // n) * n  # round up to a multiple of N
             offsets, off = [], start
@@ -365,41 +327,32 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ during backward
 
-    def _reset_backward_state(self) -> None:
-        self._pending = [len(b.params) for b in self.buckets]  # stage 2: gradients still missing per bucket
-        self._next = 0  # next bucket to launch: strictly in bucket order on every rank
-        self._fired: set[int] = set()  # indices of parameters whose hook ran in this backward
-        self._staging: dict[int, torch.Tensor] = {}  # stage 2: bucket → full-size gradient, until reduced
-        self._inflight: list = []
-        self._callback_queued = False
+    def _accumulate_flat(self, p: nn.Parameter) -> None:
+        """Stage 1 hook: keep ``p.grad`` as a view of the flat gradient buffer (reduced in ``step``)."""
+        slot = self._grad_slot[p]
+        if p.grad.data_ptr() != slot.data_ptr():  # first backward since zero_grad: a fresh tensor
+            slot.copy_(p.grad)
+            p.grad = slot  # later backwards accumulate straight into the flat buffer
+        self._reduced = False
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: ``p.grad`` is final for this backward."""
-        if self.stage == 1:
-            slot = self._grad_slot[p]
-            if p.grad.data_ptr() != slot.data_ptr():  # first backward since zero_grad: a fresh tensor
-                slot.copy_(p.grad)
-                p.grad = slot  # later backwards accumulate straight into the flat buffer
-            self._reduced = False
-            return
-        if not self._callback_queued:  # first hook of this backward: make sure we finish it
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
-        i = self._bucket_of[p]
-        b = self.buckets[i]
+    def _staging_of(self, i: int) -> torch.Tensor:
         staging = self._staging.get(i)
         if staging is None:
-            staging = self._staging[i] = torch.zeros(b.numel, device=self.device)
-        off = self._offset_of[p] - b.start
-        staging[off:off + p.numel()].copy_(p.grad.reshape(-1))
-        p.grad = None  # ZeRO-2: the full gradient is not kept
-        self._fired.add(self._index_of[p])
-        self._pending[i] -= 1
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
+            staging = self._staging[i] = torch.zeros(self.buckets[i].numel, device=self.device)
+        return staging
 
-    def _launch(self, i: int) -> None:
+    def _copy_in(self, i: int, p: nn.Parameter) -> None:
+        """Stage 2: ``p.grad`` is final — copy it into bucket i's staging buffer and drop the full gradient."""
+        b = self.buckets[i]
+        off = self._offset_of[p] - b.start
+        self._staging_of(i)[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None  # ZeRO-2: the full gradient is not kept
+
+    def _launch(self, i: int, missing: list) -> None:
         """Stage 2: reduce-scatter bucket i asynchronously (zeros for gradients this rank lacks)."""
+        for p in missing:
+            if p.grad is not None:  # e.g. accumulated outside a hook: send what this rank has
+                self._copy_in(i, p)
         b = self.buckets[i]
         staging = self._staging.pop(i, None)
         if staging is None:
@@ -407,20 +360,16 @@ class ZeroOptimizer:
         out = torch.empty(b.chunk, device=self.device)
         work = comm.reduce_scatter(out, staging, group=self.process_group, async_op=True, tag="grad")
         self._inflight.append((b, work, out, staging))  # staging must live until the work is done
-        self._next = i + 1
 
-    def _finish_backward(self) -> None:
-        """Stage 2, end of backward: launch the rest in order, share who had gradients, wait, keep the slices."""
-        for i in range(self._next, len(self.buckets)):
-            self._launch(i)
-        used = torch.zeros(len(self.params), dtype=torch.uint8, device=self.device)
-        used[sorted(self._fired)] = 1
-        comm.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, tag="used")
-        self._used |= used
+    def _finish_backward(self, used_anywhere: dict, t_end_compute: float) -> None:
+        """Stage 2, end of backward: wait for every bucket, keep this rank's averaged slices."""
+        for p, used in used_anywhere.items():
+            if used:
+                self._used[self._index_of[p]] = 1
         for b, work, out, _staging in self._inflight:
             work.wait()
             self._owned_grad(b).add_(out.div_(self.world_size))  # sum/N = average; += for accumulation
-        self._reset_backward_state()
+        self._inflight = []
 
     # ------------------------------------------------------------------ stage 1: reduce after backward
 
@@ -513,16 +462,6 @@ class ZeroOptimizer:
                 g.zero_()
         self._used.zero_()
         self._reduced = False
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's groups (change ``lr`` here); their params are this rank's segments."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        """The inner optimizer's state: only this rank's partition."""
-        return self.optimizer.state
 
     # ------------------------------------------------------------------ checkpoints
 

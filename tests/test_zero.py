@@ -463,7 +463,7 @@ def test_zero3_tied_weight_is_gathered_per_use_and_reduced_once(world):
 
 def _error_cases() -> dict:
     """Rank function: build every misuse, return {label: (exception type, message)}."""
-    from course_lib.ddp import DDP
+    from course_lib.ddp import DDP, torch_ddp
     from course_lib.zero import ZeroOptimizer
     from course_lib.zero3 import Zero3
 
@@ -494,7 +494,7 @@ def _error_cases() -> dict:
         out["adafactor"] = catch(lambda: ZeroOptimizer(model().parameters(), torch.optim.Adafactor))
     ours = DDP(model())
     out["course-ddp"] = catch(lambda: ZeroOptimizer(ours.module.parameters(), adamw))
-    theirs = torch.nn.parallel.DistributedDataParallel(model())
+    theirs = torch_ddp(model())  # torch's DistributedDataParallel, marked by the course's helper
     out["torch-ddp"] = catch(lambda: ZeroOptimizer(theirs.module.parameters(), adamw))
     out["zero3-of-ddp"] = catch(lambda: Zero3(theirs))
     ours = theirs = None  # drop the wrappers (and their hooks) before the next cases
