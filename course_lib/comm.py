@@ -18,18 +18,32 @@ the call in every active :class:`CommLog`. Two byte counts per call:
 
   All-reduce = reduce-scatter + all-gather, which is why its factor is the sum of theirs.
   These are also the nccl-tests "bus bandwidth" factors: ``busbw = algbw · factor``.
+
+  N is the size of the **process group the call ran on**, not the world size: an all-reduce
+  over a 2-rank subgroup of 4 ranks moves 2·(2−1)/2 of its tensor. Each record names that
+  group (``group``): ``"default"`` for the default group, a ``DeviceMesh`` dimension's name
+  (``"dp"``, ``"tp"``) for a mesh dimension's group, else the c10d group name.
+
+Two recorders, one record type (:class:`CommRecord`) and one query API (``select`` / ``total`` /
+``count``, keyword-only ``op=`` and ``tag=``):
+
+* :class:`CommLog` — records the calls made through *this module* (our own techniques), p2p
+  ``send`` / ``recv`` / ``isend`` / ``irecv`` included;
+* :class:`CollectiveCounter` — records the collectives *anything* issues (FSDP2, DTensor,
+  torch DDP) by watching the dispatcher (``CommDebugMode``); it does not see p2p.
+
+These bytes are ring-model accounting (what a ring moves per rank), not bytes counted on the wire.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
 
-__all__ = ["CommLog", "CommRecord", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv",
-           "isend", "irecv", "ring_factor", "bandwidth_benchmark", "busbw_table"]
+__all__ = ["CommLog", "CommRecord", "CollectiveCounter", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+           "send", "recv", "isend", "irecv", "ring_factor", "group_name"]
 
 _ACTIVE: list["CommLog"] = []
 
@@ -46,6 +60,8 @@ def ring_factor(op: str, world_size: int) -> float:
 
 @dataclass(frozen=True)
 class CommRecord:
+    """One communication call. ``world_size`` is the size of ``group``, the group it ran on."""
+
     op: str
     tag: str | None
     dtype: str
@@ -53,9 +69,57 @@ class CommRecord:
     tensor_bytes: int
     ring_bytes: float
     world_size: int
+    group: str = "default"
 
 
-class CommLog:
+def group_name(group=None) -> str:
+    """A readable name for a process group: ``"default"``, a mesh dimension's name, or the c10d name.
+
+    ``DeviceMesh`` creates each dimension's groups with the description ``mesh_<dim name>``
+    (``mesh_dp``, ``mesh_tp``; ``mesh_dim_0`` without names); a 1-D mesh over every rank reuses
+    the default group. Any other group (``dist.new_group``) is named by its c10d ``group_name``.
+    """
+    if group is None or group is dist.GroupMember.WORLD:
+        return "default"
+    if group.group_name == dist.distributed_c10d._get_default_group().group_name:
+        return "default"
+    desc = getattr(group, "group_desc", "") or ""
+    if desc.startswith("mesh_"):
+        return desc[len("mesh_"):]
+    return group.group_name
+
+
+class _Records:
+    """The query API shared by :class:`CommLog` and :class:`CollectiveCounter` (over ``self.records``)."""
+
+    records: list[CommRecord]
+
+    def select(self, *, op: str | None = None, tag: str | None = None) -> list[CommRecord]:
+        return [r for r in self.records if (op is None or r.op == op) and (tag is None or r.tag == tag)]
+
+    def total(self, field: str = "tensor_bytes", *, op: str | None = None, tag: str | None = None) -> float:
+        return sum(getattr(r, field) for r in self.select(op=op, tag=tag))
+
+    def count(self, *, op: str | None = None, tag: str | None = None) -> int:
+        return len(self.select(op=op, tag=tag))
+
+    def summary(self) -> list[dict]:
+        """One row per (op, tag, dtype, group): calls, Σ tensor_bytes, Σ ring_bytes."""
+        rows: dict[tuple, dict] = {}
+        for r in self.records:
+            row = rows.setdefault((r.op, r.tag, r.dtype, r.group),
+                                  {"op": r.op, "tag": r.tag, "dtype": r.dtype, "group": r.group, "calls": 0,
+                                   "tensor_bytes": 0, "ring_bytes": 0.0})
+            row["calls"] += 1
+            row["tensor_bytes"] += r.tensor_bytes
+            row["ring_bytes"] += r.ring_bytes
+        return list(rows.values())
+
+    def as_dicts(self) -> list[dict]:
+        return [asdict(r) for r in self.records]
+
+
+class CommLog(_Records):
     """Context manager that records every collective issued through this module.
 
     >>> with CommLog() as log:
@@ -73,29 +137,6 @@ class CommLog:
     def __exit__(self, *exc) -> None:
         _ACTIVE.remove(self)
 
-    def select(self, *, op: str | None = None, tag: str | None = None) -> list[CommRecord]:
-        return [r for r in self.records if (op is None or r.op == op) and (tag is None or r.tag == tag)]
-
-    def total(self, field: str = "tensor_bytes", *, op: str | None = None, tag: str | None = None) -> float:
-        return sum(getattr(r, field) for r in self.select(op=op, tag=tag))
-
-    def count(self, *, op: str | None = None, tag: str | None = None) -> int:
-        return len(self.select(op=op, tag=tag))
-
-    def summary(self) -> list[dict]:
-        """One row per (op, tag, dtype): calls, Σ tensor_bytes, Σ ring_bytes."""
-        rows: dict[tuple, dict] = {}
-        for r in self.records:
-            row = rows.setdefault((r.op, r.tag, r.dtype), {"op": r.op, "tag": r.tag, "dtype": r.dtype, "calls": 0,
-                                                          "tensor_bytes": 0, "ring_bytes": 0.0})
-            row["calls"] += 1
-            row["tensor_bytes"] += r.tensor_bytes
-            row["ring_bytes"] += r.ring_bytes
-        return list(rows.values())
-
-    def as_dicts(self) -> list[dict]:
-        return [asdict(r) for r in self.records]
-
 
 def _world(group) -> int:
     return dist.get_world_size(group)
@@ -107,7 +148,7 @@ def _record(op: str, t: torch.Tensor, tag: str | None, group, nbytes: int | None
     n = _world(group)
     tb = t.numel() * t.element_size() if nbytes is None else nbytes
     rec = CommRecord(op, tag, str(t.dtype).replace("torch.", ""), tb // t.element_size(), tb,
-                     tb * ring_factor(op, n), n)
+                     tb * ring_factor(op, n), n, group_name(group))
     for log in _ACTIVE:
         log.records.append(rec)
 
@@ -167,106 +208,99 @@ def irecv(tensor: torch.Tensor, src: int, *, group=None, tag=None):
     return dist.irecv(tensor, src=src, group=group)
 
 
-# --------------------------------------------------------------------------- bandwidth benchmark
+# --------------------------------------------------------------------------- collectives issued by anything
+
+# c10d operators (what torch.distributed's Python API dispatches to) and functional collectives,
+# by the names this module uses
+_C10D, _FUNCOL = torch.ops.c10d, torch.ops._c10d_functional
+_OP_NAMES = {
+    _C10D._allgather_base_: "all_gather", _C10D.allgather_: "all_gather",
+    _C10D.allgather_into_tensor_coalesced_: "all_gather", _C10D.allgather_coalesced_: "all_gather",
+    _C10D._reduce_scatter_base_: "reduce_scatter", _C10D.reduce_scatter_: "reduce_scatter",
+    _C10D.reduce_scatter_tensor_coalesced_: "reduce_scatter",
+    _C10D.allreduce_: "all_reduce", _C10D.allreduce_coalesced_: "all_reduce", _C10D.broadcast_: "broadcast",
+    _FUNCOL.all_gather_into_tensor: "all_gather", _FUNCOL.all_gather_into_tensor_coalesced: "all_gather",
+    _FUNCOL.reduce_scatter_tensor: "reduce_scatter", _FUNCOL.reduce_scatter_tensor_coalesced: "reduce_scatter",
+    _FUNCOL.all_reduce: "all_reduce", _FUNCOL.all_reduce_coalesced: "all_reduce", _FUNCOL.broadcast: "broadcast",
+}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _tensor_groups(values) -> list[list[torch.Tensor]]:
+    """The tensor arguments (or results) of an op: a tensor, a list of tensors, or a list of lists."""
+    groups = []
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            groups.append([a])
+        elif isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
+            groups.append(list(a))
+        elif isinstance(a, (list, tuple)) and a and all(isinstance(t, (list, tuple)) for t in a):
+            groups.append([t for sub in a for t in sub if isinstance(t, torch.Tensor)])
+    return groups
 
 
-def bandwidth_benchmark(sizes_bytes: Iterable[int] = (2**10, 2**14, 2**18, 2**20, 2**22), ops=("all_reduce",),
-                        iters: int = 10, warmup: int = 2) -> list[dict]:
-    """Rank function: time each op over message sizes (fp32), nccl-tests style.
+def _op_group(func, args, kwargs):
+    """The ProcessGroup an op ran on: its ``process_group`` argument (c10d ops, a boxed ScriptObject)
+    or its ``group_name`` (functional collectives, resolved by name); None if it has neither."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name not in ("process_group", "group_name"):
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return dist.distributed_c10d._resolve_process_group(value)
+        if isinstance(value, dist.ProcessGroup):
+            return value
+        return dist.ProcessGroup.unbox(value)
+    return None
 
-    Returns rows {op, bytes, time_s, algbw_GBps, busbw_GBps}; time is the max over ranks
-    of the mean per-iteration time (the slowest rank sets the pace). ``algbw = bytes / time``
-    and ``busbw = algbw · ring_factor`` — busbw is comparable across ops and world sizes.
+
+class CollectiveCounter(_Records, CommDebugMode):
+    """``torch.distributed.tensor.debug.CommDebugMode`` that also records each collective as a :class:`CommRecord`.
+
+    ``CommDebugMode`` is a ``TorchDispatchMode``: it sees every operator call made while it is
+    active, including the c10d collectives FSDP2 issues through ``torch.distributed``
+    (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``) and the functional collectives
+    of DTensor, in forward *and* in backward (autograd runs backward with the caller's dispatch
+    modes active). It counts them per op (``get_comm_counts()``) but records no sizes and no
+    groups; this subclass records one :class:`CommRecord` per call, with :class:`CommLog`'s
+    conventions and query API:
+
+    * ``tensor_bytes`` = the largest tensor argument or result (all_gather output,
+      reduce_scatter input, all_reduce buffer — the full tensor);
+    * ``group`` / ``world_size`` = the process group the op ran on (its ``process_group`` or
+      ``group_name`` argument) and its size; ``ring_bytes = tensor_bytes · ring_factor(op, size)``;
+    * ``tag``: a label you set (``counter.tag = "backward"``) that each following record carries.
+
+    Nothing is patched; the mode runs the operator unchanged and only looks at its arguments.
+    Point-to-point ops (``send`` / ``recv``) do not pass through the dispatcher: count those with
+    :class:`CommLog`.
+
+    >>> with CollectiveCounter(tag="forward") as cc:
+    ...     _, loss = fsdp_model(x, y)
+    ...     cc.tag = "backward"
+    ...     loss.backward()
+    >>> cc.count(op="all_gather", tag="backward"), cc.total("ring_bytes", op="reduce_scatter")
     """
-    from .launch import device
 
-    dev = device()
-    n = dist.get_world_size()
-    rows = []
-    for op in ops:
-        for size in sizes_bytes:
-            numel = max(n, size // 4 // n * n)
-            full = torch.ones(numel, device=dev)
-            part = torch.ones(numel // n, device=dev)
-            calls = {"all_reduce": lambda: dist.all_reduce(full),
-                     "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
-                     "all_gather": lambda: dist.all_gather_single(full, part),
-                     "broadcast": lambda: dist.broadcast(full, src=0)}
-            if op not in calls:
-                raise ValueError(f"bandwidth_benchmark: unsupported op {op!r}; choose from {sorted(calls)}")
-            for _ in range(warmup):
-                calls[op]()
-            _sync(dev)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                calls[op]()
-            _sync(dev)
-            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            nbytes = numel * 4
-            t = elapsed.item()
-            algbw = nbytes / t / 1e9
-            rows.append({"op": op, "bytes": nbytes, "time_s": t, "algbw_GBps": algbw,
-                         "busbw_GBps": algbw * ring_factor(op, n), "world_size": n})
-    return rows
+    def __init__(self, tag: str | None = None):
+        super().__init__()
+        self.records: list[CommRecord] = []
+        self.tag = tag
 
-
-def busbw_table(rows: list[dict]) -> str:
-    """Format :func:`bandwidth_benchmark` rows as a fixed-width table."""
-    lines = [f"{'op':<15}{'bytes':>10}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
-    for r in rows:
-        lines.append(f"{r['op']:<15}{r['bytes']:>10}{r['time_s'] * 1e6:>12.1f}{r['algbw_GBps']:>12.3f}"
-                     f"{r['busbw_GBps']:>12.3f}")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- "is distributed always faster?"
-
-
-def toy_data_parallel_step(d_model: int = 512, global_batch: int = 64, steps: int = 10, warmup: int = 2) -> dict:
-    """Rank function: one data-parallel step of a ``d_model × d_model`` linear layer, timed.
-
-    Each rank computes forward + backward on ``global_batch / N`` rows (compute shrinks
-    with N), then all-reduces the ``d_model²`` gradient (communication does not shrink:
-    a ring moves 2(N−1)/N × 4·d_model² bytes per rank). With a small batch the gradient
-    all-reduce dominates and more ranks are *slower*; with a large batch compute dominates
-    and more ranks are faster. Returns mean seconds per step (max over ranks), split into
-    compute and communication.
-    """
-    from .launch import device
-
-    n = dist.get_world_size()
-    if global_batch % n:
-        raise ValueError(f"global_batch={global_batch} is not divisible by world_size={n}")
-    dev = device()
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(d_model, d_model, generator=gen).to(dev).requires_grad_()
-    x = torch.randn(global_batch, d_model, generator=gen).to(dev)
-    local = x.chunk(n)[dist.get_rank()]
-    t_comp = t_comm = 0.0
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = (local @ w).square().mean()
-        loss.backward()
-        _sync(dev)
-        t1 = time.perf_counter()
-        if n > 1:
-            dist.all_reduce(w.grad)
-        _sync(dev)
-        t2 = time.perf_counter()
-        w.grad = None
-        if i >= warmup:
-            t_comp += t1 - t0
-            t_comm += t2 - t1
-    times = torch.tensor([t_comp / steps, t_comm / steps], dtype=torch.float64, device=dev)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    comp, comm_t = times.tolist()
-    return {"world_size": n, "compute_s": comp, "comm_s": comm_t, "step_s": comp + comm_t,
-            "grad_bytes": 4 * d_model * d_model, "rows_per_rank": global_batch // n}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        packet = getattr(func, "_overloadpacket", None)
+        if out is not NotImplemented and packet in _OP_NAMES:
+            op = _OP_NAMES[packet]
+            results = out if isinstance(out, (list, tuple)) else [out]
+            groups = _tensor_groups(list(args) + list(kwargs.values()) + list(results))
+            biggest = max(groups, key=lambda g: sum(t.numel() * t.element_size() for t in g))
+            tb = sum(t.numel() * t.element_size() for t in biggest)
+            pg = _op_group(func, args, kwargs)
+            n = pg.size() if pg is not None else dist.get_world_size()
+            self.records.append(CommRecord(op, self.tag, str(biggest[0].dtype).replace("torch.", ""),
+                                           sum(t.numel() for t in biggest), tb, tb * ring_factor(op, n), n,
+                                           group_name(pg)))
+        return out

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.cli import doctor
+from course_lib.experiments import ch00_collectives
 from course_lib.launch import RankError, RankTimeout, spawn
 
 doctor();  # versions, backend, cores, compiler — varies by machine, so nbval ignores this cell
@@ -162,8 +163,9 @@ print(f"bytes sent per rank: all-reduce {sent['all-reduce']:,.0f} = reduce-scatt
 # %%
 # NBVAL_IGNORE_OUTPUT
 SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB … 16 MiB
-bw = spawn(comm.bandwidth_benchmark, 2, kwargs=dict(sizes_bytes=SIZES, ops=("all_reduce", "all_gather"), iters=5))[0]
-print(comm.busbw_table(bw))
+bw = spawn(ch00_collectives.bandwidth_benchmark, 2,
+           kwargs=dict(sizes_bytes=SIZES, ops=("all_reduce", "all_gather"), iters=5))[0]
+print(ch00_collectives.busbw_table(bw))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -201,7 +203,8 @@ worlds = [w for w in (1, 2) if w <= cores]
 print(f"cores on this machine: {cores}; world sizes measured: {worlds}")
 cases = {"compute-bound (d=256, batch 16384)": dict(d_model=256, global_batch=16384),
          "communication-bound (d=1024, batch 8)": dict(d_model=1024, global_batch=8)}
-scaling = {name: {w: spawn(comm.toy_data_parallel_step, w, kwargs=kw)[0] for w in worlds} for name, kw in cases.items()}
+scaling = {name: {w: spawn(ch00_collectives.toy_data_parallel_step, w, kwargs=kw)[0] for w in worlds}
+           for name, kw in cases.items()}
 for name, by_world in scaling.items():
     for w, r in by_world.items():
         print(f"{name:<40} world {w}: step {r['step_s'] * 1e3:7.2f} ms "
