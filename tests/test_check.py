@@ -27,23 +27,12 @@ def test_shipped_exercise_is_reported_unsolved(name):
     assert "hint" in result.message or "implement" in result.message
 
 
-def test_wrong_answer_names_rank_tensor_and_error(tmp_path, monkeypatch):
-    pkg = tmp_path / "exercises"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "ch00_collectives.py").write_text(
-        "import torch.distributed as dist\n"
-        "def ring_all_reduce(t):\n"
-        "    return t * dist.get_world_size()  # wrong: not a sum over ranks\n")
-    import course_lib.check as chk
-
-    monkeypatch.setattr(chk, "_course_root", lambda: tmp_path)
-    import sys
-
-    for mod in [m for m in sys.modules if m == "exercises" or m.startswith("exercises.")]:
-        monkeypatch.delitem(sys.modules, mod)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    result = check("ring_all_reduce")
+def test_wrong_answer_names_rank_tensor_and_error(learner_answer):
+    run = learner_answer("ch00_collectives",
+                         "import torch.distributed as dist\n"
+                         "def ring_all_reduce(t):\n"
+                         "    return t * dist.get_world_size()  # wrong: not a sum over ranks\n")
+    result = run("ring_all_reduce")
     assert result.status == "failed"
     assert "rank 0, tensor of 1 elements: max |error|" in result.message
 
