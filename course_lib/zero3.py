@@ -111,14 +111,16 @@ class Zero3(nn.Module):
     ``Zero3(module, compute_dtype=None, process_group=None)``
 
     * Each unique parameter is flattened, padded to a multiple of N and cut into N shards;
-      this rank keeps its shard as an fp32 ``nn.Parameter``. The original Parameters are
-      removed from their modules. ``parameters()`` / ``named_parameters()`` yield exactly the
-      shards, one per unique parameter, under the original names — hand them to any
-      element-wise torch optimizer (AdamW …): its state is then 1/N too.
+      this rank keeps its shard as an fp32 ``nn.Parameter``, registered in place of the
+      original on the same submodule under the same name (as FSDP2 does). ``parameters()`` /
+      ``named_parameters()`` yield exactly the shards, one per unique parameter (names gain the
+      wrapper's ``module.`` prefix, as under DDP) — hand them to any element-wise torch
+      optimizer (AdamW …): its state is then 1/N too.
     * Before a module that owns parameters runs forward, its full parameters are all-gathered
-      (tag ``"param"``) and set as plain tensor attributes (``linear.weight``); right after, the
-      gathered storage is freed (``untyped_storage().resize_(0)``). Autograd still holds the
-      tensor for backward, but it now holds no memory.
+      (tag ``"param"``) and stand in for the shards (``linear.weight`` is the full tensor while
+      the module runs); right after, the shard is put back and the gathered storage is freed
+      (``untyped_storage().resize_(0)``). Autograd still holds the tensor for backward, but it
+      now holds no memory.
     * In backward, :class:`_RegatherBeforeBackward` re-gathers the weights into the same
       storage before the module's backward ops read them; :class:`_AllGatherParam`'s backward
       then frees them again, casts the full gradient to fp32, and reduce-scatters it (tag
@@ -135,8 +137,8 @@ class Zero3(nn.Module):
     reduce-scatter; the re-gather happens even for a layer whose backward does not read its
     weight (an embedding). Every rank must run the same modules in the same order.
 
-    Call the wrapper (``zero3(x)``), not ``zero3.module(x)``. ``state_dict()`` holds no
-    parameters (they are not registered anywhere); use :meth:`full_state_dict`.
+    Call the wrapper (``zero3(x)``), not ``zero3.module(x)``. ``state_dict()`` holds this rank's
+    1-D shards (a *sharded* state dict, like FSDP2's); for full tensors use :meth:`full_state_dict`.
 
     Gradient clipping: :meth:`clip_grad_norm_` computes the norm of the whole model's
     gradient from the shards (one scalar all-reduce) — the same number as
@@ -198,30 +200,19 @@ class Zero3(nn.Module):
         # every name a parameter is reachable under (a tied weight has two), for full_state_dict
         self._names = {name: by_id[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
 
-        # 2. Remove the original Parameters from their modules; remember who owned what.
+        # 2. Put each shard where its parameter was: same submodule, same name (as FSDP2 does), so
+        #    parameters(), named_parameters() and any optimizer see exactly the shards. A tied weight
+        #    is one shard registered on both modules (named_parameters() yields it once).
         self._owned: dict[nn.Module, list[tuple[str, _ShardedParam]]] = {}
         for sub in module.modules():
             own = [(attr, by_id[id(p)]) for attr, p in sub._parameters.items() if p is not None]
             if not own:
                 continue
-            for attr, _ in own:
-                del sub._parameters[attr]
-                setattr(sub, attr, None)  # a plain attribute, filled only while the module runs
+            for attr, sp in own:
+                sub._parameters[attr] = sp.shard  # same dict slot: registration order is kept
             self._owned[sub] = own
             sub.register_forward_pre_hook(self._before_forward)
             sub.register_forward_hook(self._after_forward)
-
-    # ------------------------------------------------------------------ the parameters the optimizer sees
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """``(original name, fp32 shard)`` for every unique parameter of the wrapped module.
-
-        Overridden on purpose: the shards are the only trainable tensors, and their names are
-        the wrapped module's (``blocks.0.attn.c_attn.weight``), not ``module.…``.
-        ``parameters()`` and ``zero_grad()`` go through this method.
-        """
-        for name, sp in self._sharded.items():
-            yield (f"{prefix}.{name}" if prefix else name), sp.shard
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -288,14 +279,14 @@ class Zero3(nn.Module):
             else:  # no backward will come (eval, no_grad, frozen): gather without autograd
                 use.buffer = self._all_gather(sp)
                 full = use.buffer[:sp.numel].view(sp.shape)
-            setattr(sub, attr, full)
+            sub._parameters[attr] = full  # while the module runs, its weight is the full tensor
             uses.append(use)
         self._live_uses.append(uses)
 
     def _after_forward(self, sub: nn.Module, args, output):
         uses = self._live_uses.pop()
-        for (attr, _), use in zip(self._owned[sub], uses):
-            setattr(sub, attr, None)  # drop the module's reference ...
+        for (attr, sp), use in zip(self._owned[sub], uses):
+            sub._parameters[attr] = sp.shard  # the shard is back in place of the full weight ...
             self._free(use)  # ... and the memory, which autograd's saved copy shares
         needs = [use for use in uses if use.forward_pass is not None]
         if not needs:
@@ -364,7 +355,7 @@ class Zero3(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unpadded tensors under the keys of the wrapped module's ``state_dict()`` (collective)."""
-        buffers = self.module.state_dict()  # the parameters were removed: buffers (and extra state) only
+        buffers = self.module.state_dict()  # buffers (and extra state); parameter keys hold local shards
         gathered: dict[str, torch.Tensor] = {}
         out = {}
         for key in self._state_dict_keys:
@@ -416,7 +407,8 @@ class Zero3(nn.Module):
             lo = self.rank * size
             sp.shard.zero_()  # the padding
             sp.shard[:own].copy_(value.detach().reshape(-1)[lo:lo + own])
-        self.module.load_state_dict(buffers, strict=strict)
+        # the shards were filled above; strictness was checked against all keys already
+        self.module.load_state_dict(buffers, strict=False)
 
     @property
     def numel(self) -> int:

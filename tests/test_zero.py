@@ -177,7 +177,9 @@ def _train_zero3(c) -> dict:
     model, opt = build()
     out = {"names": [n for n, _ in model.named_parameters()],
            "shards": [(p.dtype, p.numel()) for p in model.parameters()],
-           "module_params_left": len(list(model.module.parameters())), "records": [], "norms": []}
+           "module_params_are_shards": [a is b for a, b in zip(model.module.parameters(), model.parameters())]
+           + [len(list(model.module.parameters())) == len(list(model.parameters()))],
+           "overrides_named_parameters": "named_parameters" in type(model).__dict__, "records": [], "norms": []}
     for step in range(STEPS):
         if step == c["resume_at"]:  # full weights (same on every rank) + this rank's optimizer state, as documented
             blob = io.BytesIO()
@@ -374,9 +376,10 @@ def test_zero3_parameters_are_one_fp32_shard_per_unique_parameter_under_original
     got = results(world)["stage3-adamw"]
     model = GPT(equality_config(**MODEL))
     named = list(model.named_parameters())  # the tied weight once, under its first name
-    assert got["names"] == [n for n, _ in named]
+    assert got["names"] == [f"module.{n}" for n, _ in named]  # registered on the original submodules
     assert got["shards"] == [(torch.float32, math.ceil(p.numel() / world)) for _, p in named]
-    assert got["module_params_left"] == 0  # the original Parameters are gone from the module
+    assert all(got["module_params_are_shards"])  # the wrapped module holds exactly the shards
+    assert not got["overrides_named_parameters"]  # nn.Module's own named_parameters(), not an override
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
@@ -542,3 +545,39 @@ def test_misuse_gives_a_clear_error(errors, label, exc_type, words):
     assert got_type == exc_type, message
     for w in words:
         assert w in message
+
+
+def _zero_with_lr_scheduler(stage: int) -> dict:
+    from course_lib.zero import ZeroOptimizer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, reference = GPT(equality_config(**MODEL), seed=0), GPT(equality_config(**MODEL), seed=0)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2, eps=1e-6)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    ref_sched = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=4)
+    lrs, ref_lrs = [], []
+    for step in range(4):
+        x, y = make_batch(8, SEQ, MODEL["vocab_size"], seed=step)
+        opt.zero_grad()
+        model(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
+        opt.step()
+        sched.step()
+        ref_opt.zero_grad()
+        reference(x, y)[1].backward()
+        ref_opt.step()
+        ref_sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        ref_lrs.append(ref_opt.param_groups[0]["lr"])
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return {"is_optimizer": isinstance(opt, torch.optim.Optimizer), "lrs": lrs, "ref_lrs": ref_lrs,
+            "inner_lr": opt.optimizer.param_groups[0]["lr"], "max_abs_diff": diff}
+
+
+@pytest.mark.parametrize("stage", [1, 2], ids=["stage=1", "stage=2"])
+def test_zero_optimizer_is_a_torch_optimizer_that_lr_schedulers_drive(stage):
+    got = spawn(_zero_with_lr_scheduler, 2, args=(stage,), timeout=120)[0]
+    assert got["is_optimizer"]
+    assert got["lrs"] == pytest.approx(got["ref_lrs"], rel=1e-12)
+    assert got["inner_lr"] == got["lrs"][-1]  # the scheduler drives the optimizer that steps the shards
+    assert got["max_abs_diff"] < 1e-5
