@@ -397,7 +397,7 @@ def test_timeline_shows_communication_launched_during_backward(world):
 
 
 def _bench_smoke():
-    from course_lib import bench
+    from course_lib.experiments import ch02_ddp as bench
 
     cfg = equality_config(**CFG)
     kw = dict(config=cfg, batch_size=2)

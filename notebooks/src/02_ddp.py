@@ -10,7 +10,7 @@
 # - `DistributedSampler` + `set_epoch`, the global batch size and the learning rate, and gradient accumulation with
 #   `no_sync()`.
 #
-# Read along: `course_lib/ddp.py` (the algorithm, ~300 lines) and `course_lib/bench.py` (the measurements).
+# Read along: `course_lib/ddp.py` (the algorithm, ~300 lines) and `course_lib/experiments/ch02_ddp.py` (the measurements).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -22,7 +22,7 @@ import os
 import matplotlib.pyplot as plt
 from torch.utils.data.distributed import DistributedSampler
 
-from course_lib import bench
+from course_lib.experiments import ch02_ddp
 from course_lib.data import SyntheticDataset
 from course_lib.ddp import make_buckets, trainable_parameters
 from course_lib.launch import spawn
@@ -51,7 +51,7 @@ OPTIMIZERS = {"sgd": 5, "adamw": 10}
 
 
 def equality_suite():
-    return [bench.equality_with_single_device(v, o, steps) for v in VARIANTS for o, steps in OPTIMIZERS.items()]
+    return [ch02_ddp.equality_with_single_device(v, o, steps) for v in VARIANTS for o, steps in OPTIMIZERS.items()]
 
 
 eq = spawn(equality_suite, 2)
@@ -82,7 +82,7 @@ for (v, o), d in worst.items():
 # **buckets** (default 25 MiB) in *reverse* registration order — roughly the order backward produces them:
 
 # %%
-cfg = bench.bench_config()
+cfg = ch02_ddp.bench_config()
 model = GPT(cfg)
 for cap_mb in (None, 4.0, 25.0):
     if cap_mb is None:
@@ -95,7 +95,7 @@ for cap_mb in (None, 4.0, 25.0):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tl = spawn(bench.ddp_timelines, 2, kwargs=dict(bucket_cap_mb=2.0))[0]
+tl = spawn(ch02_ddp.ddp_timelines, 2, kwargs=dict(bucket_cap_mb=2.0))[0]
 colors = {"compute": "tab:blue", "comm": "tab:orange", "wait": "tab:gray"}
 fig, ax = plt.subplots(figsize=(8, 2.8))
 for row, key in enumerate(["naive", "overlapped"]):
@@ -126,7 +126,7 @@ print("naive starts communicating only after backward ends:", naive_first_comm >
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-sweep = spawn(bench.bucket_size_sweep, 2, kwargs=dict(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0)))[0]
+sweep = spawn(ch02_ddp.bucket_size_sweep, 2, kwargs=dict(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0)))[0]
 for r in sweep:
     print(f"bucket_cap_mb={str(r['bucket_cap_mb']):<6} {r['n_buckets']:>3} buckets  {r['step_s'] * 1e3:7.1f} ms/step")
 fig, ax = plt.subplots(figsize=(5, 3))
@@ -145,8 +145,8 @@ plt.show()
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-race = bench.ddp_benchmark(2, bucket_cap_mb=4.0, rounds=5)
-print(bench.format_throughput(race))
+race = ch02_ddp.ddp_benchmark(2, bucket_cap_mb=4.0, rounds=5)
+print(ch02_ddp.format_throughput(race))
 
 # %% [markdown]
 # ## 5. When more ranks are slower
@@ -158,7 +158,7 @@ print(bench.format_throughput(race))
 # %%
 # NBVAL_IGNORE_OUTPUT
 worlds = [w for w in (1, 2) if w <= os.cpu_count()]
-scal = bench.scaling(worlds, global_batch=2, config=bench.bench_config(block_size=8))
+scal = ch02_ddp.scaling(worlds, global_batch=2, config=ch02_ddp.bench_config(block_size=8))
 for r in scal:
     print(f"world {r['world_size']}: {r['step_s'] * 1e3:6.1f} ms/step ({r['compute_s'] * 1e3:6.1f} ms without the "
           f"all-reduce), {r['tokens_per_s']:,.0f} tokens/s")
@@ -207,7 +207,7 @@ print("reshuffled between epochs:", epochs[0][0] != epochs[1][0])
 # all-reduces the sum once.
 
 # %%
-acc = spawn(bench.accumulation_with_no_sync, 2, kwargs=dict(micro_batches=4))[0]
+acc = spawn(ch02_ddp.accumulation_with_no_sync, 2, kwargs=dict(micro_batches=4))[0]
 print(f"4 micro-batches per step: {acc['grad_allreduces']} gradient all-reduces = one per bucket "
       f"({acc['buckets']} buckets), not 4 × {acc['buckets']}")
 print("accumulated step equals one device on the whole batch (max|Δ| ≤ 1e-6):", acc["max_abs_diff"] <= 1e-6)

@@ -1,0 +1,290 @@
+"""Chapter 02's measurements: DDP equal to one device, throughput races, bucket sizes, scaling, timelines.
+
+Rank functions (run them with ``launch.spawn``): :func:`equality_with_single_device`,
+:func:`accumulation_with_no_sync`, :func:`ddp_throughput`, :func:`bucket_size_sweep`,
+:func:`ddp_step_time`, :func:`ddp_timelines`. Parent-side helpers: :func:`ddp_benchmark`,
+:func:`scaling`, :func:`format_throughput`. Every race uses :func:`common.race` (interleaved
+rounds, max over ranks, median over rounds); every variant trains its own copy of the same model
+with the same data and optimizer.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..data import make_batch
+from ..ddp import DDP, naive_allreduce_gradients, torch_ddp
+from ..launch import device
+from ..models import GPT, GPTConfig
+from .common import bench_config, check_global_batch, make_optimizer, race, shard_batch, small_config, step_batch
+
+__all__ = ["bench_config", "VARIANTS", "EQUALITY_OPTIMIZERS", "equality_with_single_device",
+           "accumulation_with_no_sync", "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines",
+           "ddp_benchmark", "scaling", "format_throughput"]
+
+VARIANTS = ("naive", "own_per_param", "own_bucketed", "torch_ddp")
+
+# Chapter 02's equality runs: plain SGD with a big step (differences would show) and AdamW with
+# torch's default eps (this chapter's small model has no ~0 gradients that eps=1e-8 would amplify).
+EQUALITY_OPTIMIZERS = {"sgd": ("sgd", dict(lr=0.5, momentum=0.0)), "adamw": ("adamw", dict(lr=3e-3, eps=1e-8))}
+
+
+# --------------------------------------------------------------------------- equality with one device
+
+
+def _wrap(variant: str, model, bucket_cap_mb: float | None):
+    """(model to call, function run after backward) for one way of averaging gradients."""
+    if variant == "naive":
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+        return model, lambda: naive_allreduce_gradients(model)
+    if variant == "own_per_param":
+        return DDP(model, bucket_cap_mb=None), None
+    if variant == "own_bucketed":
+        return DDP(model, bucket_cap_mb=bucket_cap_mb), None
+    if variant == "torch_ddp":
+        return torch_ddp(model, bucket_cap_mb=bucket_cap_mb), None
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def equality_with_single_device(variant: str = "own_bucketed", optimizer: str = "sgd", steps: int = 5,
+                                global_batch: int = 16, bucket_cap_mb: float = 0.03,
+                                config: GPTConfig | None = None) -> dict:
+    """Rank function: train data-parallel and, on the same rank, one device on the full batch; compare.
+
+    Rank r starts from a *different* init (seed r) to show that wrapping broadcasts rank 0's
+    weights. Each step rank r trains on its ``global_batch / N`` slice of the same batch the
+    single-device model sees whole. Returns the max |Δparam| after ``steps`` steps.
+    """
+    config = config or small_config()
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    check_global_batch(global_batch, world)
+    model = GPT(config, seed=rank).to(dev)
+    wrapped, after = _wrap(variant, model, bucket_cap_mb)
+    reference = GPT(config, seed=0).to(dev)
+    name, overrides = EQUALITY_OPTIMIZERS[optimizer]
+    opt = make_optimizer(name, model.parameters(), **overrides)
+    ref_opt = make_optimizer(name, reference.parameters(), **overrides)
+    for step in range(steps):
+        x, y = step_batch(step, config, global_batch, dev)
+        for m, o, xb, yb, hook in ((wrapped, opt, *shard_batch(x, y), after), (reference, ref_opt, x, y, None)):
+            o.zero_grad(set_to_none=True)
+            m(xb, yb)[1].backward()
+            if hook is not None:
+                hook()
+            o.step()
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return {"variant": variant, "optimizer": optimizer, "steps": steps, "max_abs_diff": diff}
+
+
+def accumulation_with_no_sync(micro_batches: int = 4, global_batch: int = 16, bucket_cap_mb: float = 0.03,
+                              config: GPTConfig | None = None) -> dict:
+    """Rank function: gradient accumulation with ``no_sync`` vs one device on the whole batch.
+
+    Each rank splits its share into ``micro_batches`` pieces; all but the last backward run
+    inside ``no_sync()`` (local accumulation, no communication), the last one syncs. Loss is
+    scaled by 1/micro_batches so the accumulated gradient is the mean. Returns the number of
+    gradient all-reduces per optimizer step and max |Δparam| after one step.
+    """
+    config = config or small_config()
+    world, dev = dist.get_world_size(), device()
+    check_global_batch(global_batch, world, micro_batches)
+    ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=bucket_cap_mb)
+    reference = GPT(config, seed=0).to(dev)
+    opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    x, y = step_batch(0, config, global_batch, dev)
+    xl, yl = shard_batch(x, y)
+    xs, ys = xl.chunk(micro_batches), yl.chunk(micro_batches)
+    with comm.CommLog() as log:
+        for i in range(micro_batches):
+            if i < micro_batches - 1:
+                with ddp.no_sync():
+                    (ddp(xs[i], ys[i])[1] / micro_batches).backward()
+            else:
+                (ddp(xs[i], ys[i])[1] / micro_batches).backward()
+    opt.step()
+    reference(x, y)[1].backward()
+    ref_opt.step()
+    diff = max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), reference.parameters()))
+    return {"grad_allreduces": log.count(tag="grad"), "buckets": len(ddp.buckets), "max_abs_diff": diff}
+
+
+# --------------------------------------------------------------------------- races
+
+
+def _race_steps(entries: dict, config: GPTConfig, batch_size: int, optimizer_lr: float = 1e-3) -> dict:
+    """``{name: one_step()}`` for :func:`common.race`: each variant its own SGD, rank-local batches."""
+    rank, dev = dist.get_rank(), device()
+    counter = [0]
+
+    def one_step(model, after_backward, opt):
+        x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=1000 * rank + counter[0] % 16)
+        counter[0] += 1
+        opt.zero_grad(set_to_none=True)
+        model(x.to(dev), y.to(dev))[1].backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+
+    steps = {}
+    for name, (model, after_backward) in entries.items():
+        opt = torch.optim.SGD(model.parameters(), lr=optimizer_lr)
+        steps[name] = lambda m=model, a=after_backward, o=opt: one_step(m, a, o)
+    return steps
+
+
+def ddp_throughput(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 4.0,
+                   variants=VARIANTS, rounds: int = 7, steps_per_round: int = 3, warmup: int = 2) -> dict:
+    """Rank function: tokens/s of each variant (naive, own per-parameter, own bucketed, torch DDP).
+
+    ``batch_size`` is per rank; tokens per step = world · batch_size · block_size. Both bucketed
+    variants use the same ``bucket_cap_mb`` (torch additionally caps its first bucket at 1 MiB).
+    Returns ``{variant: {"step_s", "tokens_per_s", "step_s_rounds"}, "world_size", "params", ...}``.
+    """
+    config = config or bench_config()
+    world, dev = dist.get_world_size(), device()
+    entries = {v: _wrap(v, GPT(config, seed=0).to(dev), bucket_cap_mb) for v in variants}
+    times = race(_race_steps(entries, config, batch_size), rounds, steps_per_round, warmup)
+    tokens = world * batch_size * config.block_size
+    out = {"world_size": world, "batch_size_per_rank": batch_size, "tokens_per_step": tokens,
+           "bucket_cap_mb": bucket_cap_mb, "params": GPT(config).num_params()}
+    for v, ts in times.items():
+        med = statistics.median(ts)
+        out[v] = {"step_s": med, "tokens_per_s": tokens / med, "step_s_rounds": ts}
+    return out
+
+
+def bucket_size_sweep(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0), config: GPTConfig | None = None,
+                      batch_size: int = 8, rounds: int = 3, steps_per_round: int = 3, warmup: int = 1) -> list[dict]:
+    """Rank function: own DDP step time for each ``bucket_cap_mb`` (None = one all-reduce per parameter).
+
+    Returns rows ``{"bucket_cap_mb", "n_buckets", "step_s", "tokens_per_s"}`` (max over ranks,
+    median over interleaved rounds). Small buckets pay the per-message latency many times; one
+    huge bucket cannot start until backward ends (no overlap).
+    """
+    config = config or bench_config()
+    world, dev = dist.get_world_size(), device()
+    entries, n_buckets = {}, {}
+    for cap in bucket_sizes_mb:
+        ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=cap)
+        entries[str(cap)] = (ddp, None)
+        n_buckets[str(cap)] = len(ddp.buckets)
+    times = race(_race_steps(entries, config, batch_size), rounds, steps_per_round, warmup)
+    tokens = world * batch_size * config.block_size
+    return [{"bucket_cap_mb": cap, "n_buckets": n_buckets[str(cap)], "step_s": statistics.median(times[str(cap)]),
+             "tokens_per_s": tokens / statistics.median(times[str(cap)])} for cap in bucket_sizes_mb]
+
+
+def ddp_step_time(config: GPTConfig | None = None, global_batch: int = 8, bucket_cap_mb: float | None = 4.0,
+                  steps: int = 6, warmup: int = 2) -> dict:
+    """Rank function: seconds per training step of own DDP with a *fixed global batch* (strong scaling).
+
+    Each of N ranks gets ``global_batch / N`` sequences: more ranks → less compute each, but the
+    same gradient bytes to all-reduce (and 2(N−1)/N of them on the wire per rank). Also reports
+    the step time with the all-reduce left out (``compute_s``: forward, backward, optimizer only).
+    """
+    config = config or bench_config()
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    check_global_batch(global_batch, world)
+    local = global_batch // world
+    ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=bucket_cap_mb)
+    plain = GPT(config, seed=0).to(dev)
+    result = {"world_size": world, "global_batch": global_batch, "tokens_per_step": global_batch * config.block_size}
+    for key, model in (("step_s", ddp), ("compute_s", plain)):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for i in range(warmup + steps):
+            if i == warmup:
+                dist.barrier()
+                t0 = time.perf_counter()
+            x, y = make_batch(local, config.block_size, config.vocab_size, seed=100 * rank + i)
+            opt.zero_grad(set_to_none=True)
+            model(x.to(dev), y.to(dev))[1].backward()
+            opt.step()
+        elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64, device=dev)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        result[key] = elapsed.item()
+    result["tokens_per_s"] = result["tokens_per_step"] / result["step_s"]
+    return result
+
+
+def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 2.0,
+                  steps: int = 3) -> dict:
+    """Rank function: one step's compute/communication timeline, naive vs overlapped (own DDP).
+
+    Returns ``{"naive": events, "overlapped": events, "per_param": events}`` where events are
+    ``(kind, name, t_start, t_end)`` in seconds from the start of that step's forward (the last
+    of ``steps`` steps, after warm-up). Kinds: ``compute``, ``comm``, ``wait`` (see ``DDP``).
+    """
+    config = config or bench_config()
+    rank, dev = dist.get_rank(), device()
+    x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=rank)
+    x, y = x.to(dev), y.to(dev)
+    out = {}
+
+    model = GPT(config, seed=0).to(dev)  # naive: backward, then every gradient, one blocking all-reduce each
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        events = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        naive_allreduce_gradients(model, timeline=events)
+        events = [("compute", "forward", t0, t1), ("compute", "backward", t1, t2)] + events
+    out["naive"] = [(k, n, a - t0, b - t0) for k, n, a, b in events]
+
+    for key, cap in (("overlapped", bucket_cap_mb), ("per_param", None)):
+        ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=cap, record_timeline=True)
+        for _ in range(steps):
+            ddp.module.zero_grad(set_to_none=True)
+            ddp.timeline.clear()
+            dist.barrier()
+            ddp(x, y)[1].backward()
+        t0 = min(e[2] for e in ddp.timeline)
+        out[key] = [(k, n, a - t0, b - t0) for k, n, a, b in ddp.timeline]
+    return out
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def ddp_benchmark(world_size: int = 2, timeout: float = 600, **kwargs) -> dict:
+    """Run :func:`ddp_throughput` on ``world_size`` ranks; add ``ratios_vs_torch`` (tokens/s ÷ torch DDP's)."""
+    from ..launch import spawn
+
+    res = spawn(ddp_throughput, world_size, kwargs=kwargs, timeout=timeout)[0]
+    variants = [v for v in VARIANTS if v in res]
+    if "torch_ddp" in res:
+        res["ratios_vs_torch"] = {v: res[v]["tokens_per_s"] / res["torch_ddp"]["tokens_per_s"] for v in variants}
+    return res
+
+
+def scaling(world_sizes=None, timeout: float = 600, **kwargs) -> list[dict]:
+    """Strong scaling of own DDP: :func:`ddp_step_time` at each world size (default 1 … min(4, CPUs)).
+
+    Beyond the number of cores, ranks share cores and the measurement says more about the
+    machine than about DDP, so the default stops at ``os.cpu_count()``.
+    """
+    from ..launch import spawn
+
+    if world_sizes is None:
+        world_sizes = list(range(1, min(4, os.cpu_count() or 1) + 1))
+    return [spawn(ddp_step_time, w, kwargs=kwargs, timeout=timeout)[0] for w in world_sizes]
+
+
+def format_throughput(res: dict) -> str:
+    lines = [f"world {res['world_size']}, {res['params'] / 1e6:.2f}M params, {res['tokens_per_step']} tokens/step, "
+             f"bucket_cap_mb={res['bucket_cap_mb']}",
+             f"{'variant':<16}{'step (ms)':>11}{'tokens/s':>11}{'vs torch':>10}"]
+    for v in VARIANTS:
+        if v in res:
+            ratio = res.get("ratios_vs_torch", {}).get(v, float("nan"))
+            lines.append(f"{v:<16}{res[v]['step_s'] * 1e3:>11.1f}{res[v]['tokens_per_s']:>11.0f}{ratio:>10.2f}")
+    return "\n".join(lines)
