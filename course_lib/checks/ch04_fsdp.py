@@ -10,8 +10,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from ..comm import CollectiveCounter
+from ..experiments.ch04_fsdp import full_training_state
 from ..experiments.common import shard_batch, step_batch, zero_config
-from ..fsdp import CollectiveCounter, fsdp2_wrap, full_state_dict, full_training_state
+from ..fsdp import fsdp2_wrap, full_state_dict
 from ..launch import device
 from ..models import GPT
 
@@ -40,14 +42,14 @@ def check_fsdp2_wrap_blocks(fn) -> list[str]:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)  # plain SGD (no momentum): one step, exactly
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         x, y = step_batch(0, config, 2 * world, dev)
-        with CollectiveCounter() as cc:
+        with CollectiveCounter(tag="forward") as cc:
             _, loss = model(*shard_batch(x, y))
-            cc.phase = "backward"
+            cc.tag = "backward"
             loss.backward()
         opt.step()
         reference(x, y)[1].backward()
         ref_opt.step()
-        fwd, bwd = cc.count(op="all_gather", phase="forward"), cc.count(op="all_gather", phase="backward")
+        fwd, bwd = cc.count(op="all_gather", tag="forward"), cc.count(op="all_gather", tag="backward")
         scatters = cc.count(op="reduce_scatter")
         want_bwd = units if reshard else 0
         if fwd != units:
