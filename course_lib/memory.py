@@ -293,3 +293,65 @@ def format_bytes(n: float, binary: bool = False, digits: int = 1) -> str:
     if round(value, digits) >= base and exp < len(units) - 1:  # 999.96 kB prints as 1.0 MB
         exp, value = exp + 1, value / base
     return f"{value:.{digits}f} {units[exp]}"
+
+
+# --------------------------------------------------------------------------- gathered parameters (FSDP2)
+
+
+def gathered_param_bytes(model: nn.Module) -> int:
+    """Bytes of full (gathered) parameters alive right now in ``model``: registered, not a DTensor, holding memory.
+
+    While an FSDP2 unit is unsharded, FSDP2 registers plain ``nn.Parameter`` s (the gathered
+    weights) on its modules; when it reshards, it puts the sharded DTensors back and frees the
+    gathered storage. Counted per unique storage (a tied weight once). On a model that is not
+    sharded this is simply the bytes of its parameters.
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is None or isinstance(p, DTensor):
+                continue
+            s = p.untyped_storage()
+            if s.nbytes() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+class GatheredParamMeter:
+    """The largest :func:`gathered_param_bytes` seen while ``model``'s forward runs: FSDP2's weight peak.
+
+    A forward pre-hook on every leaf module samples the gathered bytes just before it runs, so
+    ``peak`` is the most full weights held at once during the forward — the root unit plus the
+    block(s) being computed, never the whole model when every block is its own unit. In bf16
+    (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``) it is half the fp32 peak.
+
+    >>> with GatheredParamMeter(fsdp_model) as meter:
+    ...     fsdp_model(x, y)
+    >>> meter.peak
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model, self.peak = model, 0
+        self.handles = [m.register_forward_pre_hook(self._hook) for m in model.modules()
+                        if not list(m.children())]
+
+    def _hook(self, module, args) -> None:
+        self.peak = max(self.peak, gathered_param_bytes(self.model))
+
+    def remove(self) -> None:
+        """Remove the hooks (``peak`` keeps its value)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def __enter__(self) -> "GatheredParamMeter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+__all__ += ["gathered_param_bytes", "GatheredParamMeter"]
