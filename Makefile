@@ -12,13 +12,14 @@ export PYTHONHASHSEED := 0
 # Jupyter refuses to run as root (containers) without this flag; normal users never get it.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help setup lab test unit exercises nbval course doctor clean
+.PHONY: help setup lab test unit exercises nbval course doctor smoke gpu-smoke clean
 
 help:
 	@echo "make lab    - set up and open the course in JupyterLab (notebooks/)"
 	@echo "make test   - set up and run every test (unit, exercises vs solutions, strict nbval)"
 	@echo "make course - execute every notebook headless and print each one's runtime"
 	@echo "make doctor - check the environment"
+	@echo "make smoke  - run every chapter's rank functions once (gloo on CPU, nccl on GPUs)"
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +47,10 @@ test: $(STAMP)
 	$(VENV)/bin/course-lib doctor
 	$(PY) -m pytest tests -q -p no:cacheprovider
 	$(PY) -m pytest --nbval notebooks --sanitize-with notebooks/sanitize.cfg -q -p no:cacheprovider
+
+# Every chapter's rank functions once, small, backend="auto": nccl with one rank per GPU where there are GPUs.
+smoke gpu-smoke: $(STAMP)
+	$(VENV)/bin/course-lib smoke
 
 course: $(STAMP)
 	$(PY) -m course_lib.cli run-notebooks notebooks

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check", help="check an exercise against its reference on real ranks")
     c.add_argument("name", nargs="?", help="exercise name (omit to list them)")
     c.add_argument("--solutions", action="store_true", help="check the reference solutions instead")
+    s = sub.add_parser("smoke", help="run every chapter's rank functions once, small, with backend=auto")
+    s.add_argument("--world", type=int, default=None, help="ranks (default: one per GPU, else 2 on CPU)")
+    s.add_argument("--chapter", action="append", help="only these chapters (e.g. --chapter 02)")
     r = sub.add_parser("run-notebooks", help="execute notebooks headless and print each runtime")
     r.add_argument("paths", nargs="*", default=["notebooks"])
     r.add_argument("--inplace", action="store_true", help="store outputs in the notebooks themselves")
@@ -114,6 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         result = check(ns.name, package="solutions" if ns.solutions else "exercises")
         print(result)
         return 0 if result.passed else 1
+    if ns.cmd == "smoke":
+        from .experiments.smoke import format_smoke, run_smoke
+
+        rows = run_smoke(ns.world, chapters=ns.chapter,
+                         progress=lambda r: print(f"  {r.chapter} {r.function}: {r.status} ({r.seconds:.1f} s)",
+                                                  flush=True))
+        print(format_smoke(rows))
+        return 0 if all(r.status == "pass" for r in rows) else 1
     if ns.cmd == "run-notebooks":
         return run_notebooks(ns.paths, ns.inplace, ns.timeout)
     return 2

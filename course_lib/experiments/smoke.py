@@ -1,0 +1,127 @@
+"""``course-lib smoke``: every chapter's rank functions once, small, with ``backend="auto"``.
+
+On a CPU machine it runs them on gloo (world 2); on a CUDA machine on nccl, one GPU per rank
+(world = number of GPUs; a single GPU runs world 1, since nccl refuses two ranks on one GPU).
+It proves the rule every rank function follows: each tensor and model lives on
+``launch.device()``, so the notebooks run unchanged on GPUs. Each row is its own
+``spawn`` (a failing function cannot hang or fail the others) and reports the backend and the
+device the ranks actually used. Every chapter adds its rank functions to :data:`SMOKE`.
+"""
+from __future__ import annotations
+
+import importlib
+import tempfile
+import time
+from dataclasses import dataclass
+
+from ..launch import RankError, RankTimeout, _gpu_count, spawn
+
+__all__ = ["SMOKE", "SmokeRow", "smoke_world", "run_smoke", "format_smoke"]
+
+TMP = "<tmp>"  # stands for a fresh temporary directory, shared by the ranks (checkpoints)
+
+
+def _tiny(**overrides):
+    from .common import small_config
+
+    return small_config(**{"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 2, "d_model": 16, **overrides})
+
+
+def _zero_tiny():
+    from .common import zero_config
+
+    return zero_config(vocab_size=64, d_model=15, n_head=3, block_size=8)
+
+
+E00, E02, E03, E04 = ("course_lib.experiments." + m for m in ("ch00_collectives", "ch02_ddp", "ch03_zero",
+                                                             "ch04_fsdp"))
+
+# (chapter, "module:function", kwargs): small versions of what each notebook runs on ranks.
+SMOKE: list[tuple[str, str, dict]] = [
+    ("00", "course_lib.launch:hello", {}),
+    ("00", f"{E00}:bandwidth_benchmark",
+     dict(sizes_bytes=(2**10, 2**14), ops=("all_reduce", "all_gather", "reduce_scatter"), iters=2, warmup=1)),
+    ("00", f"{E00}:toy_data_parallel_step", dict(d_model=32, global_batch=8, steps=2, warmup=1)),
+    ("02", f"{E02}:equality_with_single_device", dict(variant="own_bucketed", steps=2, global_batch=8, config=_tiny())),
+    ("02", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
+    ("02", f"{E02}:accumulation_with_no_sync", dict(micro_batches=2, global_batch=8, config=_tiny())),
+    ("02", f"{E02}:ddp_throughput",
+     dict(config=_tiny(), batch_size=2, bucket_cap_mb=0.01, rounds=1, steps_per_round=1, warmup=1)),
+    ("02", f"{E02}:bucket_size_sweep",
+     dict(bucket_sizes_mb=(None, 0.01), config=_tiny(), batch_size=2, rounds=1, steps_per_round=1, warmup=0)),
+    ("02", f"{E02}:ddp_step_time", dict(config=_tiny(), global_batch=4, steps=1, warmup=0)),
+    ("02", f"{E02}:ddp_timelines", dict(config=_tiny(), batch_size=2, steps=1)),
+    ("03", f"{E03}:zero_stage_report", dict(stage=2, steps=2, config=_zero_tiny())),
+    ("03", f"{E03}:zero_stage_report", dict(stage=3, steps=2, config=_zero_tiny())),
+    ("03", f"{E03}:zero_clip_and_resume", dict(stage=2, steps=3, resume_at=1, config=_zero_tiny())),
+    ("03", "course_lib.experiments.ch03_libraries:torch_zero1_memory", dict(config=_tiny(), steps=1)),
+    ("04", f"{E04}:fsdp2_vs_single_device", dict(steps=2, config=_zero_tiny(), global_batch=4)),
+    ("04", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
+    ("04", f"{E04}:fsdp2_mixed_precision", dict(steps=1, config=_zero_tiny(), global_batch=4)),
+    ("04", f"{E04}:fsdp2_checkpoint_roundtrip", dict(tmp_dir=TMP, steps=2, resume_at=1, config=_zero_tiny())),
+]
+
+
+@dataclass
+class SmokeRow:
+    chapter: str
+    function: str
+    world_size: int
+    backend: str
+    device: str
+    status: str  # "pass" | "FAIL"
+    seconds: float
+    error: str = ""
+
+
+def _run_one(target: str, kwargs: dict, tmp: str) -> dict:
+    """Rank function: run ``target(**kwargs)`` and say which backend and device this rank used."""
+    import torch.distributed as dist
+
+    from ..launch import device
+
+    module, name = target.split(":")
+    getattr(importlib.import_module(module), name)(**{k: tmp if isinstance(v, str) and v == TMP else v for k, v in kwargs.items()})
+    return {"backend": dist.get_backend(), "device": str(device())}
+
+
+def smoke_world() -> int:
+    """World size for the smoke run: one rank per GPU (nccl), or 2 CPU ranks (gloo)."""
+    gpus = _gpu_count()
+    return gpus if gpus >= 1 else 2
+
+
+def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180, progress=None) -> list[SmokeRow]:
+    """Run every :data:`SMOKE` entry (of ``chapters``, default all) on ``world_size`` ranks; one row each."""
+    from ..launch import resolve_backend
+
+    world = smoke_world() if world_size is None else world_size
+    backend = resolve_backend("auto", world)
+    rows = []
+    for chapter, target, kwargs in SMOKE:
+        if chapters is not None and chapter not in chapters:
+            continue
+        t0 = time.perf_counter()
+        try:
+            with tempfile.TemporaryDirectory(prefix="course-smoke-") as tmp:
+                got = spawn(_run_one, world, args=(target, kwargs, tmp), backend="auto", timeout=timeout)[0]
+            row = SmokeRow(chapter, target.split(":")[1], world, got["backend"], got["device"], "pass",
+                           time.perf_counter() - t0)
+        except (RankError, RankTimeout) as exc:
+            first = str(exc).strip().splitlines()
+            row = SmokeRow(chapter, target.split(":")[1], world, backend, "?", "FAIL", time.perf_counter() - t0,
+                           first[0][:160] if first else type(exc).__name__)
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows
+
+
+def format_smoke(rows: list[SmokeRow]) -> str:
+    lines = [f"{'ch':<3}{'function':<34}{'world':>6}  {'backend':<8}{'device':<8}{'status':<7}{'s':>6}"]
+    for r in rows:
+        lines.append(f"{r.chapter:<3}{r.function:<34}{r.world_size:>6}  {r.backend:<8}{r.device:<8}{r.status:<7}"
+                     f"{r.seconds:>6.1f}" + (f"  {r.error}" if r.error else ""))
+    failed = sum(r.status != "pass" for r in rows)
+    lines.append(f"{len(rows) - failed}/{len(rows)} passed")
+    return "\n".join(lines)
