@@ -29,6 +29,9 @@ import torch.nn as nn
 
 __all__ = [
     "model_state_bytes",
+    "unique_storage_bytes",
+    "storage_bytes",
+    "tensors_in",
     "SavedTensorMeter",
     "saved_activation_bytes",
     "saved_tensors_table",
@@ -69,6 +72,11 @@ def _tensors_in(obj) -> Iterable[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors_in(v)
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor inside nested dicts / lists / tuples, as a list (an optimizer's ``state`` is such a nest)."""
+    return list(_tensors_in(obj))
 
 
 # --------------------------------------------------------------------------- model states
@@ -127,6 +135,11 @@ def unique_storage_bytes(groups: dict, seen: set | None = None) -> dict[str, int
                 total += kb[1]
         out[name] = total
     return out
+
+
+def storage_bytes(tensors, seen: set | None = None) -> int:
+    """Bytes of the unique storages behind ``tensors`` (not in ``seen``; see :func:`unique_storage_bytes`)."""
+    return unique_storage_bytes({"tensors": tensors}, seen)["tensors"]
 
 
 # --------------------------------------------------------------------------- activations, measured

@@ -16,6 +16,9 @@ from course_lib.memory import (
     model_state_bytes,
     saved_activation_bytes,
     saved_tensors_table,
+    storage_bytes,
+    tensors_in,
+    unique_storage_bytes,
 )
 from course_lib.models import GPT, tiny_config
 
@@ -62,6 +65,16 @@ def test_views_of_one_buffer_count_the_buffer_once():
     # a storage already charged as params is not charged again as extra
     assert model_state_bytes(views, extra=[flat, torch.zeros(5)]) == dict(
         params=400, grads=0, optimizer=0, extra=20, total=420)
+
+
+def test_public_storage_helpers_count_each_storage_once():
+    flat, other = torch.zeros(100), torch.zeros(5)
+    nest = {"a": [flat[:30], {"b": (flat[30:], 3)}], "c": other, "d": "text"}
+    assert [t.numel() for t in tensors_in(nest)] == [30, 70, 5]
+    assert storage_bytes(tensors_in(nest)) == 420
+    seen: set = set()
+    assert unique_storage_bytes({"first": [flat[:10]], "second": [flat, other]}, seen) == dict(first=400, second=20)
+    assert storage_bytes([flat, other, torch.empty(0)], seen) == 0  # already charged (or empty): nothing new
 
 
 def test_model_state_bytes_rejects_a_non_optimizer():

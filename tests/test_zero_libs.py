@@ -12,9 +12,10 @@ import torch
 
 from course_lib.launch import spawn
 from course_lib.models import GPT, equality_config, tiny_config
+from course_lib.experiments.ch03_libraries import (deepspeed_available, deepspeed_table, deepspeed_zero_stages,
+                                                   reference_training, torch_zero1_memory, zero1_partition,
+                                                   zero1_table)
 from course_lib.viz import zero_memory_calculator, zero_memory_table
-from course_lib.zero_libs import (deepspeed_available, deepspeed_table, deepspeed_zero_stages, reference_training,
-                                  torch_zero1_memory, zero1_partition, zero1_table)
 
 # d_model = 27 makes several tensors odd-sized and Ψ = 18,927 not a multiple of 2N, so DeepSpeed's
 # padding shows: Ψ_pad = 18,928 in stages 1/2 (flat group padded to 2N), 18,936 in stage 3 (per tensor).

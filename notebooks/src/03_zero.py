@@ -10,7 +10,7 @@
 # - that every stage is still exactly one-device training (with clipping and checkpoint/resume);
 # - how the libraries do it: torch's `ZeroRedundancyOptimizer` and DeepSpeed, on the same model.
 #
-# Read along: `course_lib/zero.py` (our ZeRO), `course_lib/zero_libs.py` (the libraries, measured).
+# Read along: `course_lib/zero.py` (our ZeRO), `course_lib/experiments/ch03_libraries.py` (the libraries, measured).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -170,10 +170,10 @@ for stage, r in clip.items():
 # memory you must provision. Our flat, padded buffer splits evenly to within N−1 elements.
 
 # %%
-from course_lib import zero_libs
+from course_lib.experiments import ch03_libraries
 
-z1 = spawn(zero_libs.torch_zero1_memory, 2)[0]
-print(zero_libs.zero1_table(z1))
+z1 = spawn(ch03_libraries.torch_zero1_memory, 2)[0]
+print(ch03_libraries.zero1_table(z1))
 print(f"parameter-granular partition is imbalanced (max/mean > 1.05): {z1['imbalance'] > 1.05}")
 
 # %% [markdown]
@@ -187,11 +187,11 @@ print(f"parameter-granular partition is imbalanced (max/mean > 1.05): {z1['imbal
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-ds_ok, ds_reason = zero_libs.deepspeed_available()
+ds_ok, ds_reason = ch03_libraries.deepspeed_available()
 print(ds_reason)
 if ds_ok:
-    ds = spawn(zero_libs.deepspeed_zero_stages, 2, kwargs=dict(stages=(0, 1, 2, 3), config=ch03_zero.zero_config()))[0]
-    print(zero_libs.deepspeed_table(ds))
+    ds = spawn(ch03_libraries.deepspeed_zero_stages, 2, kwargs=dict(stages=(0, 1, 2, 3), config=ch03_zero.zero_config()))[0]
+    print(ch03_libraries.deepspeed_table(ds))
 
 # %%
 if ds_ok:

@@ -1,10 +1,12 @@
 """Chapter 03, the libraries: torch's ``ZeroRedundancyOptimizer`` and DeepSpeed ZeRO beside our own ZeRO.
 
-``course_lib/zero.py`` builds ZeRO-1/2/3 from scratch. This file runs the two libraries a learner
+``course_lib/zero.py`` and ``zero3.py`` build ZeRO-1/2/3 from scratch. This file runs the two libraries a learner
 meets in practice on the same tiny GPT, and measures them with the same ruler
 (``memory.model_state_bytes``'s rule: bytes of every *unique storage* a rank holds), so that the
 numbers can be put next to the ZeRO formulas (Rajbhandari et al. 2019, arXiv:1910.02054) and
-next to ours. Both are rank functions: run them with ``launch.spawn(fn, 2, kwargs=...)``.
+next to ours. Both are rank functions: run them with ``launch.spawn(fn, 2, kwargs=...)``; they build
+their models and batches on ``launch.device()``. DeepSpeed's set-up and the walk that finds each of
+its bytes are in :mod:`course_lib.experiments.ch03_deepspeed`.
 
 ``torch_zero1_memory``
     ``torch.distributed.optim.ZeroRedundancyOptimizer`` is ZeRO-1 (optimizer states only) in
@@ -54,24 +56,19 @@ Everything here degrades gracefully: ``deepspeed_available()`` says whether Deep
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from .data import make_batch
-from .formulas import zero_model_state_breakdown
-from .memory import _storage_key_and_bytes, _tensors_in, unique_storage_bytes
-from .models import GPT, GPTConfig, equality_config, tiny_config
+from ..data import make_batch
+from ..formulas import zero_model_state_breakdown
+from ..launch import device
+from ..memory import model_state_bytes, storage_bytes, tensors_in
+from ..models import GPT, GPTConfig, tiny_config
+from .ch03_deepspeed import deepspeed_available, full_params, import_deepspeed, psi_padded, snapshot, \
+    torch_extensions_dir
+from .common import shard_batch, small_config
 
 __all__ = [
     "torch_zero1_memory",
@@ -93,21 +90,11 @@ SEQ_LEN = 16
 
 
 def _batch(step: int, config: GPTConfig, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the global batch of ``step`` (global batch = micro_batch * N)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    x, y = make_batch(micro_batch * world, min(SEQ_LEN, config.block_size), config.vocab_size, seed=step)
-    return x[rank * micro_batch:(rank + 1) * micro_batch], y[rank * micro_batch:(rank + 1) * micro_batch]
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the unique storages behind ``tensors``."""
-    seen, total = set(), 0
-    for t in tensors:
-        kb = _storage_key_and_bytes(t)
-        if kb is not None and kb[0] not in seen:
-            seen.add(kb[0])
-            total += kb[1]
-    return total
+    """This rank's slice of the global batch of ``step`` (global batch = micro_batch * N), on its device."""
+    x, y = make_batch(micro_batch * dist.get_world_size(), min(SEQ_LEN, config.block_size), config.vocab_size,
+                      seed=step)
+    x, y = shard_batch(x, y)
+    return x.to(device()), y.to(device())
 
 
 # =========================================================================== torch ZeRO-1
@@ -156,11 +143,9 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from .memory import model_state_bytes
-
     config = config or tiny_config(vocab_size=2048)
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = GPT(config, seed=0)
+    model = GPT(config, seed=0).to(device())
     names = {id(p): n for n, p in model.named_parameters()}
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
@@ -179,7 +164,7 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
     local = opt.optim  # this rank's AdamW, over the parameters it owns
     owned = [p for g in local.param_groups for p in g["params"]]
     mine = {"rank": rank, "param_numel": sum(p.numel() for p in owned), "n_tensors": len(owned),
-            "optimizer_bytes": _storage_bytes(_tensors_in(local.state)), "names": [names[id(p)] for p in owned]}
+            "optimizer_bytes": storage_bytes(tensors_in(local.state)), "names": [names[id(p)] for p in owned]}
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
     psi = sum(p.numel() for p in model.parameters())
@@ -192,69 +177,7 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
                 model_state=model_state_bytes(model, local))
 
 
-# =========================================================================== DeepSpeed: set-up
-
-
-def _cache_dir() -> Path:
-    """``$COURSE_LIB_CACHE``, else ``<repo>/.cache`` (the Makefile sets the former to the latter)."""
-    env = os.environ.get("COURSE_LIB_CACHE")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / ".cache"
-
-
-def torch_extensions_dir() -> str:
-    """Where DeepSpeed's JIT-built C++ ops are cached: ``<cache>/torch_extensions``.
-
-    DeepSpeed's first use on a CPU machine compiles ``deepspeed_shm_comm`` (~30 s; its
-    shared-memory all-reduce) with torch's ``cpp_extension``, which caches the build under
-    ``$TORCH_EXTENSIONS_DIR``. Keeping that inside the project makes the second run fast and
-    ``make clean`` remove it.
-    """
-    return str(_cache_dir() / "torch_extensions")
-
-
-@functools.lru_cache(maxsize=1)
-def deepspeed_available() -> tuple[bool, str]:
-    """``(True, "deepspeed 0.19.8 ...")`` when DeepSpeed can run here, else ``(False, why not)``.
-
-    Checks, in order: a C++ compiler (``c++`` on PATH) and ``Python.h`` (DeepSpeed JIT-compiles a
-    C++ op on first use), then that ``import deepspeed`` works -- in a subprocess, so the check
-    neither costs this process DeepSpeed's import nor lets its start-up warnings into a notebook.
-    Notebooks and tests skip with the reason.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        return False, "deepspeed is not installed (pip install deepspeed)"
-    cxx = shutil.which("c++")
-    if cxx is None:
-        return False, "no C++ compiler (c++) on PATH: DeepSpeed compiles a C++ op on first use"
-    include = sysconfig.get_paths().get("include", "")
-    if not os.path.exists(os.path.join(include, "Python.h")):
-        return False, f"Python.h not found in {include}: install the Python development headers (python3-dev)"
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available()
-                                                        else "cuda"), PYTHONWARNINGS="ignore")
-    try:
-        out = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"], env=env,
-                             capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return False, "import deepspeed did not finish within 120 s"
-    if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or ["?"])[-1]
-        return False, f"import deepspeed failed: {last}"
-    return True, f"deepspeed {out.stdout.strip().splitlines()[-1]}, C++ compiler {cxx}"
-
-
-def _import_deepspeed():
-    """Import DeepSpeed inside a rank: cache its C++ builds, pick the CPU accelerator, silence it."""
-    os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skip its detection (and the warning it logs)
-    import deepspeed
-    from deepspeed.utils import logger
-
-    logger.setLevel(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    return deepspeed
+# =========================================================================== DeepSpeed
 
 
 def deepspeed_config(stage: int, micro_batch: int = 4, *, offload_optimizer: bool = False,
@@ -294,87 +217,6 @@ def deepspeed_config(stage: int, micro_batch: int = 4, *, offload_optimizer: boo
     return config
 
 
-# =========================================================================== DeepSpeed: measuring
-
-# Where DeepSpeed's ZeRO optimizers keep things (attribute names in deepspeed 0.19, stage_1_and_2.py
-# and stage3.py). Anything else holding a tensor is found by walking the optimizer and reported as
-# "buffers", with the attribute it hangs from.
-_PARAM_ATTRS = ("bit16_groups_flat", "fp16_partitioned_groups_flat")  # the (partitioned) weights, flat
-_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")  # fp32 master partition
-_GRAD_ATTRS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
-               "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "all_grad_tensors")
-CATEGORIES = ("params", "grads", "master", "optimizer", "buffers")
-
-
-def _walk(obj, path: str, out: list, seen: set, depth: int = 0) -> None:
-    """Collect ``(path, tensor)`` for every tensor reachable through containers and DeepSpeed objects."""
-    if isinstance(obj, torch.Tensor):
-        out.append((path, obj))
-        return
-    if depth > 6 or id(obj) in seen or isinstance(obj, (nn.Module, torch.optim.Optimizer, str, bytes)):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        for v in obj.values():
-            _walk(v, path, out, seen, depth + 1)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            _walk(v, path, out, seen, depth + 1)
-    elif type(obj).__module__.startswith("deepspeed") and hasattr(obj, "__dict__"):
-        for k, v in vars(obj).items():
-            _walk(v, f"{path}.{k}" if path else k, out, seen, depth + 1)
-
-
-def _root(path: str) -> str:
-    """``"ipg_buckets.buffer"`` -> ``"ipg_buckets"``: the ZeRO optimizer's attribute a tensor hangs from."""
-    return path.split(".")[0]
-
-
-def _snapshot(engine, extra_grads=()) -> dict:
-    """Per-category bytes of unique storages this rank holds for the model right now."""
-    zero_opt = engine.optimizer
-    torch_opt = getattr(zero_opt, "optimizer", zero_opt)  # ZeRO wraps the torch optimizer; stage 0 does not
-    module_params = list(engine.module.parameters())
-    found: list = []
-    if zero_opt is not torch_opt:
-        _walk(zero_opt, "", found, set())
-    by_root: dict[str, list] = {}
-    for path, t in found:
-        by_root.setdefault(_root(path), []).append((path, t))
-
-    def from_attrs(names):
-        return [t for n in names for _, t in by_root.get(n, [])]
-
-    masters = from_attrs(_MASTER_ATTRS)
-    # stage 3: module params are empty placeholders; the rank's slice lives in ``param.ds_tensor``;
-    # a non-empty ``param.data`` there is a gathered full weight (working memory, not a model state)
-    ds_tensors = [p.ds_tensor for p in module_params if hasattr(p, "ds_tensor")]
-    stage3 = bool(ds_tensors)
-    groups = {
-        "params": (ds_tensors if stage3 else module_params) + from_attrs(_PARAM_ATTRS),
-        "master": masters,
-        "optimizer": list(_tensors_in(torch_opt.state)),
-        "grads": [p.grad for p in module_params + masters if p.grad is not None] + list(extra_grads)
-        + from_attrs(_GRAD_ATTRS),
-    }
-    seen: set = set()
-    out = unique_storage_bytes(groups, seen)
-    buffers: dict[str, int] = {}
-    for path, t in found + ([("gathered params", p) for p in module_params] if stage3 else []):
-        kb = _storage_key_and_bytes(t)
-        if kb is not None and kb[0] not in seen:
-            seen.add(kb[0])
-            buffers[_root(path)] = buffers.get(_root(path), 0) + kb[1]
-    out["buffers"] = sum(buffers.values())
-    out["total"] = sum(out[c] for c in CATEGORIES)
-    out["buffers_detail"] = buffers
-    # two details the decomposition needs: Adam's 0-d step tensors, stage 2's gradient partition buffer
-    out["adam_step"] = _storage_bytes(t for t in _tensors_in(torch_opt.state) if t.dim() == 0)
-    partition = getattr(zero_opt, "grads_in_partition", None)
-    out["grad_partition"] = _storage_bytes([partition]) if isinstance(partition, torch.Tensor) else 0
-    return out
-
-
 def deepspeed_expected_bytes(psi_pad: int, world_size: int, stage: int) -> dict:
     """Course formula (fp32 AdamW) and what DeepSpeed adds to it, per rank, in bytes.
 
@@ -401,7 +243,7 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
 
     Each rank trains on its slice of ``make_batch(micro_batch * N, seed=step)`` -- the same data a
     single device would see as one batch (``reference_training``). ``config`` defaults to
-    ``equality_config(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)`` (26k params).
+    ``experiments.common.small_config()`` (26k params).
 
     What is measured (unique storages, per rank), in the last step, category by category:
 
@@ -434,10 +276,10 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
     """
     if steps < 2:
         raise ValueError(f"steps={steps}: need >= 2 (AdamW's state exists only after the first step)")
-    deepspeed = _import_deepspeed()
-    config = config or equality_config(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+    deepspeed = import_deepspeed()
+    config = config or small_config()
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = GPT(config, seed=0)
+    model = GPT(config, seed=0).to(device())
     psi = model.num_params()
     ds_config = deepspeed_config(stage, micro_batch, offload_optimizer=offload_optimizer,
                                  bucket_elements=bucket_elements)
@@ -450,7 +292,7 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
 
     def on_grad(grad):  # runs as a gradient arrives, before it is accumulated into .grad
         nonlocal peak
-        snap = _snapshot(engine, extra_grads=[grad])
+        snap = snapshot(engine, extra_grads=[grad])
         if snap["total"] > peak["total"]:
             peak = snap
         return None
@@ -463,7 +305,7 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
         _, loss = engine(x, y)
         engine.backward(loss)
         if step == steps - 1:
-            held = _snapshot(engine)
+            held = snapshot(engine)
             if held["total"] > peak["total"]:
                 peak = held
             for h in hooks:
@@ -473,14 +315,14 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
         dist.all_reduce(mean_loss)  # the loss of the whole global batch, as one device would see it
         losses.append(mean_loss.item() / world)
 
-    psi_pad = _padded_numel(engine, psi, stage, world)
+    psi_pad = psi_padded(engine, psi, stage, world)
     largest = max(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     out = dict(stage=stage, world_size=world, rank=rank, psi=psi, psi_pad=psi_pad, losses=losses,
                optimizer_type=type(engine.optimizer).__name__, held=held, peak=peak,
                **deepspeed_decomposition(peak, psi_pad, world, stage, bucket_elements=bucket_elements,
                                          largest_numel=largest))
     if return_params:
-        out["params"] = _full_params(engine, deepspeed, stage)
+        out["params"] = full_params(engine, deepspeed, stage)
     engine.destroy()
     return out
 
@@ -533,31 +375,12 @@ def deepspeed_zero_stages(stages=(0, 1, 2, 3), config: GPTConfig | None = None, 
     return [deepspeed_zero(stage, config=config, steps=steps, **kwargs) for stage in stages]
 
 
-def _padded_numel(engine, psi: int, stage: int, world: int) -> int:
-    """Ψ_pad: the element count DeepSpeed actually partitions (N equal slices)."""
-    opt = engine.optimizer
-    if stage in (1, 2) and hasattr(opt, "bit16_groups_flat"):
-        return sum(t.numel() for t in opt.bit16_groups_flat)
-    if stage == 3 and hasattr(opt, "fp16_partitioned_groups_flat"):
-        return world * sum(t.numel() for t in opt.fp16_partitioned_groups_flat)
-    return psi
-
-
-def _full_params(engine, deepspeed, stage: int) -> dict[str, torch.Tensor]:
-    """Full weights by name (stage 3 gathers them: every rank must call this)."""
-    params = dict(engine.module.named_parameters())
-    if stage == 3:
-        with deepspeed.zero.GatheredParameters(list(params.values())):
-            return {n: p.detach().clone() for n, p in params.items()}
-    return {n: p.detach().clone() for n, p in params.items()}
-
-
 def reference_training(config: GPTConfig | None = None, steps: int = 3, global_batch: int = 8) -> dict:
     """Single-device AdamW on the full batch -- what ``deepspeed_zero`` at any stage should equal.
 
     Returns ``{"losses", "params"}``; run it in the notebook / test process (no ranks needed).
     """
-    config = config or equality_config(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+    config = config or small_config()
     model = GPT(config, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
