@@ -1,7 +1,7 @@
 """Plots and widgets for the notebooks.
 
 ``zero_memory_calculator()`` -- the ZeRO memory calculator (chapter 03): how many bytes of model
-states each GPU holds under ZeRO stages 0-3, from the formulas in ``memory.py``
+states each GPU holds under ZeRO stages 0-3, from the one ZeRO table, ``formulas.zero_model_state_breakdown``
 (Rajbhandari et al. 2019, arXiv:1910.02054, Figure 1). ``zero_memory_table()`` is the same
 numbers as plain text, printable anywhere (and what the widget shows as its text
 representation, so an executed notebook stores a deterministic output).
@@ -15,14 +15,27 @@ from .formulas import zero_model_state_breakdown
 __all__ = ["zero_memory_table", "zero_memory_calculator", "ZERO_STAGE_NAMES"]
 
 ZERO_STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
-_FORMULAS = {  # per GPU, bytes: p / g bytes per parameter, K optimizer bytes per parameter
-    0: "(p+g+K)Ψ",
-    1: "(p+g)Ψ + KΨ/N",
-    2: "pΨ + (g+K)Ψ/N",
-    3: "(p+g+K)Ψ/N",
-}
-_PRECISION = {"mixed": (2, 2, 12, "mixed precision: 2-byte params and grads"),
-              "fp32": (4, 4, 8, "fp32: 4-byte params and grads")}
+_PRECISION_WORDS = {"mixed": "mixed precision: 2-byte params and grads", "fp32": "fp32: 4-byte params and grads"}
+
+
+def _per_parameter_bytes(precision: str) -> tuple[float, float, float]:
+    """(p, g, K): bytes per parameter of params, grads and optimizer state, read off the ZeRO table."""
+    one = zero_model_state_breakdown(1, 1, 0, precision)
+    return one["params"], one["grads"], one["optimizer"]
+
+
+def _formula(stage: int) -> str:
+    """The stage's per-GPU formula, e.g. ``"pΨ + (g+K)Ψ/N"``: which parts the ZeRO table divides by N."""
+    whole, split = zero_model_state_breakdown(1, 1, stage), zero_model_state_breakdown(1, 2, stage)
+    parts = [("p", "params"), ("g", "grads"), ("K", "optimizer")]
+    terms = []
+    for sharded, suffix in ((False, "Ψ"), (True, "Ψ/N")):
+        names = [sym for sym, key in parts if (split[key] < whole[key]) == sharded]
+        if names:
+            terms.append((names[0] if len(names) == 1 else "(" + "+".join(names) + ")") + suffix)
+    return " + ".join(terms)
+
+
 _UNITS = [(1e12, "TB", 2**40, "TiB"), (1e9, "GB", 2**30, "GiB"), (1e6, "MB", 2**20, "MiB"), (1e3, "kB", 2**10, "KiB"),
           (1, "B", 1, "B")]
 
@@ -66,9 +79,10 @@ def zero_memory_table(psi: float, n: int, precision: str = "mixed", k: float | N
       3 P_os+g+p      0.2 GB     0.2 GB     1.4 GB     1.9 GB      1.7   (p+g+K)Ψ/N
       model states only (no activations, buffers or fragmentation); Rajbhandari et al. 2019, Fig. 1
     """
-    if precision not in _PRECISION:
+    if precision not in _PRECISION_WORDS:
         raise ValueError(f"precision={precision!r} must be 'mixed' or 'fp32'")
-    p_bytes, g_bytes, k_default, words = _PRECISION[precision]
+    p_bytes, g_bytes, k_default = _per_parameter_bytes(precision)
+    words = _PRECISION_WORDS[precision]
     k = k_default if k is None else k
     rows = zero_rows(psi, n, precision, k)
     dec, unit, binary, bunit = _unit(min(r["total"] for r in rows))  # one unit; even the smallest total >= 1
@@ -80,11 +94,11 @@ def zero_memory_table(psi: float, n: int, precision: str = "mixed", k: float | N
     gpus = f"{n} GPU{'s' if n != 1 else ''}"
     lines = [f"ZeRO model states per GPU: Ψ = {_psi_text(psi)} parameters, N = {gpus}, {words}, K = {k:g}",
              f"  {'stage':<11}{'params':>{width}}{'grads':>{width}}{'optimizer':>{width}}{'total':>{width}}"
-             f"{'(' + bunit + ')':>9}   formula (p={p_bytes}, g={g_bytes})"]
+             f"{'(' + bunit + ')':>9}   formula (p={p_bytes:g}, g={g_bytes:g})"]
     for r in rows:
         mark = " <" if stage == r["stage"] else ""
         lines.append(f"  {r['stage']} {r['name']:<9}{cell(r['params'])}{cell(r['grads'])}{cell(r['optimizer'])}"
-                     f"{cell(r['total'])}{r['total'] / binary:>9,.1f}   {_FORMULAS[r['stage']]}{mark}")
+                     f"{cell(r['total'])}{r['total'] / binary:>9,.1f}   {_formula(r['stage'])}{mark}")
     lines.append("  model states only (no activations, buffers or fragmentation); Rajbhandari et al. 2019, Fig. 1")
     return "\n".join(lines)
 
@@ -136,9 +150,9 @@ def zero_memory_calculator(psi_billions: float = 7.5, n: int = 64, stage: int = 
     """
     import ipywidgets as widgets
 
-    if precision not in _PRECISION:
+    if precision not in _PRECISION_WORDS:
         raise ValueError(f"precision={precision!r} must be 'mixed' or 'fp32'")
-    k = _PRECISION[precision][2] if k is None else k
+    k = _per_parameter_bytes(precision)[2] if k is None else k
     style = {"description_width": "initial"}
     w_psi = widgets.BoundedFloatText(value=psi_billions, min=0.001, max=100000, step=0.5,
                                      description="Ψ (billions of parameters)", style=style)
@@ -175,7 +189,7 @@ def zero_memory_calculator(psi_billions: float = 7.5, n: int = 64, stage: int = 
         chart.value = _bar_chart_png(w_psi.value * 1e9, w_n.value, w_prec.value, w_k.value, w_stage.value)
 
     def on_precision(change):
-        w_k.value = _PRECISION[change["new"]][2]  # triggers update through w_k
+        w_k.value = _per_parameter_bytes(change["new"])[2]  # triggers update through w_k
 
     w_prec.observe(on_precision, names="value")
     for w in (w_psi, w_n, w_stage, w_k):
