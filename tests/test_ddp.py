@@ -418,3 +418,20 @@ def test_bench_rank_functions_return_numbers_for_the_notebook():
     assert {e[0] for e in tl["overlapped"]} == {"compute", "comm", "wait"}
     naive_backward_end = [e for e in tl["naive"] if e[1] == "backward"][0][3]
     assert min(e[2] for e in tl["naive"] if e[0] == "comm") >= naive_backward_end, "naive: comm after backward"
+
+
+def _chapter_claims():
+    from course_lib.experiments import ch02_ddp
+
+    return [ch02_ddp.equality_with_single_device(v, o, steps)
+            for v in ch02_ddp.VARIANTS for o, steps in (("sgd", 5), ("adamw", 10))] \
+        + [ch02_ddp.accumulation_with_no_sync(micro_batches=4)]
+
+
+def test_notebook_02_claims_hold_on_every_rank():
+    per_rank = spawn(_chapter_claims, 2, timeout=180)
+    failed = [(rank, type(r).__name__, getattr(r, "variant", ""), claim)
+              for rank, results in enumerate(per_rank) for r in results
+              for claim, ok in r.claims().items() if not ok]
+    assert failed == []
+    assert all(r.claims() for results in per_rank for r in results)  # every result states at least one claim
