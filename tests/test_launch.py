@@ -23,8 +23,13 @@ def no_orphans():
     assert _children() == [], "a rank process outlived spawn()"
 
 
+def _expected_device(rank: int, world: int) -> str:
+    """What ``device()`` says under ``backend="auto"``: cpu with gloo, the rank's GPU with nccl."""
+    return f"cuda:{rank}" if resolve_backend("auto", world) == "nccl" else "cpu"
+
+
 def _rank_sum():
-    t = torch.tensor([dist.get_rank() + 1.0])
+    t = torch.tensor([dist.get_rank() + 1.0], device=device())
     dist.all_reduce(t)
     return dist.get_rank(), dist.get_world_size(), t.item(), str(device())
 
@@ -33,7 +38,8 @@ def _rank_sum():
 def test_spawn_returns_results_in_rank_order(world):
     out = spawn(_rank_sum, world)
     assert [o[0] for o in out] == list(range(world))
-    assert all(o[1] == world and o[2] == world * (world + 1) / 2 and o[3] == "cpu" for o in out)
+    assert all(o[1] == world and o[2] == world * (world + 1) / 2 for o in out)
+    assert [o[3] for o in out] == [_expected_device(rank, world) for rank in range(world)]
 
 
 def test_function_and_closure_sent_by_value():
@@ -128,7 +134,9 @@ def test_same_function_runs_under_torchrun():
          "-m", "course_lib.launch", "course_lib.launch:hello"],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "rank 1: {'rank': 1, 'world_size': 2, 'backend': 'gloo', 'device': 'cpu', 'sum_of_ranks': 1}" in proc.stdout
+    backend = resolve_backend("auto", 2)  # torchrun's --nproc-per-node 2 on this machine
+    assert (f"rank 1: {{'rank': 1, 'world_size': 2, 'backend': '{backend}', 'device': '{_expected_device(1, 2)}', "
+            "'sum_of_ranks': 1}") in proc.stdout
 
 
 def test_hello_via_spawn():
