@@ -15,6 +15,7 @@ slice), :func:`fsdp2_model_state_accounting` (bytes held vs 16Ψ_pad/N), :func:`
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 
@@ -146,14 +147,10 @@ def fsdp2_vs_single_device(steps: int = 10, optimizer: str = "adamw", reshard_af
 def _zero3_step(model, opt, x, y, log_f=None, log_b=None) -> float:
     """One Zero3 step; with CommLogs, forward and backward(+step) are recorded separately."""
     opt.zero_grad(set_to_none=True)
-    if log_f is None:
+    with log_f or contextlib.nullcontext():
         _, loss = model(x, y)
+    with log_b or contextlib.nullcontext():
         loss.backward()
-    else:
-        with log_f:
-            _, loss = model(x, y)
-        with log_b:
-            loss.backward()
     opt.step()
     return loss.item()
 
@@ -322,13 +319,10 @@ def fsdp2_mixed_precision(steps: int = 5, config: GPTConfig | None = None, globa
         out.setdefault("rel_err", {})[name] = rel
         out.setdefault("max_rel_err", {})[name] = max(rel.values())
         out.setdefault("median_rel_err", {})[name] = statistics.median(rel.values())
-    g = out["comm"]
-    out["gather_bytes_ratio_bf16_over_fp32"] = g["bf16"]["all_gather"]["tensor_bytes"] / \
-        g["fp32"]["all_gather"]["tensor_bytes"]
-    out["reduce_bytes_ratio_bf16_over_fp32"] = g["bf16"]["reduce_scatter"]["tensor_bytes"] / \
-        g["fp32"]["reduce_scatter"]["tensor_bytes"]
-    out["peak_gathered_ratio_bf16_over_fp32"] = out["peak_gathered_bytes"]["bf16"] / \
-        out["peak_gathered_bytes"]["fp32"]
+    g, peak = out["comm"], out["peak_gathered_bytes"]
+    for op, key in (("all_gather", "gather"), ("reduce_scatter", "reduce")):
+        out[f"{key}_bytes_ratio_bf16_over_fp32"] = g["bf16"][op]["tensor_bytes"] / g["fp32"][op]["tensor_bytes"]
+    out["peak_gathered_ratio_bf16_over_fp32"] = peak["bf16"] / peak["fp32"]
     return out
 
 
@@ -362,19 +356,13 @@ def fsdp2_checkpoint_roundtrip(tmp_dir: str, steps: int = 4, resume_at: int = 2,
                                global_batch: int = 8) -> dict:
     """Rank function: sharded checkpoint with ``torch.distributed.checkpoint`` (DCP), resume, compare.
 
-    Save at step ``resume_at``::
-
-        model_sd, optim_sd = get_state_dict(model, optimizer)     # DTensor shards, canonical keys
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-
-    Every rank writes *its own* shards (``__<rank>_0.distcp``) — nobody gathers the model —
-    and the coordinator (rank 0) writes ``.metadata``: for every tensor, its global shape and
-    which chunk (offsets, sizes) lies in which file. Loading is the mirror image, into a *fresh*
-    model (another init) and optimizer::
-
-        model_sd, optim_sd = get_state_dict(model, optimizer)     # the layout to fill
-        dcp.load(state := {"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    Save at step ``resume_at`` (:func:`_dcp_save`: ``get_state_dict`` → the DTensor shards under
+    canonical keys → ``dcp.save``). Every rank writes *its own* shards (``__<rank>_0.distcp``) —
+    nobody gathers the model — and the coordinator (rank 0) writes ``.metadata``: for every tensor,
+    its global shape and which chunk (offsets, sizes) lies in which file. Loading
+    (:func:`_dcp_load`) is the mirror image, into a *fresh* model (another init) and optimizer:
+    ``get_state_dict`` gives the layout to fill, ``dcp.load`` fills it in place, ``set_state_dict``
+    puts it into the model and the optimizer.
 
     Because the metadata speaks of global chunks, the checkpoint loads at another world size too
     (:func:`fsdp2_load_checkpoint`) — unlike ``Zero3``'s per-rank optimizer files.
