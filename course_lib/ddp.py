@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .grad_buckets import GradBuckets, make_buckets, mark_reduced_by
+from .grad_buckets import GradBuckets, make_buckets
+from .sharding import mark_reduced_by
 
 __all__ = ["DDP", "naive_allreduce_gradients", "torch_ddp", "trainable_parameters", "make_buckets"]
 

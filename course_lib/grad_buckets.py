@@ -27,10 +27,6 @@ identical: ``bucket 0, …, bucket K−1, used-flags``. A parameter with no grad
 The price: a parameter unused on one rank holds back its bucket *and every later one* until backward
 ends (less overlap), and the flag all-reduce costs one small message per step. Torch DDP makes the
 same trade only when asked (``find_unused_parameters=True``).
-
-Marks: a data-parallel wrapper reduces gradients itself, so ZeRO must not be stacked on one (the
-gradients would be reduced twice). :func:`mark_reduced_by` leaves the wrapper's name on each
-parameter it reduces, and :func:`reducer_of` reads it back in O(parameters).
 """
 from __future__ import annotations
 
@@ -43,25 +39,7 @@ import torch.nn as nn
 
 from . import comm
 
-__all__ = ["make_buckets", "GradBuckets", "mark_reduced_by", "reducer_of"]
-
-_MARK = "_course_reduced_by"
-
-
-def mark_reduced_by(params, owner: str) -> None:
-    """Note on each parameter that ``owner`` (a wrapper's name) reduces its gradient."""
-    for p in params:
-        setattr(p, _MARK, owner)
-
-
-def reducer_of(params) -> str | None:
-    """The name of the wrapper that already reduces one of these parameters' gradients, if any."""
-    for p in params:
-        owner = getattr(p, _MARK, None)
-        if owner is not None:
-            return owner
-    return None
-
+__all__ = ["make_buckets", "GradBuckets"]
 
 def make_buckets(params: list, cap_bytes: float) -> list[list]:
     """Pack parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own).

@@ -36,12 +36,9 @@ In this file
 * Stage 3 lives in ``zero3.py`` (:class:`~course_lib.zero3.Zero3`); the measurements that compare
   bytes held and sent with the formulas above live in ``experiments/ch03_zero.py``.
 
-The rule that keeps every rank in step (as in ``ddp.py``): collectives are matched by call
-order, so every rank issues exactly the same collectives in the same order, whatever
-gradients it happens to have. A gradient this rank does not have is sent as zeros, and one
-small all-reduce (tag ``"used"``) tells every rank which parameters had a gradient anywhere:
-a parameter with no gradient on *any* rank keeps ``.grad = None`` and is not stepped,
-exactly as a single-device optimizer skips it.
+Every rank issues the same collectives in the same order whatever gradients it has (the rule in
+``grad_buckets.py``, shared with DDP): a parameter with no gradient on *any* rank keeps
+``.grad = None`` and is not stepped, exactly as a single-device optimizer skips it.
 """
 from __future__ import annotations
 
@@ -53,59 +50,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .grad_buckets import GradBuckets, make_buckets, mark_reduced_by, reducer_of
+from .grad_buckets import GradBuckets, make_buckets
+from .sharding import ELEMENTWISE_OPTIMIZERS, _check_fp32, _check_optimizer_cls, _check_same_device  # noqa: F401
+from .sharding import mark_reduced_by, reducer_of
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
-
-# Optimizers whose update of element i reads only element i of the parameter, its gradient and
-# its state (plus per-tensor scalars such as the step count). Only those can be cut into
-# slices: a slice's update is then exactly the slice of the full update. LBFGS (global dot
-# products), Adafactor (row/column statistics of a matrix) or Muon (orthogonalises a matrix)
-# need the whole tensor and cannot be sharded this way.
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
-                          torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta,
-                          torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
-
-
-# =========================================================================== input checks
-
-
-def _check_optimizer_cls(optimizer_cls) -> None:
-    names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_cls must be an element-wise torch.optim.Optimizer class (each element's "
-                        f"update depends on that element alone: {names}), got {optimizer_cls!r}")
-    if not issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS):
-        raise ValueError(f"{optimizer_cls.__name__} is not an element-wise optimizer: ZeRO steps each rank's "
-                         f"slice of a flat buffer on its own, which is only the same as stepping the whole "
-                         f"tensor when every element's update depends on that element alone. Supported: {names}")
-
-
-def _check_same_device(tensors, who: str) -> torch.device:
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"{who}: parameters are on several devices {sorted(map(str, devices))}; "
-                         f"move the model to one device (this rank's, launch.device()) first")
-    return devices.pop() if devices else torch.device("cpu")
-
-
-def _check_fp32(named, who: str) -> None:
-    for name, p in named:
-        if p.dtype != torch.float32:
-            raise ValueError(f"{who} keeps fp32 parameters (master weights); {name} is {p.dtype}. "
-                             f"Keep the model in fp32"
-                             + (" and pass compute_dtype=torch.bfloat16 for 16-bit compute" if who == "Zero3" else ""))
-
-
-def _is_data_parallel_module(module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from .ddp import DDP as CourseDDP
-
-    return isinstance(module, (DistributedDataParallel, CourseDDP))
-
-
-# =========================================================================== ZeRO-1 and ZeRO-2
 
 
 @dataclass(eq=False)
@@ -176,8 +125,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     padded count): stage 1 ``4Ψ params + 4Ψ grads + 8Ψ/N state``; stage 2 ``4Ψ + 4Ψ/N + 8Ψ/N``.
 
     After ``step()`` in stage 1 only this rank's slice of each ``p.grad`` holds the averaged
-    gradient (the rest is this rank's local gradient); in stage 2 ``p.grad`` is None — the
-    gradient lives in the partition. Call ``zero_grad()`` between steps.
+    gradient; in stage 2 ``p.grad`` is None (the gradient lives in the partition).
     """
 
     def __init__(self, params, optimizer_cls, stage: int = 1, process_group=None, *,
@@ -208,7 +156,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.buckets: list[_Bucket] = []
         for gi, group in enumerate(groups):
             self.flat_params.append(self._flatten_group(gi, group["params"], cap))
-        self._bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b.params}  # p → bucket index
         self._offset_of = {p: off for b in self.buckets for p, off in zip(b.params, b.offsets)}  # p → flat offset
 
         # 2. This rank's partition, as one segment Parameter per (parameter ∩ owned slice),

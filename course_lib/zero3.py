@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .zero import _check_fp32, _check_same_device, _is_data_parallel_module
+from .sharding import _check_fp32, _check_same_device, _is_data_parallel_module
 
 __all__ = ["Zero3"]
 

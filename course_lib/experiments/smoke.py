@@ -81,7 +81,8 @@ def _run_one(target: str, kwargs: dict, tmp: str) -> dict:
     from ..launch import device
 
     module, name = target.split(":")
-    getattr(importlib.import_module(module), name)(**{k: tmp if isinstance(v, str) and v == TMP else v for k, v in kwargs.items()})
+    kwargs = {k: tmp if isinstance(v, str) and v == TMP else v for k, v in kwargs.items()}
+    getattr(importlib.import_module(module), name)(**kwargs)
     return {"backend": dist.get_backend(), "device": str(device())}
 
 
