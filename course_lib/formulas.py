@@ -10,7 +10,7 @@ Chapters 05–09 add theirs here (pipeline bubble, tensor-parallel communication
 from __future__ import annotations
 
 __all__ = ["activation_bytes_estimate", "korthikanti_activation_bytes", "zero_model_state_breakdown",
-           "zero_model_state_bytes"]
+           "zero_model_state_bytes", "pipeline_bubble", "pipeline_bubble_megatron", "pipeline_p2p_bytes"]
 
 
 # --------------------------------------------------------------------------- activations, derived
@@ -177,3 +177,41 @@ def zero_model_state_bytes(psi: float, world_size: int, stage: int, precision: s
     31.4
     """
     return zero_model_state_breakdown(psi, world_size, stage, precision, k)["total"]
+
+
+# --------------------------------------------------------------------------- pipeline bubble
+
+
+def pipeline_bubble(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
+    """Bubble fraction of GPipe / 1F1B with equal stages: idle time / whole step = (p−1)/(v·m+p−1).
+
+    p stages, m micro-batches; ``num_chunks`` v > 1 for interleaved 1F1B (each rank runs v chunks of
+    1/v the work, so the fill and drain shrink v-fold). Huang et al. 2019 (GPipe, arXiv:1811.06965);
+    Narayanan et al. 2021 (arXiv:2104.04473) §2.2 quote the same idle time relative to the *ideal*
+    step instead, (p−1)/m (:func:`pipeline_bubble_megatron`).
+
+    >>> pipeline_bubble(4, 4)   # 3/7
+    0.42857142857142855
+    """
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                        ("num_chunks", num_chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    p, m, v = num_stages, num_microbatches, num_chunks
+    return (p - 1) / (v * m + p - 1)
+
+
+def pipeline_bubble_megatron(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
+    """Megatron's convention: bubble time / ideal time = (p−1)/(v·m). Same idle time as :func:`pipeline_bubble`."""
+    pipeline_bubble(num_stages, num_microbatches, num_chunks)  # validates
+    return (num_stages - 1) / (num_chunks * num_microbatches)
+
+
+def pipeline_p2p_bytes(num_stages: int, num_microbatches: int, activation_bytes: float, stage: int,
+                       num_chunks: int = 1) -> float:
+    """Bytes stage ``stage`` sends per step: one activation forward and one gradient backward per micro-batch
+    and boundary it owns (the first stage sends no input gradient, the last no activation)."""
+    p, v = num_stages, num_chunks
+    virtual = [c * p + stage for c in range(v)]
+    sends = sum((s < p * v - 1) + (s > 0) for s in virtual)
+    return sends * num_microbatches * activation_bytes

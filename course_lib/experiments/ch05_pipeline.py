@@ -1,0 +1,326 @@
+"""Chapter 05's measurements: pipelines equal to one device, bubbles, live activations, torch's pipelining.
+
+Rank functions (run them with ``launch.spawn``): :func:`pipeline_training` (our GPipe / 1F1B /
+interleaved 1F1B trained for some steps; returns this rank's stage weights for a single-device
+comparison in the parent), :func:`sleep_bubbles` (each stage a fixed sleep around a tiny real layer:
+the bubble measured against ``(p−1)/(m+p−1)``), :func:`gpt_timelines` (the real GPT: timelines,
+bubbles, live micro-batches and live activation bytes, p2p bytes), :func:`pp_dp_training`
+(2 stages × 2 replicas), :func:`torch_pipelining_grads` (``torch.distributed.pipelining`` on the
+same stages: gradients equal to ours) and :func:`zero_bubble_order` (torch's zero-bubble action
+order). Parent-side: :func:`merge_states`, :class:`BubbleResult`.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from ..launch import device
+from ..models import GPT, GPTConfig
+from ..pipeline import (PipelineRunner, bubble_fractions, gpt_loss, make_schedules, peak_live_microbatches,
+                        split_gpt, split_layers, split_microbatches)
+from ..formulas import pipeline_bubble
+from .common import Result, make_optimizer, parallel_config, shard_batch, step_batch
+
+__all__ = ["parallel_config", "pipeline_training", "merge_states", "SleepLayer", "sleep_bubbles", "BubbleResult",
+           "gpt_timelines", "pp_dp_training", "torch_pipelining_grads", "zero_bubble_order"]
+
+
+def _stage_chunks(config: GPTConfig, p: int, v: int, rank: int, dev) -> list[nn.Module]:
+    """This rank's chunks of the GPT (seed 0 on every rank: the same full model, then cut)."""
+    stages = split_gpt(GPT(config, seed=0), p, v)
+    return [stages[c * p + rank].to(dev) for c in range(v)]
+
+
+def _runner(config, schedule, p, m, v, stage, micro, chunks, ranks=None):
+    kwargs = {"num_chunks": v} if schedule == "interleaved" else {}
+    scheds = make_schedules(schedule, p, m, **kwargs)
+    return PipelineRunner(chunks, stage, scheds, m, activation_shape=(micro, config.block_size, config.d_model),
+                          ranks=ranks, device=device())
+
+
+# =========================================================================== equality with one device
+
+
+def pipeline_training(schedule: str = "1f1b", optimizer: str = "sgd", steps: int = 10, num_microbatches: int = 4,
+                      global_batch: int = 16, config: GPTConfig | None = None, num_chunks: int = 1) -> dict:
+    """Rank function: train the GPT as a pipeline of ``world`` stages; return this rank's stage weights.
+
+    Every rank builds the same full model (seed 0), keeps its stage(s), and runs ``steps``
+    optimizer steps on ``step_batch(k)`` split into ``num_microbatches``. The parent merges the
+    stages' state dicts (:func:`merge_states`) and compares them with ``reference_run`` on one device.
+    """
+    config = config or parallel_config()
+    p, rank, dev, v = dist.get_world_size(), dist.get_rank(), device(), num_chunks
+    chunks = _stage_chunks(config, p, v, rank, dev)
+    micro = global_batch // num_microbatches
+    split_microbatches(torch.empty(global_batch), num_microbatches)  # a clear error before any rank waits
+    runner = _runner(config, schedule, p, num_microbatches, v, rank, micro, chunks)
+    opt = make_optimizer(optimizer, runner.params)
+    losses = []
+    for step in range(steps):
+        x, y = step_batch(step, config, global_batch, dev)
+        opt.zero_grad(set_to_none=True)
+        stats = runner.step(x, y)
+        opt.step()
+        losses.append(sum(stats.losses) / num_microbatches if stats.losses else None)
+    state = {k: t.detach().cpu() for c in chunks for k, t in c.state_dict().items()}
+    return {"rank": rank, "state": state, "losses": losses}
+
+
+def merge_states(results: list[dict]) -> dict:
+    """The full model's state dict from every rank's :func:`pipeline_training` result (keys are disjoint)."""
+    merged = {}
+    for r in results:
+        overlap = set(merged) & set(r["state"])
+        if overlap:
+            raise ValueError(f"two stages hold the same parameter(s): {sorted(overlap)[:3]}")
+        merged.update(r["state"])
+    return merged
+
+
+# =========================================================================== bubbles with fixed stage costs
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps ``t_f`` and backward ``t_b`` seconds: a stage with known costs."""
+
+    @staticmethod
+    def forward(ctx, x, t_f, t_b):
+        ctx.t_b = t_b
+        time.sleep(t_f)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.t_b)
+        return grad, None, None
+
+
+class SleepLayer(nn.Module):
+    """A tiny real ``Linear`` whose forward costs ``t_f`` and backward ``t_b`` seconds (sleeping, not computing:
+    timings that a busy 2-core laptop cannot disturb)."""
+
+    def __init__(self, width: int, t_f: float, t_b: float, seed: int = 0):
+        super().__init__()
+        self.t_f, self.t_b = t_f, t_b
+        self.linear = nn.Linear(width, width, bias=False)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.randn(width, width, generator=torch.Generator().manual_seed(seed)) * 0.1)
+
+    def forward(self, x):
+        return _Sleep.apply(self.linear(x), self.t_f, self.t_b)
+
+
+@dataclass
+class BubbleResult(Result):
+    """Measured bubble per (schedule, m): per-rank fractions (median over steps) and the formula."""
+
+    p: int
+    t_f: float
+    t_b: float
+    rows: list = field(default_factory=list)  # {"schedule", "m", "per_rank", "formula", "peak_live"}
+    timelines: dict = field(default_factory=dict)  # "schedule/m" -> per-rank events, seconds from step start
+    margin: float = 0.05
+
+    def claims(self) -> dict[str, bool]:
+        out = {}
+        for r in self.rows:
+            ok = all(abs(b - r["formula"]) <= self.margin for b in r["per_rank"])
+            out[f"{r['schedule']}, p={self.p}, m={r['m']}: every rank's bubble within {self.margin} of "
+                f"(p−1)/(m+p−1) = {r['formula']:.3f}"] = ok
+        return out
+
+
+def sleep_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: float = 0.02, t_b: float = 0.04,
+                  steps: int = 3, warmup: int = 1, width: int = 8, micro_batch: int = 2) -> dict:
+    """Rank function: every stage one :class:`SleepLayer` (``t_f`` forward, ``t_b`` backward); measure bubbles.
+
+    For each schedule and ``m``: ``warmup`` + ``steps`` pipeline steps, each after a barrier; per step
+    and rank, bubble = 1 − busy / (latest end − earliest start over all ranks) from ``perf_counter``
+    (one clock for all processes on a machine), gathered on every rank; the median over ``steps``.
+    Returns ``BubbleResult.as_dict()`` (rank 0's is the one to read) plus the last step's timelines.
+    """
+    p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    layers = [SleepLayer(width, t_f, t_b, seed=k) for k in range(p)]
+    mod = split_layers(layers, p)[rank].to(dev)
+    loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
+    res = BubbleResult(p=p, t_f=t_f, t_b=t_b)
+    for name in schedules:
+        for m in microbatches:
+            runner = PipelineRunner([mod], rank, make_schedules(name, p, m), m, activation_shape=(micro_batch, width),
+                                    loss_fn=loss_fn, device=dev)
+            x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(dev)
+            per_step = []
+            for i in range(warmup + steps):
+                mod.zero_grad(set_to_none=True)
+                dist.barrier()
+                stats = runner.step(x, x)
+                gathered = [None] * p
+                dist.all_gather_object(gathered, stats.events)
+                if i >= warmup:
+                    per_step.append(bubble_fractions(gathered))
+            per_rank = [statistics.median(s[r] for s in per_step) for r in range(p)]
+            res.rows.append({"schedule": name, "m": m, "per_rank": per_rank, "formula": pipeline_bubble(p, m),
+                             "peak_live": stats.peak_live_microbatches})
+            t0 = min(e.start for tl in gathered for e in tl)
+            res.timelines[f"{name}/{m}"] = [[(e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0) for e in tl]
+                                            for tl in gathered]
+    return res.as_dict()
+
+
+# =========================================================================== the real GPT: timelines and memory
+
+
+def gpt_timelines(schedules=("gpipe", "1f1b"), num_microbatches: int = 8, global_batch: int = 32, steps: int = 3,
+                  config: GPTConfig | None = None) -> dict:
+    """Rank function: the GPT pipeline's real timelines, bubbles, live micro-batches / bytes and p2p bytes.
+
+    For each schedule: ``steps`` steps (the first a warm-up), after a barrier each. Returns, per
+    schedule: every rank's events of the last step (seconds from its start), the bubble per rank
+    (median over the measured steps), this rank's peak live micro-batches and peak live activation
+    bytes, the predicted peak (:func:`~course_lib.pipeline.peak_live_microbatches` of the schedule),
+    the bytes this rank sent per step (``CommLog``), and one micro-batch activation's bytes.
+    """
+    config = config or parallel_config()
+    p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    m = num_microbatches
+    micro = global_batch // m
+    chunks = _stage_chunks(config, p, 1, rank, dev)
+    out = {"p": p, "m": m, "rank": rank, "activation_bytes": micro * config.block_size * config.d_model * 4}
+    for name in schedules:
+        runner = _runner(config, name, p, m, 1, rank, micro, chunks)
+        bubbles = []
+        for i in range(steps):
+            x, y = step_batch(i, config, global_batch, dev)
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+            dist.barrier()
+            with comm.CommLog() as log:
+                stats = runner.step(x, y)
+            gathered = [None] * p
+            dist.all_gather_object(gathered, stats.events)
+            if i > 0:
+                bubbles.append(bubble_fractions(gathered))
+        t0 = min(e.start for tl in gathered for e in tl)
+        out[name] = {
+            "events": [[(e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0) for e in tl] for tl in gathered],
+            "bubble": [statistics.median(b[r] for b in bubbles) for r in range(p)],
+            "peak_live": stats.peak_live_microbatches, "peak_live_bytes": stats.peak_live_bytes,
+            "predicted_peak_live": peak_live_microbatches(runner.schedules[rank]),
+            "sent_bytes": log.total("tensor_bytes", op="send"), "sends": log.count(op="send"),
+            "recv_bytes": log.total("tensor_bytes", op="recv"),
+        }
+    return out
+
+
+# =========================================================================== PP × DP
+
+
+def pp_dp_training(num_stages: int = 2, schedule: str = "1f1b", optimizer: str = "sgd", steps: int = 5,
+                   num_microbatches: int = 2, global_batch: int = 16, config: GPTConfig | None = None) -> dict:
+    """Rank function: ``world / num_stages`` pipeline replicas × ``num_stages`` stages (rank = replica·p + stage).
+
+    Replica ``d`` trains on its ``1/dp`` of each global batch; after the pipeline step each stage's
+    gradients are all-reduced (and averaged) within that stage's data-parallel group — the ranks
+    holding the same stage in every replica. Returns this rank's stage weights (replica 0's suffice
+    for the comparison; every replica's are returned so the parent can check they agree).
+    """
+    config = config or parallel_config()
+    world, rank, dev, p = dist.get_world_size(), dist.get_rank(), device(), num_stages
+    if world % p:
+        raise ValueError(f"world_size={world} is not divisible by num_stages={p} (ranks = replicas × stages)")
+    dp = world // p
+    replica, stage = divmod(rank, p)
+    dp_groups = [dist.new_group([d * p + s for d in range(dp)]) for s in range(p)]  # every rank creates every group
+    chunks = _stage_chunks(config, p, 1, stage, dev)
+    micro = global_batch // dp // num_microbatches
+    runner = _runner(config, schedule, p, num_microbatches, 1, stage, micro, chunks,
+                     ranks=[replica * p + s for s in range(p)])
+    opt = make_optimizer(optimizer, runner.params)
+    with comm.CommLog() as log:
+        for step in range(steps):
+            x, y = shard_batch(*step_batch(step, config, global_batch, dev), rank=replica, world_size=dp)
+            opt.zero_grad(set_to_none=True)
+            runner.step(x, y)
+            for q in runner.params:
+                comm.all_reduce(q.grad, group=dp_groups[stage], tag="grad")
+                q.grad.div_(dp)
+            opt.step()
+    state = {k: t.detach().cpu() for c in chunks for k, t in c.state_dict().items()}
+    return {"rank": rank, "replica": replica, "stage": stage, "state": state,
+            "grad_allreduces": log.count(op="all_reduce", tag="grad"), "groups": sorted({r.group for r in log.records
+                                                                                      if r.op == "all_reduce"})}
+
+
+# =========================================================================== torch.distributed.pipelining
+
+
+def torch_pipelining_grads(schedule: str = "1f1b", num_microbatches: int = 4, global_batch: int = 16,
+                           config: GPTConfig | None = None, num_chunks: int = 2) -> dict:
+    """Rank function: one step of torch's schedule and of ours on identical stages; compare gradients.
+
+    ``schedule`` "gpipe" → ``ScheduleGPipe``, "1f1b" → ``Schedule1F1B``, "interleaved" →
+    ``ScheduleInterleaved1F1B`` (``num_chunks`` stages per rank), all with ``scale_grads=True``.
+    Returns max |Δgrad| between the two on this rank and torch's loss (last stage).
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    config = config or parallel_config()
+    p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    v = num_chunks if schedule == "interleaved" else 1
+    m, micro = num_microbatches, global_batch // num_microbatches
+    x, y = step_batch(0, config, global_batch, dev)
+    ours = _stage_chunks(config, p, v, rank, dev)
+    _runner(config, schedule, p, m, v, rank, micro, ours).step(x, y)
+    theirs = _stage_chunks(config, p, v, rank, dev)
+    stages = [PipelineStage(c, stage_index=k * p + rank, num_stages=p * v, device=dev) for k, c in enumerate(theirs)]
+    if schedule == "interleaved":
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=gpt_loss, scale_grads=True)
+    else:
+        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        sched = cls(stages[0], n_microbatches=m, loss_fn=gpt_loss, scale_grads=True)
+    losses: list = []
+    has_first, has_last = rank == 0, (p * v - 1) % p == rank
+    kwargs = {}
+    if has_last:
+        kwargs = dict(target=y, losses=losses)
+    if has_first:
+        sched.step(x, **kwargs)
+    else:
+        sched.step(**kwargs)
+    diff = max((a.grad - b.grad).abs().max().item() for ca, cb in zip(ours, theirs)
+               for a, b in zip(ca.parameters(), cb.parameters()))
+    loss = statistics.fmean(t.item() for t in losses) if losses else None
+    return {"rank": rank, "schedule": type(sched).__name__, "max_grad_diff": diff, "torch_loss": loss}
+
+
+def zero_bubble_order(num_microbatches: int = 4, config: GPTConfig | None = None) -> dict:
+    """Rank function: torch's ``ScheduleInterleavedZeroBubble`` (2 stages per rank), one real step, its action order.
+
+    Backward is split into ``I`` (gradient of the input, sent upstream at once) and ``W`` (gradient
+    of the weights, deferred into what would be bubble). Returns ``pipeline_order`` (rank → action
+    strings; ``None`` = idle slot) — torch records no times, so this is the static order — and the
+    mean loss of the step.
+    """
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+
+    config = config or parallel_config()
+    p, rank, dev, v = dist.get_world_size(), dist.get_rank(), device(), 2
+    x, y = step_batch(0, config, 4 * num_microbatches, dev)
+    chunks = _stage_chunks(config, p, v, rank, dev)
+    stages = [PipelineStage(c, stage_index=k * p + rank, num_stages=p * v, device=dev) for k, c in enumerate(chunks)]
+    sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=num_microbatches, loss_fn=gpt_loss)
+    losses: list = []
+    kwargs = dict(target=y, losses=losses) if (p * v - 1) % p == rank else {}
+    if rank == 0:
+        sched.step(x, **kwargs)
+    else:
+        sched.step(**kwargs)
+    order = {r: [None if a is None else str(a) for a in acts] for r, acts in sched.pipeline_order.items()}
+    return {"rank": rank, "order": order, "loss": statistics.fmean(t.item() for t in losses) if losses else None}

@@ -1,0 +1,522 @@
+"""Pipeline parallelism from scratch: stages, schedules (GPipe, 1F1B, interleaved 1F1B), a runner.
+
+Read top to bottom:
+
+1. **Stages** — :func:`balanced_split` and :func:`split_gpt` cut the course GPT into ``p`` stages of
+   consecutive blocks (the first stage also holds the embeddings, the last ``ln_f`` + ``lm_head``),
+   each a :class:`GPTStage` whose parameters keep their names in the full model. The model must be
+   **untied** (``experiments.common.parallel_config``): with tied weights the embedding (first
+   stage) and the output head (last stage) are one tensor on two ranks, and its two gradient halves
+   would have to be all-reduced between those ranks after every step (what Megatron does). Untied,
+   every parameter lives on exactly one stage and nothing but activations crosses stages.
+2. **Schedules** — a schedule is one stage's ordered list of :class:`Action` ``(op, microbatch,
+   chunk)``: ``op`` "F" (forward) or "B" (backward). :func:`gpipe` runs all forwards, then all
+   backwards (Huang et al. 2019); :func:`one_f_one_b` warms up with ``p − 1 − stage`` forwards,
+   then alternates one forward and one backward (PipeDream-Flush, Narayanan et al. 2021), so at most
+   ``p − stage`` micro-batches are alive; :func:`interleaved_one_f_one_b` gives each rank ``v``
+   chunks (virtual stages ``chunk·p + rank``) and cuts the bubble to ``(p−1)/(v·m+p−1)`` (Megatron-LM,
+   Narayanan et al. 2021 §2.2.2). :func:`check_schedule` (one stage's rules) and :func:`simulate`
+   (the dependencies across stages, with unit costs) reject a schedule that cannot run.
+3. **The runner** — :class:`PipelineRunner` executes a schedule with real activations sent forward
+   and gradients sent backward (``comm.isend`` / ``comm.irecv``, so :class:`~course_lib.comm.CommLog`
+   counts the bytes), accumulates gradients over micro-batches and divides them by ``m`` (torch's
+   ``scale_grads=True``), and records a timeline of :class:`Event` s (each F, B and each wait).
+4. **Metrics** — :func:`bubble_fractions` (idle time / whole step time, per rank), peak live
+   micro-batches, and peak **live** activation bytes: :class:`LiveActivationMeter` counts the bytes
+   autograd saved for backward and has *not yet released* (a saved tensor leaves the count when the
+   backward that used it has run), so GPipe's ``m`` live micro-batches and 1F1B's ``≤ p`` show up in
+   bytes.
+
+Why sends are asynchronous: on gloo a blocking ``send`` returns only once the receiver has posted its
+``recv``. In 1F1B stage 0 sends micro-batch 1's activation while stage 1 sends micro-batch 0's
+gradient back — both blocking, each waiting for the other: a deadlock. With ``isend`` a stage never
+waits for its own sends until the end of the step; it only waits for data it needs.
+
+Why receives are posted in the sender's order: p2p messages between two ranks are matched in the
+order they were posted (there is no message tag in ``comm``'s wrappers). In interleaved 1F1B both
+activations and gradients flow in both directions between two ranks; the receiver therefore reads
+the sender's schedule (schedules are deterministic) and posts its receives from that peer in exactly
+the sender's order, each as late as possible.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+
+__all__ = ["Action", "Event", "balanced_split", "GPTStage", "split_gpt", "split_layers", "split_microbatches",
+           "gpt_loss", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "make_schedules", "check_schedule",
+           "simulate", "peak_live_microbatches", "bubble_fractions", "LiveActivationMeter", "StepStats",
+           "PipelineRunner", "SCHEDULES"]
+
+
+# =========================================================================== stages
+
+
+def balanced_split(n_items: int, n_parts: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]``: ``n_items`` consecutive items in ``n_parts`` runs whose sizes differ by ≤ 1."""
+    if n_parts < 1:
+        raise ValueError(f"num_stages={n_parts} must be >= 1")
+    if n_parts > n_items:
+        raise ValueError(f"more stages than layers: {n_parts} stages for {n_items} layers "
+                         "(every stage needs at least one layer)")
+    base, extra = divmod(n_items, n_parts)
+    bounds, start = [], 0
+    for i in range(n_parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def split_layers(layers: Sequence[nn.Module], num_stages: int) -> list[nn.Sequential]:
+    """Any stack of layers as ``num_stages`` balanced ``nn.Sequential`` stages."""
+    return [nn.Sequential(*layers[a:b]) for a, b in balanced_split(len(layers), num_stages)]
+
+
+class GPTStage(nn.Module):
+    """Consecutive pieces of ``models.GPT``, under the names they have in the full model.
+
+    ``blocks`` is a ``ModuleDict`` keyed by the block's index in the full model, so
+    ``stage.state_dict()`` keys (``blocks.2.attn.c_attn.weight``) are a subset of
+    ``GPT.state_dict()``'s: the stages' dicts together are the full model's.
+    Input: token ids (first stage) or the hidden state ``(b, s, h)``; output: the hidden state, or the
+    logits ``(b, s, V)`` on the last stage.
+    """
+
+    def __init__(self, model, first_block: int, end_block: int, *, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe = model.wte, model.wpe
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first_block, end_block)})
+        if last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.wte(x) + self.wpe(pos)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def split_gpt(model, num_stages: int, num_chunks: int = 1) -> list[GPTStage]:
+    """The GPT as ``num_stages · num_chunks`` stages of balanced consecutive blocks, in pipeline order.
+
+    With ``num_chunks = v > 1`` (interleaved 1F1B) stage ``k`` of the returned list is virtual
+    stage ``k``; rank ``r`` holds virtual stages ``r, r + p, …, r + (v−1)·p``.
+    """
+    config = model.config
+    if config.tie_weights:
+        raise ValueError("tied weights: lm_head.weight is wte.weight, which would live on the first and the last "
+                         "stage at once; use an untied model (experiments.common.parallel_config()) — Megatron "
+                         "instead all-reduces that one gradient between the first and last stage")
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks} must be >= 1")
+    total = num_stages * num_chunks
+    if num_chunks > 1 and total > config.n_layer:
+        raise ValueError(f"v·p > layers: {num_chunks} chunks × {num_stages} stages = {total} virtual stages for "
+                         f"{config.n_layer} layers (each virtual stage needs at least one block)")
+    bounds = balanced_split(config.n_layer, total)
+    return [GPTStage(model, a, b, first=(k == 0), last=(k == total - 1)) for k, (a, b) in enumerate(bounds)]
+
+
+def split_microbatches(x: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """``x`` cut along the batch dimension into ``num_microbatches`` equal micro-batches."""
+    _check_m(num_microbatches)
+    if x.shape[0] % num_microbatches:
+        raise ValueError(f"batch of {x.shape[0]} is not divisible into num_microbatches={num_microbatches} equal "
+                         "micro-batches")
+    return list(x.chunk(num_microbatches))
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss on the last stage: mean cross-entropy over every position."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# =========================================================================== schedules
+
+
+class Action(NamedTuple):
+    """One step of a stage's schedule: ``op`` "F" or "B" on ``microbatch`` (of ``chunk``, interleaving only)."""
+
+    op: str
+    microbatch: int
+    chunk: int = 0
+
+    def __repr__(self) -> str:
+        return f"{self.op}{self.microbatch}" + (f"@{self.chunk}" if self.chunk else "")
+
+
+def _check_m(num_microbatches) -> None:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
+
+
+def _check_args(num_stages, num_microbatches, stage) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} must be an int >= 1")
+    _check_m(num_microbatches)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage={stage} must be in 0 … num_stages−1 = {num_stages - 1}")
+
+
+def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """GPipe: every forward, then every backward. All ``m`` micro-batches are alive at once."""
+    _check_args(num_stages, num_microbatches, stage)
+    m = num_microbatches
+    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """1F1B: ``p − 1 − stage`` warm-up forwards, then one forward / one backward, then the remaining backwards.
+
+    Stage ``k`` never holds more than ``p − k`` micro-batches' activations (GPipe: ``m``); the bubble
+    is GPipe's, ``(p−1)/(m+p−1)``.
+    """
+    _check_args(num_stages, num_microbatches, stage)
+    m = num_microbatches
+    warmup = min(num_stages - 1 - stage, m)
+    actions = [Action("F", i) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state: the forward of micro-batch warmup+i, the backward of i
+        actions += [Action("F", warmup + i), Action("B", i)]
+    actions += [Action("B", i) for i in range(m - warmup, m)]
+    return actions
+
+
+def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, stage: int, num_chunks: int = 2) -> list[Action]:
+    """Interleaved 1F1B (Megatron-LM): rank ``stage`` runs chunks ``c`` = virtual stages ``c·p + stage``.
+
+    Micro-batches go round in groups of ``p``: forward number ``k`` is micro-batch
+    ``(k // (p·v))·p + k % p`` on chunk ``(k // p) % v``; backwards walk the chunks in reverse. Warm-up:
+    ``2·(p − 1 − stage) + (v − 1)·p`` forwards. Bubble ``(p−1)/(v·m+p−1)``; activations and gradients
+    cross ranks ``v`` times as often.
+    """
+    _check_args(num_stages, num_microbatches, stage)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"num_chunks={v!r} must be an int >= 1")
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches divisible by num_stages: m={m}, p={p} "
+                         "(micro-batches go round the ranks in groups of p)")
+    total = m * v
+
+    def fwd(k: int) -> Action:
+        return Action("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def bwd(k: int) -> Action:
+        return Action("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    warmup = min(2 * (p - 1 - stage) + (v - 1) * p, total)
+    actions = [fwd(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        actions += [fwd(warmup + i), bwd(i)]
+    actions += [bwd(k) for k in range(total - warmup, total)]
+    return actions
+
+
+SCHEDULES: dict[str, Callable] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
+
+
+def make_schedules(schedule, num_stages: int, num_microbatches: int, **kwargs) -> list[list[Action]]:
+    """Every stage's action list: ``schedule`` is a name in :data:`SCHEDULES` or a generator function."""
+    fn = SCHEDULES.get(schedule) if isinstance(schedule, str) else schedule
+    if fn is None:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {sorted(SCHEDULES)}")
+    return [list(fn(num_stages, num_microbatches, s, **kwargs)) for s in range(num_stages)]
+
+
+def check_schedule(actions: Sequence[Action], num_microbatches: int, num_chunks: int = 1, stage: int | None = None):
+    """One stage's rules: every (micro-batch, chunk) exactly one F and one B, and its F before its B."""
+    where = "" if stage is None else f"stage {stage}: "
+    seen_f, seen_b = set(), set()
+    for i, a in enumerate(actions):
+        if not isinstance(a, tuple) or len(a) < 2 or a[0] not in ("F", "B"):
+            raise ValueError(f"{where}action {i} = {a!r} is not an Action(op, microbatch) with op 'F' or 'B'")
+        a = Action(*a)
+        if not (0 <= a.microbatch < num_microbatches and 0 <= a.chunk < num_chunks):
+            raise ValueError(f"{where}action {i} = {a!r}: micro-batch must be in 0…{num_microbatches - 1} and "
+                             f"chunk in 0…{num_chunks - 1}")
+        key = (a.microbatch, a.chunk)
+        if a.op == "F":
+            if key in seen_f:
+                raise ValueError(f"{where}action {i} = {a!r}: the forward of micro-batch {a.microbatch} runs twice")
+            seen_f.add(key)
+        else:
+            if key not in seen_f:
+                raise ValueError(f"{where}action {i} = {a!r}: backward before its forward (a micro-batch's F must "
+                                 "come before its B on the same stage)")
+            if key in seen_b:
+                raise ValueError(f"{where}action {i} = {a!r}: the backward of micro-batch {a.microbatch} runs twice")
+            seen_b.add(key)
+    missing = {(mb, c) for mb in range(num_microbatches) for c in range(num_chunks)} - seen_b
+    if missing:
+        mb, c = min(missing)
+        raise ValueError(f"{where}micro-batch {mb}" + (f" (chunk {c})" if num_chunks > 1 else "") +
+                         " never runs its forward and backward (every micro-batch needs one F and one B)")
+
+
+class Event(NamedTuple):
+    """One timeline entry of a rank: ``kind`` "F", "B" or "wait", its micro-batch and chunk, seconds."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+def simulate(schedules: Sequence[Sequence[Action]], num_microbatches: int, num_chunks: int = 1,
+             t_f: float = 1.0, t_b: float = 2.0) -> list[list[Event]]:
+    """Run all stages' schedules on paper: each F costs ``t_f``, each B ``t_b``, communication is free.
+
+    An F on virtual stage ``s`` starts when the rank is free *and* stage ``s−1`` has finished that
+    micro-batch's F; a B when stage ``s+1`` has finished its B. Returns each rank's events (no
+    waits). Raises ``ValueError`` if a schedule breaks a stage's rules or the stages wait on each other
+    forever (the dependencies across stages cannot be met in these orders).
+    """
+    p, v = len(schedules), num_chunks
+    for r, acts in enumerate(schedules):
+        check_schedule(acts, num_microbatches, v, stage=r)
+    last = p * v - 1
+    done: dict[tuple, float] = {}  # (op, microbatch, virtual stage) -> end time
+    free = [0.0] * p
+    pos = [0] * p
+    events: list[list[Event]] = [[] for _ in range(p)]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(schedules[r]):
+                a = Action(*schedules[r][pos[r]])
+                s = a.chunk * p + r
+                dep = None
+                if a.op == "F" and s > 0:
+                    dep = ("F", a.microbatch, s - 1)
+                elif a.op == "B" and s < last:
+                    dep = ("B", a.microbatch, s + 1)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[r], done[dep] if dep else 0.0)
+                end = start + (t_f if a.op == "F" else t_b)
+                done[(a.op, a.microbatch, s)] = free[r] = end
+                events[r].append(Event(a.op, a.microbatch, a.chunk, start, end))
+                pos[r] += 1
+                progress = True
+    stuck = [r for r in range(p) if pos[r] < len(schedules[r])]
+    if stuck:
+        waits = ", ".join(f"stage {r} at {Action(*schedules[r][pos[r]])!r}" for r in stuck)
+        raise ValueError(f"the schedules deadlock: {waits} each wait for a micro-batch another stage has not "
+                         "produced (an F needs the previous stage's F, a B the next stage's B)")
+    return events
+
+
+def peak_live_microbatches(actions: Sequence[Action]) -> int:
+    """Most micro-batches whose forward ran and whose backward has not, along one stage's actions."""
+    live = peak = 0
+    for a in actions:
+        live += 1 if a[0] == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def bubble_fractions(timelines: Sequence[Sequence[Event]]) -> list[float]:
+    """Per rank: 1 − busy / (latest end on any rank − earliest start on any rank); busy = Σ F and B durations.
+
+    The *bubble fraction* is the share of the whole step a rank spends idle. For GPipe and 1F1B with
+    equal stages it is ``(p−1)/(m+p−1)`` (Megatron's papers quote ``(p−1)/m``: idle time / *ideal*
+    time instead of / whole step).
+    """
+    work = [[e for e in tl if e.kind in ("F", "B")] for tl in timelines]
+    t0 = min(e.start for tl in work for e in tl)
+    t1 = max(e.end for tl in work for e in tl)
+    return [1.0 - sum(e.end - e.start for e in tl) / (t1 - t0) for tl in work]
+
+
+# =========================================================================== live activations
+
+
+class _Saved:
+    """What autograd keeps for one saved tensor while a :class:`LiveActivationMeter` is active."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class LiveActivationMeter:
+    """Bytes saved for backward and not yet released, counted as they come and go.
+
+    Inside ``with meter.saving():`` every tensor autograd saves is wrapped in a small holder that
+    autograd owns; once the backward that used it has run (``retain_graph=False``), autograd drops the
+    holder and it leaves the count. :meth:`live_bytes` sums the unique storages of the holders still
+    alive, leaving out ``exclude`` (the stage's parameters: a Linear saves its weight, a model state).
+    """
+
+    def __init__(self, exclude=()):
+        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self._alive: weakref.WeakSet = weakref.WeakSet()
+
+    def _pack(self, t: torch.Tensor):
+        holder = _Saved(t)
+        self._alive.add(holder)
+        return holder
+
+    @staticmethod
+    def _unpack(holder: _Saved) -> torch.Tensor:
+        return holder.tensor
+
+    def saving(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def live_bytes(self) -> int:
+        storages = {}
+        for h in list(self._alive):
+            st = h.tensor.untyped_storage()
+            if st.data_ptr() not in self._excluded:
+                storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
+
+
+# =========================================================================== the runner
+
+
+class StepStats(NamedTuple):
+    """What one :meth:`PipelineRunner.step` measured on this rank."""
+
+    losses: list  # per micro-batch (last stage only; else empty)
+    events: list  # Event(kind, microbatch, chunk, start, end), perf_counter seconds
+    peak_live_microbatches: int
+    peak_live_bytes: int
+    live_bytes: list  # (time, live activation bytes) after every action
+
+
+class PipelineRunner:
+    """Run one rank's share of a pipeline schedule: real forwards, backwards, and p2p transfers.
+
+    * ``chunks`` — this rank's stage modules: ``[stage module]``, or ``v`` modules for interleaving
+      (chunk ``c`` is virtual stage ``c·p + stage``);
+    * ``schedules`` — every stage's action list (:func:`make_schedules`): this rank runs
+      ``schedules[stage]`` and reads the others' to know the order its peers send in;
+    * ``activation_shape`` / ``dtype`` — one micro-batch's activation at a stage boundary;
+    * ``ranks`` — the global rank of each pipeline stage (default ``0 … p−1``; PP × DP passes its
+      replica's ranks).
+
+    :meth:`step` takes the whole batch (``inputs`` used by the first stage, ``targets`` by the last),
+    splits it into ``m`` micro-batches, runs the schedule and leaves the gradients of the mean loss
+    over the batch in ``.grad`` (accumulated, then divided by ``m``).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], stage: int, schedules: Sequence[Sequence[Action]],
+                 num_microbatches: int, *, activation_shape: Sequence[int], dtype=torch.float32,
+                 loss_fn: Callable = gpt_loss, ranks: Sequence[int] | None = None, device=None):
+        self.chunks = list(chunks)
+        self.p, self.v, self.m, self.stage = len(schedules), len(self.chunks), num_microbatches, stage
+        self.ranks = list(range(self.p)) if ranks is None else list(ranks)
+        if len(self.ranks) != self.p:
+            raise ValueError(f"ranks={self.ranks} must name one global rank per stage ({self.p} stages)")
+        simulate(schedules, num_microbatches, self.v)  # every stage's rules and the cross-stage dependencies
+        self.schedules = [[Action(*a) for a in acts] for acts in schedules]
+        self.loss_fn, self.shape, self.dtype = loss_fn, tuple(activation_shape), dtype
+        self.device = device if device is not None else next(self.chunks[0].parameters()).device
+        self.params = [q for c in self.chunks for q in c.parameters()]
+        # The order in which each peer sends to this rank: (kind, microbatch, virtual stage it is for).
+        self._incoming = {peer: [msg for msg, dst in self._sends_of(peer) if dst == stage]
+                          for peer in range(self.p) if peer != stage}
+
+    def _virtual(self, chunk: int, stage: int | None = None) -> int:
+        return chunk * self.p + (self.stage if stage is None else stage)
+
+    def _sends_of(self, peer: int) -> list[tuple[tuple, int]]:
+        """Messages ``peer`` sends, in its order: ((kind, microbatch, destination virtual stage), dst stage)."""
+        last, out = self.p * self.v - 1, []
+        for a in self.schedules[peer]:
+            s = self._virtual(a.chunk, peer)
+            if a.op == "F" and s < last:
+                out.append((("act", a.microbatch, s + 1), (s + 1) % self.p))
+            elif a.op == "B" and s > 0:
+                out.append((("grad", a.microbatch, s - 1), (s - 1) % self.p))
+        return out
+
+    def _recv(self, key: tuple, peer: int, posted: dict, cursor: dict):
+        """Post irecvs from ``peer`` in its send order up to ``key``; return ``key``'s (work, buffer)."""
+        queue = self._incoming[peer]
+        while key not in posted:
+            msg = queue[cursor[peer]]
+            cursor[peer] += 1
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            posted[msg] = (comm.irecv(buf, self.ranks[peer], tag="activation" if msg[0] == "act" else "grad"), buf)
+        return posted.pop(key)
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepStats:
+        p, m, last = self.p, self.m, self.p * self.v - 1
+        x_mb = split_microbatches(inputs, m) if self.stage == 0 else None
+        y_mb = split_microbatches(targets, m) if (last % p) == self.stage else None
+        meter = LiveActivationMeter(exclude=self.params)
+        posted, cursor = {}, {peer: 0 for peer in self._incoming}
+        stage_in, stage_out, sends = {}, {}, []
+        events, trace, losses = [], [], []
+        live = peak_live = peak_bytes = 0
+
+        def wait_for(key, peer):
+            t0 = time.perf_counter()
+            work, buf = self._recv(key, peer, posted, cursor)
+            work.wait()
+            events.append(Event("wait", key[1], -1, t0, time.perf_counter()))
+            return buf
+
+        for a in self.schedules[self.stage]:
+            s, mod, key = self._virtual(a.chunk), self.chunks[a.chunk], (a.microbatch, a.chunk)
+            try:
+                if a.op == "F":
+                    if s == 0:
+                        x = x_mb[a.microbatch]
+                    else:
+                        x = wait_for(("act", a.microbatch, s), (s - 1) % p).requires_grad_()
+                    t0 = time.perf_counter()
+                    with meter.saving():
+                        out = mod(x)
+                        if s == last:
+                            out = self.loss_fn(out, y_mb[a.microbatch])
+                    t1 = time.perf_counter()
+                    stage_in[key], stage_out[key] = x, out
+                    if s == last:
+                        losses.append(out.item())
+                    else:
+                        sends.append((comm.isend(out.detach(), self.ranks[(s + 1) % p], tag="activation"), out))
+                    live += 1
+                else:
+                    grad = None if s == last else wait_for(("grad", a.microbatch, s), (s + 1) % p)
+                    t0 = time.perf_counter()
+                    out, x = stage_out.pop(key), stage_in.pop(key)
+                    torch.autograd.backward(out, grad_tensors=grad)
+                    t1 = time.perf_counter()
+                    if s > 0:
+                        sends.append((comm.isend(x.grad, self.ranks[(s - 1) % p], tag="grad"), x.grad))
+                    del out, x
+                    live -= 1
+            except Exception as exc:
+                raise RuntimeError(f"pipeline stage {s} (rank {self.ranks[self.stage]}) failed in {a!r}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            events.append(Event(a.op, a.microbatch, a.chunk, t0, t1))
+            nbytes = meter.live_bytes()
+            trace.append((t1, nbytes))
+            peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, nbytes)
+        for work, _ in sends:  # keep each sent tensor alive until its send completed
+            work.wait()
+        for q in self.params:  # accumulated over m micro-batches of mean losses → the mean over the batch
+            if q.grad is not None:
+                q.grad.div_(m)
+        return StepStats(losses, events, peak_live, peak_bytes, trace)
