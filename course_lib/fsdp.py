@@ -49,7 +49,7 @@ import torch.nn as nn
 
 from .launch import device
 
-__all__ = ["fsdp2_wrap", "padded_numel", "full_state_dict"]
+__all__ = ["fsdp2_wrap", "padded_numel", "full_state_dict", "full_training_state"]
 
 
 # =========================================================================== wrapping
@@ -147,3 +147,19 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def full_training_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """Model and optimizer state as full tensors, flat keys (``model.<fqn>``, ``optim.state.<fqn>.<name>``).
+
+    ``get_state_dict(..., full_state_dict=True)`` gathers every DTensor (a collective); optimizer
+    state is keyed by parameter *name*, not by position, so it compares across world sizes.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    flat = {f"model.{k}": v for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        for name, v in st.items():
+            flat[f"optim.state.{fqn}.{name}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+    return flat

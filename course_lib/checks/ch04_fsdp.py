@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from ..comm import CollectiveCounter
-from ..experiments.ch04_fsdp import full_training_state
+from ..fsdp import full_training_state
 from ..experiments.common import shard_batch, step_batch, zero_config
 from ..fsdp import fsdp2_wrap, full_state_dict
 from ..launch import device

@@ -9,7 +9,7 @@ Rank functions for the notebook (run them with ``launch.spawn``; each returns pl
 * :func:`fsdp2_load_checkpoint` — load that checkpoint at another world size (DCP reshards).
 
 Pieces, usable in any rank function: :func:`fsdp2_train` (an FSDP2 model trained on each rank's
-slice), :func:`fsdp2_model_state_accounting` (bytes held vs 16Ψ_pad/N), :func:`full_training_state`
+slice), :func:`fsdp2_model_state_accounting` (bytes held vs 16Ψ_pad/N), ``fsdp.full_training_state``
 (model and optimizer state as full tensors, flat keys). The model is :func:`common.zero_config`'s
 (Ψ = 128,835, odd sizes), so FSDP2's row padding and ``Zero3``'s element padding both happen.
 """
@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from ..comm import CollectiveCounter, CommLog
 from ..formulas import zero_model_state_breakdown
-from ..fsdp import fsdp2_wrap, full_state_dict, padded_numel
+from ..fsdp import fsdp2_wrap, full_state_dict, full_training_state, padded_numel
 from ..launch import device
 from ..memory import GatheredParamMeter, model_state_bytes
 from ..models import GPT, GPTConfig
 from .common import (check_global_batch, make_optimizer, max_abs_diff, mean_over_ranks, median_times, race,
                      reference_run, shard_batch, step_batch, train_step, zero_config)
 
-__all__ = ["fsdp2_train", "fsdp2_model_state_accounting", "full_training_state", "fsdp2_vs_single_device",
+__all__ = ["fsdp2_train", "fsdp2_model_state_accounting", "fsdp2_vs_single_device",
            "fsdp2_vs_zero3", "fsdp2_mixed_precision", "fsdp2_checkpoint_roundtrip", "fsdp2_load_checkpoint"]
 
 
@@ -73,22 +73,6 @@ def fsdp2_model_state_accounting(model, optimizer) -> dict:
     breakdown = zero_model_state_breakdown(psi_pad, n, 3, precision="fp32")
     return dict(stage=3, world_size=n, psi=psi, psi_pad=psi_pad, measured=measured, formula=breakdown["total"],
                 formula_breakdown=breakdown, ratio=measured["total"] / breakdown["total"])
-
-
-def full_training_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """Model and optimizer state as full tensors, flat keys (``model.<fqn>``, ``optim.state.<fqn>.<name>``).
-
-    ``get_state_dict(..., full_state_dict=True)`` gathers every DTensor (a collective); optimizer
-    state is keyed by parameter *name*, not by position, so it compares across world sizes.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-    flat = {f"model.{k}": v for k, v in msd.items()}
-    for fqn, st in osd["state"].items():
-        for name, v in st.items():
-            flat[f"optim.state.{fqn}.{name}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-    return flat
 
 
 def _digest(state: dict) -> dict[str, str]:
