@@ -1,0 +1,254 @@
+"""Pipeline parallelism: schedules valid, training equal to one device, bubbles as the formula says, live memory.
+
+Every distributed case runs inside ONE spawn per world size (each spawn costs seconds on 2 cores):
+``_suite`` trains every configuration and returns its stage weights and measurements; the
+parametrized tests read the case they name and compare with a single-device run computed here.
+"""
+import functools
+
+import pytest
+import torch
+
+from course_lib.experiments import ch05_pipeline as E
+from course_lib.experiments.common import parallel_config, reference_run, state_diff
+from course_lib.formulas import pipeline_bubble, pipeline_p2p_bytes
+from course_lib.launch import RankError, spawn
+from course_lib.models import GPT
+from course_lib.pipeline import (Action, PipelineRunner, check_schedule, gpipe, interleaved_one_f_one_b,
+                                 make_schedules, one_f_one_b, peak_live_microbatches, simulate, split_gpt,
+                                 split_microbatches)
+
+STEPS, BATCH, M = 10, 16, 4
+OPTS = ["sgd", "adamw"]
+SCHEDULES = ["gpipe", "1f1b"]
+
+
+def _suite(world: int) -> dict:
+    """Rank function: every case of this world size; returns {case: result}."""
+    out = {}
+    for sched in SCHEDULES:
+        for opt in OPTS:
+            out[(sched, opt)] = E.pipeline_training(sched, opt, STEPS, M, BATCH)
+    if world == 2:
+        out[("interleaved", "sgd")] = E.pipeline_training("interleaved", "sgd", STEPS, M, BATCH, num_chunks=2)
+        for sched in ("gpipe", "1f1b", "interleaved"):
+            out[("torch", sched)] = E.torch_pipelining_grads(sched, M, BATCH)
+        out["bubbles"] = E.sleep_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.02, t_b=0.04, steps=3, warmup=1)
+        out["timelines"] = E.gpt_timelines(("gpipe", "1f1b"), num_microbatches=8, global_batch=16, steps=2)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def suite(world: int) -> list[dict]:
+    return spawn(_suite, world, args=(world,), timeout=240)
+
+
+@functools.lru_cache(maxsize=None)
+def pp_dp() -> list[dict]:
+    return spawn(E.pp_dp_training, 4, kwargs=dict(num_stages=2, schedule="1f1b", optimizer="sgd", steps=5,
+                                                   num_microbatches=2, global_batch=16), timeout=120)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(opt: str, steps: int = STEPS):
+    return reference_run(parallel_config(), steps, BATCH, opt)[0]
+
+
+# =========================================================================== schedules (no ranks)
+
+
+GRID = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
+
+
+@pytest.mark.parametrize("p,m", GRID, ids=[f"p={p},m={m}" for p, m in GRID])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_schedule_is_valid_and_bubble_matches_formula_in_unit_time(name, p, m):
+    scheds = make_schedules(name, p, m)
+    events = simulate(scheds, m, t_f=1.0, t_b=2.0)  # raises if any dependency cannot be met
+    step = max(e.end for tl in events for e in tl)
+    assert step == pytest.approx(3.0 * (m + p - 1))  # (m + p − 1) slots of t_F + t_B
+    for r, acts in enumerate(scheds):
+        want = m if name == "gpipe" else min(p - r, m)
+        assert peak_live_microbatches(acts) == want
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2), (2, 4, 3), (3, 6, 2)])
+def test_interleaved_schedule_is_valid_and_bubble_is_p_minus_1_over_vm_plus_p_minus_1(p, m, v):
+    scheds = make_schedules("interleaved", p, m, num_chunks=v)
+    events = simulate(scheds, m, v, t_f=1.0 / v, t_b=2.0 / v)  # a chunk does 1/v of a stage's work
+    busy = 3.0 * m
+    step = max(e.end for tl in events for e in tl)
+    assert 1 - busy / step == pytest.approx(pipeline_bubble(p, m, v))
+
+
+def test_one_f_one_b_alternates_after_warmup():
+    assert one_f_one_b(4, 6, 1) == [Action("F", 0), Action("F", 1), Action("F", 2), Action("B", 0), Action("F", 3),
+                                    Action("B", 1), Action("F", 4), Action("B", 2), Action("F", 5), Action("B", 3),
+                                    Action("B", 4), Action("B", 5)]
+    assert gpipe(2, 2, 0) == [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]
+
+
+def test_formulas():
+    assert pipeline_bubble(4, 4) == pytest.approx(3 / 7)
+    assert pipeline_bubble(4, 4, 2) == pytest.approx(3 / 11)
+    assert pipeline_p2p_bytes(2, 4, 100, stage=0) == 400  # activations forward only
+    assert pipeline_p2p_bytes(4, 4, 100, stage=1) == 800  # activations forward + gradients backward
+
+
+# =========================================================================== bad inputs (no ranks)
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ValueError, match="more stages than layers"):
+        split_gpt(GPT(parallel_config()), 5)
+
+
+def test_interleaving_more_virtual_stages_than_layers_is_refused():
+    with pytest.raises(ValueError, match="v·p > layers"):
+        split_gpt(GPT(parallel_config()), 2, num_chunks=3)
+
+
+def test_tied_weights_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="tied weights"):
+        split_gpt(GPT(parallel_config(tie_weights=True)), 2)
+
+
+@pytest.mark.parametrize("m", [0, -1, 1.5])
+def test_microbatches_below_one_are_refused(m):
+    for fn in (gpipe, one_f_one_b):
+        with pytest.raises(ValueError, match="num_microbatches"):
+            fn(2, m, 0)
+
+
+def test_batch_not_divisible_into_microbatches_is_refused():
+    with pytest.raises(ValueError, match="not divisible into num_microbatches=3"):
+        split_microbatches(torch.zeros(8, 4), 3)
+
+
+def test_backward_before_forward_is_refused():
+    with pytest.raises(ValueError, match="backward before its forward"):
+        check_schedule([Action("B", 0), Action("F", 0)], 1)
+    bad = make_schedules("gpipe", 2, 2)
+    bad[1] = [Action("F", 0), Action("B", 1), Action("F", 1), Action("B", 0)]
+    with pytest.raises(ValueError, match="stage 1: .*backward before its forward"):
+        simulate(bad, 2)
+
+
+def test_cross_stage_deadlock_is_refused():
+    scheds = make_schedules("gpipe", 2, 2)
+    scheds[0] = [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]  # fine alone
+    scheds[1] = [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]
+    simulate(scheds, 2)  # valid: orders differ, dependencies can be met
+    scheds[0] = [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]
+    scheds[1] = [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate(scheds, 2)  # stage 0 waits for B0 from stage 1, which waits for F1 from stage 0
+
+
+def test_interleaved_needs_m_divisible_by_p():
+    with pytest.raises(ValueError, match="divisible by num_stages"):
+        interleaved_one_f_one_b(2, 3, 0, 2)
+
+
+def _raising_stage():
+    """Rank function: stage 1's forward raises on its second micro-batch."""
+    import torch.distributed as dist
+
+    from course_lib.launch import device
+
+    class Boom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if dist.get_rank() == 1 and self.calls == 2:
+                raise RuntimeError("boom")
+            return self.lin(x)
+
+    runner = PipelineRunner([Boom()], dist.get_rank(), make_schedules("1f1b", 2, 4), 4, activation_shape=(2, 4),
+                            loss_fn=lambda out, y: out.pow(2).mean(), device=device())
+    x = torch.randn(8, 4)
+    runner.step(x, x)
+
+
+def test_a_stage_raising_mid_schedule_names_the_stage_and_does_not_hang():
+    with pytest.raises(RankError, match=r"pipeline stage 1 \(rank 1\) failed in F1: RuntimeError: boom") as err:
+        spawn(_raising_stage, 2, timeout=60)
+    assert err.value.rank == 1
+
+
+# =========================================================================== equality with one device
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("opt", OPTS)
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_pipeline_training_matches_single_device(sched, opt, world):
+    got = E.merge_states([r[(sched, opt)] for r in suite(world)])
+    ref = reference(opt).state_dict()
+    assert set(got) == set(ref)  # every parameter on exactly one stage
+    if opt == "sgd":
+        assert state_diff(got, ref) <= 1e-6
+    else:
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5)
+
+
+def test_interleaved_training_matches_single_device():
+    got = E.merge_states([r[("interleaved", "sgd")] for r in suite(2)])
+    assert state_diff(got, reference("sgd")) <= 1e-6
+
+
+@pytest.mark.parametrize("sched", ["gpipe", "1f1b", "interleaved"])
+def test_torch_pipelining_gives_our_gradients(sched):
+    for r in suite(2):
+        assert r[("torch", sched)]["max_grad_diff"] <= 1e-6
+
+
+def test_pp_times_dp_matches_single_device():
+    res = pp_dp()
+    ref = reference_run(parallel_config(), 5, BATCH, "sgd")[0]
+    for replica in (0, 1):
+        got = E.merge_states([r for r in res if r["replica"] == replica])
+        assert state_diff(got, ref) <= 1e-6
+    assert all(r["grad_allreduces"] > 0 and len(r["groups"]) == 1 for r in res)  # within its stage's DP group only
+
+
+# =========================================================================== bubbles and memory, measured
+
+
+@pytest.mark.parametrize("sched", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_sleep_bubble_within_005_of_formula(sched, m):
+    res = suite(2)[0]["bubbles"]
+    row = next(r for r in res["rows"] if r["schedule"] == sched and r["m"] == m)
+    for b in row["per_rank"]:
+        assert abs(b - pipeline_bubble(2, m)) <= 0.05, (sched, m, row)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_live_microbatches_gpipe_m_1f1b_at_most_p_minus_stage(m):
+    res = suite(2)[0]["bubbles"]
+    assert next(r for r in res["rows"] if r["schedule"] == "gpipe" and r["m"] == m)["peak_live"] == m
+    assert next(r for r in res["rows"] if r["schedule"] == "1f1b" and r["m"] == m)["peak_live"] <= 2  # rank 0: p − 0
+
+
+def test_one_f_one_b_holds_fewer_live_activation_bytes_than_gpipe():
+    for r in suite(2):
+        t = r["timelines"]
+        assert t["gpipe"]["peak_live"] == 8
+        assert t["1f1b"]["peak_live"] == 2 - t["rank"]
+        assert t["1f1b"]["peak_live"] == t["1f1b"]["predicted_peak_live"]
+        # bytes follow the live micro-batches: 8 vs 2 (rank 0), 8 vs 1 (rank 1), with a margin
+        ratio = t["gpipe"]["peak_live_bytes"] / t["1f1b"]["peak_live_bytes"]
+        assert ratio >= 0.8 * 8 / t["1f1b"]["peak_live"]
+
+
+def test_p2p_bytes_match_prediction():
+    for r in suite(2):
+        want = pipeline_p2p_bytes(2, 8, r["timelines"]["activation_bytes"], stage=r["timelines"]["rank"])
+        for sched in ("gpipe", "1f1b"):
+            assert r["timelines"][sched]["sent_bytes"] == want
