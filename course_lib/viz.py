@@ -12,7 +12,7 @@ import io
 
 from .formulas import zero_model_state_breakdown
 
-__all__ = ["zero_memory_table", "zero_memory_calculator", "ZERO_STAGE_NAMES"]
+__all__ = ["zero_memory_table", "zero_memory_calculator", "ZERO_STAGE_NAMES", "gantt"]
 
 ZERO_STAGE_NAMES = {0: "DDP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 _PRECISION_WORDS = {"mixed": "mixed precision: 2-byte params and grads", "fp32": "fp32: 4-byte params and grads"}
@@ -197,3 +197,43 @@ def zero_memory_calculator(psi_billions: float = 7.5, n: int = 64, stage: int = 
     calc.children = [widgets.HBox([w_psi, w_n]), w_stage, widgets.HBox([w_prec, w_k]), table, chart]
     update()
     return calc
+
+
+# --------------------------------------------------------------------------- timelines (chapter 05 on)
+
+_GANTT_COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#8172b3", "wait": "#d0d0d0"}
+
+
+def gantt(timelines, ax=None, title: str | None = None, unit: str = "ms", label_microbatches: bool = True,
+          row_names=None):
+    """Draw per-rank timelines as a Gantt chart: one row per rank, time to the right.
+
+    ``timelines[r]`` is rank r's list of events ``(kind, microbatch, chunk, start, end)`` (seconds,
+    or abstract slots with ``unit=""``); kinds "F" (forward, blue), "B" (backward, green), "I" / "W"
+    (zero-bubble input / weight gradient) and "wait" (grey). A later chunk (interleaving) is drawn
+    lighter; each bar is labelled with its micro-batch. Returns the axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.45 * len(timelines) + 1.2))
+    scale = {"ms": 1e3, "s": 1.0, "": 1.0}[unit]
+    kinds = set()
+    for r, events in enumerate(timelines):
+        for kind, mb, chunk, start, end in events:
+            kinds.add(kind)
+            alpha = 1.0 if chunk <= 0 else max(0.35, 1.0 - 0.3 * chunk)
+            ax.barh(r, (end - start) * scale, left=start * scale, height=0.8, color=_GANTT_COLORS.get(kind, "k"),
+                    alpha=alpha, edgecolor="white", linewidth=0.5)
+            if label_microbatches and kind != "wait" and (end - start) * scale > 0:
+                ax.text((start + end) / 2 * scale, r, str(mb), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(timelines)), row_names or [f"rank {r}" for r in range(len(timelines))])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit})" if unit else "time (slots)")
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "wait": "waiting (recv)"}
+    ax.legend(handles=[Patch(color=_GANTT_COLORS[k], label=names[k]) for k in names if k in kinds],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if unit else -0.3), ncol=5, frameon=False, fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax

@@ -33,6 +33,15 @@ def _zero_tiny():
     return zero_config(vocab_size=64, d_model=15, n_head=3, block_size=8)
 
 
+E05 = "course_lib.experiments.ch05_pipeline"
+
+
+def _pipe_tiny():
+    from .common import parallel_config
+
+    return parallel_config(block_size=8, d_model=16, n_head=2)
+
+
 E00, E02, E03, E04 = ("course_lib.experiments." + m for m in ("ch00_collectives", "ch02_ddp", "ch03_zero",
                                                              "ch04_fsdp"))
 
@@ -59,6 +68,12 @@ SMOKE: list[tuple[str, str, dict]] = [
     ("04", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
     ("04", f"{E04}:fsdp2_mixed_precision", dict(steps=1, config=_zero_tiny(), global_batch=4)),
     ("04", f"{E04}:fsdp2_checkpoint_roundtrip", dict(tmp_dir=TMP, steps=2, resume_at=1, config=_zero_tiny())),
+    ("05", f"{E05}:pipeline_training", dict(schedule="1f1b", steps=2, num_microbatches=2, global_batch=4,
+                                           config=_pipe_tiny())),
+    ("05", f"{E05}:sleep_bubbles", dict(microbatches=(2,), t_f=0.002, t_b=0.004, steps=1, warmup=0)),
+    ("05", f"{E05}:gpt_timelines", dict(num_microbatches=2, global_batch=4, steps=2, config=_pipe_tiny())),
+    ("05", f"{E05}:torch_pipelining_grads", dict(schedule="1f1b", num_microbatches=2, global_batch=4,
+                                                config=_pipe_tiny())),
 ]
 
 
