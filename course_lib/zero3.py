@@ -7,14 +7,25 @@ backward they are gathered again, and the full gradient is reduce-scattered back
 shards. Per-rank model states: 16Ψ/N; traffic per step: 3Ψ (all-gather forward, all-gather
 backward, reduce-scatter) against DDP's 2Ψ. This is the idea behind FSDP (chapter 04).
 
+What is gathered together — the *unit* — is the engineering knob (``Zero3(..., unit=)``):
+
+* ``unit="param"`` (default): every parameter is its own unit, gathered when the module that owns
+  it runs, once per use (a tied weight twice): one small collective per parameter and per use.
+* ``unit="block"``: FSDP2's design (Zhao et al. 2023, arXiv:2304.11277; ``fully_shard`` per
+  block): one unit per transformer block plus a *root* unit (embeddings, ``ln_f``, tied head), each
+  gathered with **one** all-gather and reduced with **one** reduce-scatter, launched asynchronously
+  as soon as the unit's gradients are complete. ``prefetch=True`` issues the next unit's all-gather
+  before the current unit computes, so communication overlaps computation.
+
 * :class:`Zero3` — the module wrapper, with a global ``clip_grad_norm_`` and full-tensor
-  checkpoints (``full_state_dict`` / ``load_full_state_dict``).
-* :class:`_AllGatherParam` — ZeRO-3 in one autograd piece: all-gather forward, reduce-scatter backward.
-* :class:`_RegatherBeforeBackward` — re-gathers a module's weights before its backward runs.
+  checkpoints (``full_state_dict`` / ``load_full_state_dict``; in ``zero3_shards.py``, with the
+  shards and the units' memory layout).
+* :class:`_GatherUnit` — ZeRO-3 in one autograd piece: all-gather forward, reduce-scatter backward.
+* :class:`_RegatherBeforeBackward` — re-gathers a unit's weights before its backward runs.
 """
 from __future__ import annotations
 
-import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -22,68 +33,67 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .memory import storage_bytes
 from .sharding import _check_fp32, _check_same_device, _is_data_parallel_module
+from .zero3_shards import _ShardedParam, _ShardOps, _Unit, group_by_block, group_by_param, shard_parameters
 
 __all__ = ["Zero3"]
-
-
-@dataclass(eq=False)
-class _ShardedParam:
-    """One unique parameter of the wrapped module, as this rank's fp32 shard.
-
-    The full parameter, flattened and padded to ``padded`` = a multiple of N elements, is
-    split into N equal shards; ``shard`` (an ``nn.Parameter``, what the optimizer sees) is
-    rank r's elements ``[r·S, (r+1)·S)``.
-    """
-
-    name: str
-    shape: torch.Size
-    numel: int
-    padded: int
-    shard: nn.Parameter
-
-
-@dataclass(eq=False)
-class _Use:
-    """One use of a full parameter in one module call: the gathered buffer it reads from."""
-
-    param: _ShardedParam
-    forward_pass: "_ForwardPass | None"
-    buffer: torch.Tensor | None = None  # all-gather output; its storage is freed between uses
 
 
 @dataclass
 class _ForwardPass:
     """Bookkeeping of one forward (under autograd) until its backward is done.
 
-    ``pending[p]``: uses of ``p`` whose gradient has not arrived yet. A tied weight is used
-    twice (embedding and output layer); its gradient is reduce-scattered once, when the last
-    use has contributed to ``grad_sum[p]``.
+    ``pending[u]``: uses of unit ``u`` whose gradients have not arrived yet (a tied weight in
+    ``unit="param"`` mode, or a block called twice, has two); ``grad_in[u]``: the ``(N, S)``
+    fp32 reduce-scatter input the uses add into; ``order``: the uses in forward order.
     """
 
     pending: dict = field(default_factory=dict)
-    grad_sum: dict = field(default_factory=dict)
+    grad_in: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)
+    next_backward: dict | None = None
 
 
-class _AllGatherParam(torch.autograd.Function):
-    """forward: all-gather the full parameter from the shards.  backward: reduce-scatter its gradient.
+@dataclass(eq=False)
+class _Use:
+    """One gathering of a unit for one module call: the full buffer its parameters live in."""
 
-    The pair is ZeRO-3 in one autograd piece, the mirror image of each other (all-gather's
-    adjoint is reduce-scatter). The input is the fp32 shard, so autograd delivers the
-    returned shard gradient into ``shard.grad`` (accumulating over backward calls).
+    unit: _Unit
+    forward_pass: _ForwardPass | None
+    buffer: torch.Tensor | None = None  # storage freed (resized to 0) between forward and backward
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """An all-gather issued (``async_op=True``) and not yet waited for."""
+
+    unit: _Unit
+    work: object
+    out: torch.Tensor  # the (N, S) matrix, flat; for one parameter, the target use's buffer
+    copy_in: torch.Tensor  # kept alive until the collective is done
+
+
+class _GatherUnit(torch.autograd.Function):
+    """forward: the unit's full parameters (all-gathered).  backward: reduce-scatter their gradients.
+
+    The inputs are the fp32 shards, so autograd knows the outputs depend on them; one node per
+    unit with one output per parameter, and autograd calls a node's backward once *all* its
+    outputs' gradients are in — exactly "the unit's gradients are complete", the moment to
+    launch its reduce-scatter. The shard gradients are delivered by :meth:`Zero3._finish_reductions`,
+    not by autograd (this backward returns None for the shards).
     """
 
     @staticmethod
-    def forward(ctx, shard, use: _Use, zero3: "Zero3"):
+    def forward(ctx, use: _Use, zero3: "Zero3", *shards):
         ctx.use, ctx.zero3 = use, zero3
-        use.buffer = zero3._all_gather(use.param)
-        return use.buffer[:use.param.numel].view(use.param.shape)
+        ctx.set_materialize_grads(False)  # a parameter this rank did not use: None, not a zero tensor
+        return zero3._gather(use)
 
     @staticmethod
-    def backward(ctx, grad_full):
-        use, zero3 = ctx.use, ctx.zero3
-        zero3._free(use)  # every op that read this use of the weight has finished its backward
-        return zero3._reduce_scatter_grad(use, grad_full), None, None
+    def backward(ctx, *grads):
+        ctx.zero3._unit_grads_ready(ctx.use, grads)
+        return (None, None, *([None] * len(grads)))
 
 
 class _RegatherBeforeBackward(torch.autograd.Function):
@@ -105,44 +115,53 @@ class _RegatherBeforeBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class Zero3(nn.Module):
-    """ZeRO stage 3: every rank keeps 1/N of every parameter; full weights exist only while a layer runs.
+class Zero3(_ShardOps, nn.Module):
+    """ZeRO stage 3: every rank keeps 1/N of every parameter; full weights exist only while a unit runs.
 
-    ``Zero3(module, compute_dtype=None, process_group=None)``
+    ``Zero3(module, compute_dtype=None, process_group=None, *, unit="param", units=None, prefetch=False)``
 
     * Each unique parameter is flattened, padded to a multiple of N and cut into N shards;
       this rank keeps its shard as an fp32 ``nn.Parameter``, registered in place of the
       original on the same submodule under the same name (as FSDP2 does). ``parameters()`` /
       ``named_parameters()`` yield exactly the shards, one per unique parameter (names gain the
       wrapper's ``module.`` prefix, as under DDP) — hand them to any element-wise torch
-      optimizer (AdamW …): its state is then 1/N too.
-    * Before a module that owns parameters runs forward, its full parameters are all-gathered
-      (tag ``"param"``) and stand in for the shards (``linear.weight`` is the full tensor while
-      the module runs); right after, the shard is put back and the gathered storage is freed
-      (``untyped_storage().resize_(0)``). Autograd still holds the tensor for backward, but it
-      now holds no memory.
+      optimizer (AdamW …): its state is then 1/N too. The unit does not change the shards.
+    * Units. ``unit="param"``: each parameter is gathered when a module that owns it runs
+      (a tied weight once per use). ``unit="block"``: one unit per module in ``units`` (default:
+      the children of every ``nn.ModuleList``, i.e. the transformer blocks) plus the root unit
+      (every other parameter), gathered when the wrapper is called and kept through the whole
+      forward, as FSDP2's root. Units must not be nested, and a parameter (a tied weight) must
+      lie in one unit only: tie within a block, or between modules of the root.
+    * Before a unit's module runs forward, its full parameters are all-gathered (tag ``"param"``)
+      and stand in for the shards (``linear.weight`` is the full tensor while the unit runs);
+      right after, the shards are put back and the gathered storage is freed
+      (``untyped_storage().resize_(0)``). Autograd still holds the tensors for backward, but
+      they now hold no memory.
     * In backward, :class:`_RegatherBeforeBackward` re-gathers the weights into the same
-      storage before the module's backward ops read them; :class:`_AllGatherParam`'s backward
-      then frees them again, casts the full gradient to fp32, and reduce-scatters it (tag
-      ``"grad"``, averaged) into ``shard.grad`` — all before ``backward()`` returns.
-    * A tied parameter (``lm_head.weight is wte.weight``) is sharded once, gathered for each
-      use, and reduce-scattered once, after every use has added its gradient.
+      storage before the unit's backward ops read them; :class:`_GatherUnit`'s backward then frees
+      them again, adds the fp32 gradients into the reduce-scatter input and launches the unit's
+      reduce-scatter (tag ``"grad"``) asynchronously. It is waited for (averaged, added into
+      ``shard.grad``) when the next unit launches its own, and the last one at the end of
+      ``backward()`` (an autograd callback): one reduce-scatter in flight, overlapping the next
+      unit's backward; ``shard.grad`` is complete when ``backward()`` returns.
+    * ``prefetch=True`` (``unit="block"``): the next unit's all-gather is issued before the
+      current unit computes — in forward the order seen in the previous forward (at first, the
+      order of ``units``), in backward the reverse (the root first: its outputs are the loss's
+      inputs). Memory: at most the root and two units gathered at once.
     * ``compute_dtype=torch.bfloat16`` (or float16): shards are cast before the all-gather, so
-      gathers move 2 bytes per element and the layer computes in 16 bits, while the shards,
+      gathers move 2 bytes per element and the layers compute in 16 bits, while the shards,
       their gradients and the optimizer state stay fp32 (master weights).
 
     Traffic per step (fp32): all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ,
-    each × (N−1)/N per rank: 3Ψ against DDP's 2Ψ. Simplifications against FSDP (chapter 04): one
-    collective per parameter and per use, no prefetching of the next layer, synchronous
-    reduce-scatter; the re-gather happens even for a layer whose backward does not read its
-    weight (an embedding). Every rank must run the same modules in the same order.
+    each × (N−1)/N per rank: 3Ψ against DDP's 2Ψ — in 3 collectives per unit. Per parameter, a
+    tied weight is gathered for each use (more than 3Ψ); per unit, once. Every rank must run the
+    same modules in the same order; every parameter of a unit that reached backward gets a
+    gradient (zero where no rank used it). A unit's parameters are full only inside its module's
+    forward: read them there, not from outside.
 
     Call the wrapper (``zero3(x)``), not ``zero3.module(x)``. ``state_dict()`` holds this rank's
     1-D shards (a *sharded* state dict, like FSDP2's); for full tensors use :meth:`full_state_dict`.
-
-    Gradient clipping: :meth:`clip_grad_norm_` computes the norm of the whole model's
-    gradient from the shards (one scalar all-reduce) — the same number as
-    ``torch.nn.utils.clip_grad_norm_`` on one device.
+    Gradient clipping: :meth:`clip_grad_norm_` (one scalar all-reduce; the single-device norm).
 
     Checkpoint and resume (same world size)::
 
@@ -162,7 +181,8 @@ class Zero3(nn.Module):
     also load into a plain model or into a ``Zero3`` at another world size.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, process_group=None):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, process_group=None, *,
+                 unit: str = "param", units=None, prefetch: bool = False):
         super().__init__()
         if compute_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype={compute_dtype!r} must be None, torch.float32, torch.bfloat16 "
@@ -172,6 +192,12 @@ class Zero3(nn.Module):
         if _is_data_parallel_module(module):
             raise ValueError(f"Zero3 does its own gradient reduce-scatter: wrap the plain module, not "
                              f"{type(module).__name__} (pass ddp_model.module)")
+        if unit not in ("param", "block"):
+            raise ValueError(f"unit={unit!r} must be 'param' (one collective per parameter) or 'block' "
+                             f"(one per transformer block + the root, as FSDP2)")
+        if unit == "param" and (units is not None or prefetch):
+            raise ValueError("units= and prefetch=True need unit='block' (per parameter there is nothing to "
+                             "group, and no next unit to prefetch)")
         named = list(module.named_parameters())
         _check_fp32(named, "Zero3")
         self.device = _check_same_device([p for _, p in named], "Zero3")
@@ -180,113 +206,207 @@ class Zero3(nn.Module):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.unit, self.prefetch = unit, bool(prefetch)
         self._state_dict_keys = list(module.state_dict().keys())
         self._forward_pass: _ForwardPass | None = None
-        self._live_uses: list[list[_Use]] = []  # a stack: one entry per module currently running forward
+        self._live: list[list[_Use]] = []  # a stack: the uses of each trigger module now running forward
+        self._uses = weakref.WeakSet()  # every use not yet garbage: what gathered_bytes() measures
+        self._in_flight: dict[_Unit, _InFlight] = {}  # prefetched all-gathers
+        self._reductions: list[tuple] = []  # launched reduce-scatters not yet waited for
+        self._callback_queued = False
 
-        # 1. Shard every unique parameter (broadcast from rank 0 first, so all ranks agree).
-        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-        self._sharded: dict[str, _ShardedParam] = {}
-        by_id: dict[int, _ShardedParam] = {}
-        for name, p in named:
-            full = p.detach().clone()
-            comm.broadcast(full, src=src, group=process_group, tag="init")
-            padded = -(-p.numel() // self.world_size) * self.world_size
-            s = padded // self.world_size
-            flat = torch.zeros(padded, device=self.device)
-            flat[:p.numel()] = full.reshape(-1)
-            shard = nn.Parameter(flat[self.rank * s:(self.rank + 1) * s].clone(), requires_grad=p.requires_grad)
-            self._sharded[name] = by_id[id(p)] = _ShardedParam(name, p.shape, p.numel(), padded, shard)
+        # 1. Shard every unique parameter: flatten, pad to a multiple of N, keep this rank's 1/N.
+        by_id = shard_parameters(named, self.rank, self.world_size, self.device, process_group)
+        self._sharded: dict[str, _ShardedParam] = {sp.name: sp for sp in by_id.values()}
         # every name a parameter is reachable under (a tied weight has two), for full_state_dict
         self._names = {name: by_id[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
 
-        # 2. Put each shard where its parameter was: same submodule, same name (as FSDP2 does), so
+        # 2. Group the parameters into units, and find each unit's trigger: the module whose
+        #    forward gathers it, with the (submodule, name) slots where its full tensors stand in.
+        slots = [(sub, attr, by_id[id(p)]) for sub in module.modules() for attr, p in sub._parameters.items()
+                 if p is not None]
+        group = group_by_param if unit == "param" else group_by_block
+        self.units, self._triggers, self._root = group(module, slots, units)
+
+        # 3. Put each shard where its parameter was: same submodule, same name (as FSDP2 does), so
         #    parameters(), named_parameters() and any optimizer see exactly the shards. A tied weight
         #    is one shard registered on both modules (named_parameters() yields it once).
-        self._owned: dict[nn.Module, list[tuple[str, _ShardedParam]]] = {}
-        for sub in module.modules():
-            own = [(attr, by_id[id(p)]) for attr, p in sub._parameters.items() if p is not None]
-            if not own:
-                continue
-            for attr, sp in own:
-                sub._parameters[attr] = sp.shard  # same dict slot: registration order is kept
-            self._owned[sub] = own
-            sub.register_forward_pre_hook(self._before_forward)
-            sub.register_forward_hook(self._after_forward)
+        for sub, attr, sp in slots:
+            sub._parameters[attr] = sp.shard  # same dict slot: registration order is kept
+        for trigger in self._triggers:
+            trigger.register_forward_pre_hook(self._before_forward)
+            trigger.register_forward_hook(self._after_forward)
+        # prefetch plan: the next unit in forward order (learned from each forward; at first, units' order)
+        blocks = [u for u in self.units if u is not self._root]
+        self._next_forward = dict(zip([self._root] + blocks if self._root else blocks, blocks))
+        self._seen: list[_Unit] = []
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             self._forward_pass = _ForwardPass()  # its backward counts down these uses
+        self._seen = []
         try:
             return self.module(*args, **kwargs)
         finally:
             self._forward_pass = None
+            if self.prefetch and self._seen:  # the order to prefetch in next time
+                order = list(dict.fromkeys(self._seen))
+                self._next_forward = dict(zip(order, order[1:]))
+            self._drop_in_flight()
 
-    # ------------------------------------------------------------------ gather / free / reduce
+    # ------------------------------------------------------------------ gather / free
 
-    def _all_gather(self, sp: _ShardedParam) -> torch.Tensor:
-        """All-gather ``sp``'s shards (in the compute dtype) into a new padded 1-D buffer."""
-        shard = sp.shard.detach()
-        if self.compute_dtype is not None:
-            shard = shard.to(self.compute_dtype)  # cast before sending: 2 bytes per element for 16-bit
-        out = torch.empty(sp.padded, dtype=shard.dtype, device=self.device)
-        comm.all_gather(out, shard, group=self.process_group, tag="param")
-        return out
+    def _issue(self, unit: _Unit, into: _Use | None = None) -> _InFlight:
+        """Start the unit's all-gather (async): this rank's shards, cast to the compute dtype (copy-in).
+
+        A one-parameter unit is gathered straight into ``into``'s buffer (storage re-allocated)."""
+        dtype = self.compute_dtype or torch.float32
+        shards = [sp.shard.detach() for sp in unit.params]
+        copy_in = (shards[0] if len(shards) == 1 else torch.cat(shards)).to(dtype)
+        if into is not None and len(shards) == 1:
+            buf = into.buffer
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            # write through .data: a plain alias with its own version counter, so autograd does not
+            # mistake the refill for an in-place change of a tensor it saved
+            out = buf.data
+        else:
+            out = torch.empty(self.world_size * unit.shard_numel, dtype=dtype, device=self.device)
+        work = comm.all_gather(out, copy_in, group=self.process_group, async_op=True, tag="param")
+        return _InFlight(unit, work, out, copy_in)
+
+    @torch.no_grad()
+    def _land(self, flight: _InFlight, use: _Use) -> None:
+        """Wait for ``flight`` and put the unit's full parameters into ``use.buffer`` (copy-out)."""
+        flight.work.wait()
+        unit, buf = flight.unit, use.buffer
+        if buf is None and len(unit.params) == 1:
+            use.buffer = flight.out  # the gathered matrix is the padded parameter
+            return
+        if buf is None:
+            buf = use.buffer = torch.empty_like(flight.out)
+        elif buf.untyped_storage().nbytes() == 0:
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        if flight.out.data_ptr() == buf.data_ptr():
+            return
+        if len(unit.params) == 1:
+            buf.data.copy_(flight.out)
+        else:  # column block i of the (N, S) matrix -> parameter i's place in the buffer
+            torch.split_with_sizes_copy(flight.out.view(self.world_size, unit.shard_numel), unit.sizes, dim=1,
+                                        out=unit.blocks(buf.data))
+
+    def _gather(self, use: _Use) -> tuple[torch.Tensor, ...]:
+        """The unit's full parameters for ``use``: from a prefetched all-gather, else one now."""
+        flight = self._in_flight.pop(use.unit, None) or self._issue(use.unit)
+        self._land(flight, use)
+        self._uses.add(use)
+        return use.unit.full_views(use.buffer)
 
     @staticmethod
     def _free(use: _Use) -> None:
         use.buffer.untyped_storage().resize_(0)
 
-    @torch.no_grad()
     def _regather(self, use: _Use) -> None:
-        """Refill a freed buffer in place (autograd's saved tensors point at this storage)."""
-        buf = use.buffer
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        shard = use.param.shard.detach().to(buf.dtype)
-        # write through .data: a plain alias with its own version counter, so autograd does not
-        # mistake the refill for an in-place change of a tensor it saved
-        comm.all_gather(buf.data, shard, group=self.process_group, tag="param")
+        """Refill a freed buffer in place (autograd's saved tensors point at this storage), then prefetch."""
+        flight = self._in_flight.pop(use.unit, None) or self._issue(use.unit, into=use)
+        self._land(flight, use)
+        if self.prefetch:
+            fp = use.forward_pass
+            if fp.next_backward is None:  # backward order: the root first, then the units in reverse
+                seq = fp.order[::-1]
+                seq = [u for u in seq if u.unit is self._root] + [u for u in seq if u.unit is not self._root]
+                fp.next_backward = dict(zip(seq, seq[1:]))
+            nxt = fp.next_backward.get(use)
+            if nxt is not None and nxt.buffer.untyped_storage().nbytes() == 0 and nxt.unit not in self._in_flight:
+                self._in_flight[nxt.unit] = self._issue(nxt.unit, into=nxt)
+
+    def _prefetch_forward(self, unit: _Unit) -> None:
+        if not self.prefetch:
+            return
+        self._seen.append(unit)
+        nxt = self._next_forward.get(unit)
+        if nxt is not None and nxt not in self._in_flight:
+            self._in_flight[nxt] = self._issue(nxt)
+
+    def _drop_in_flight(self) -> None:
+        """Wait for prefetches nobody used (the order changed) and let them go."""
+        for flight in self._in_flight.values():
+            flight.work.wait()
+            flight.out.untyped_storage().resize_(0)  # a one-parameter refill lands in a use's buffer
+        self._in_flight.clear()
+
+    # ------------------------------------------------------------------ gradients
 
     @torch.no_grad()
-    def _reduce_scatter_grad(self, use: _Use, grad_full: torch.Tensor) -> torch.Tensor | None:
-        """Add this use's gradient; after the last use, reduce-scatter the fp32 sum into a shard gradient."""
-        sp, fp = use.param, use.forward_pass
-        total = fp.grad_sum.get(sp.name)
-        if total is None:
-            total = fp.grad_sum[sp.name] = torch.zeros(sp.padded, device=self.device)
-        total[:sp.numel].add_(grad_full.reshape(-1).float())
-        fp.pending[sp.name] -= 1
-        if fp.pending[sp.name] > 0:
-            return None  # more uses still to come; the shard gets its gradient once
-        del fp.grad_sum[sp.name]
-        shard_grad = torch.empty(sp.shard.numel(), device=self.device)
-        comm.reduce_scatter(shard_grad, total, group=self.process_group, tag="grad")
-        return shard_grad.div_(self.world_size)
+    def _unit_grads_ready(self, use: _Use, grads) -> None:
+        """All of this use's gradients are in: free its weights, add the gradients; after the last use, reduce."""
+        self._free(use)  # every op that read this use of the weights has finished its backward
+        unit, fp, n = use.unit, use.forward_pass, self.world_size
+        grad_in = fp.grad_in.get(unit)
+        if grad_in is None:  # copy-in: (N, S), row r = what rank r will receive
+            grad_in = fp.grad_in[unit] = torch.zeros(n, unit.shard_numel, device=self.device)
+        for g, o, s in zip(grads, unit.offsets, unit.sizes):
+            if g is not None:
+                unit.add_grad(grad_in, o, s, g)
+        fp.pending[unit] -= 1
+        if fp.pending[unit] > 0:
+            return  # more uses still to come; the unit is reduced once
+        del fp.grad_in[unit]
+        self._finish_reductions()  # the previous unit's reduce-scatter: one in flight at a time
+        out = torch.empty(unit.shard_numel, device=self.device)
+        work = comm.reduce_scatter(out, grad_in.view(-1), group=self.process_group, async_op=True, tag="grad")
+        self._reductions.append((unit, work, out, grad_in))
+        if not self._callback_queued:  # the last one is waited for when backward() ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    @torch.no_grad()
+    def _finish_reductions(self) -> None:
+        """Wait for the launched reduce-scatters; average; add into ``shard.grad`` (autograd's accumulation)."""
+        for unit, work, out, _ in self._reductions:
+            work.wait()
+            out.div_(self.world_size)
+            for sp, g in zip(unit.params, out.split(unit.sizes)):
+                if not sp.shard.requires_grad:
+                    continue
+                if sp.shard.grad is None:
+                    sp.shard.grad = g
+                else:
+                    sp.shard.grad.add_(g)
+        self._reductions.clear()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._finish_reductions()
+        self._drop_in_flight()
 
     # ------------------------------------------------------------------ module hooks
 
-    def _before_forward(self, sub: nn.Module, args) -> None:
+    def _before_forward(self, trigger: nn.Module, args) -> None:
         fp = self._forward_pass if torch.is_grad_enabled() else None
         if torch.is_grad_enabled() and fp is None:
             raise RuntimeError("Zero3: call the wrapper (zero3(x)), not zero3.module(x): the wrapper's forward "
                                "sets up the bookkeeping that backward's reduce-scatters rely on")
         uses = []
-        for attr, sp in self._owned[sub]:
-            use = _Use(sp, fp if sp.shard.requires_grad else None)
+        for unit, slots in self._triggers[trigger]:
+            use = _Use(unit, fp if unit.requires_grad else None)
             if use.forward_pass is not None:
-                fp.pending[sp.name] = fp.pending.get(sp.name, 0) + 1
-                full = _AllGatherParam.apply(sp.shard, use, self)
+                fp.pending[unit] = fp.pending.get(unit, 0) + 1
+                fp.order.append(use)
+                fulls = _GatherUnit.apply(use, self, *[sp.shard for sp in unit.params])
             else:  # no backward will come (eval, no_grad, frozen): gather without autograd
-                use.buffer = self._all_gather(sp)
-                full = use.buffer[:sp.numel].view(sp.shape)
-            sub._parameters[attr] = full  # while the module runs, its weight is the full tensor
+                fulls = self._gather(use)
+            self._prefetch_forward(unit)  # the next unit's all-gather runs while this one computes
+            for sub, attr, i in slots:  # while the unit runs, its weights are the full tensors
+                full = fulls[i]
+                sub._parameters[attr] = full if unit.params[i].shard.requires_grad else full.detach()
             uses.append(use)
-        self._live_uses.append(uses)
+        self._live.append(uses)
 
-    def _after_forward(self, sub: nn.Module, args, output):
-        uses = self._live_uses.pop()
-        for (attr, sp), use in zip(self._owned[sub], uses):
-            sub._parameters[attr] = sp.shard  # the shard is back in place of the full weight ...
+    def _after_forward(self, trigger: nn.Module, args, output):
+        uses = self._live.pop()
+        for (unit, slots), use in zip(self._triggers[trigger], uses):
+            for sub, attr, i in slots:
+                sub._parameters[attr] = unit.params[i].shard  # the shard is back in place of the full weight ...
             self._free(use)  # ... and the memory, which autograd's saved copy shares
         needs = [use for use in uses if use.forward_pass is not None]
         if not needs:
@@ -294,131 +414,27 @@ class Zero3(nn.Module):
         outs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, (tuple, list)) \
             else None
         if outs is None:
-            raise TypeError(f"Zero3: {type(sub).__name__} returned {type(output).__name__}; "
-                            f"modules that own parameters must return a tensor or a tuple of tensors")
+            raise TypeError(f"Zero3: {type(trigger).__name__} returned {type(output).__name__}; modules that "
+                            f"gather parameters must return a tensor or a tuple of tensors")
         grad_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         wrapped = _RegatherBeforeBackward.apply(needs, self, *[outs[i] for i in grad_idx])
         for i, w in zip(grad_idx, wrapped):
             outs[i] = w
         return outs[0] if isinstance(output, torch.Tensor) else type(output)(outs)
 
-    # ------------------------------------------------------------------ gradient clipping
-
-    def _own_numel(self, sp: _ShardedParam) -> int:
-        """How many elements of this rank's shard are real (the rest, at the end, is padding)."""
-        size = sp.shard.numel()
-        return max(0, min(size, sp.numel - self.rank * size))
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradient norm of the *whole* model, as ``torch.nn.utils.clip_grad_norm_`` on one device.
-
-        Call after ``backward()`` and before ``optimizer.step()``. No rank has the whole
-        gradient — rank r holds the averaged gradient of its shard of every parameter — but a
-        p-norm is a sum over elements, and the shards partition the elements::
-
-            ‖g‖_p = ( Σ_ranks Σ_{own elements} |g|^p )^(1/p)     one all-reduce (SUM) of a scalar
-            ‖g‖_∞ = max_ranks max_{own elements} |g|              one all-reduce (MAX) of a scalar
-
-        Only the *real* elements of each shard count (padding is cut off; it holds zeros
-        anyway, but a max or a stray value there must not decide the norm). Every rank gets
-        the same total, so every rank scales its shard gradients in place by the same
-        ``min(1, max_norm / (total + 1e-6))`` — torch's formula — and the step is the
-        single-device one (up to the rounding of a sum taken in another order). Returns the
-        total norm (before clipping). Collective (tag ``"norm"``): call it on every rank, also
-        on one whose shards have no gradient.
-        """
-        norm_type = float(norm_type)
-        if not norm_type > 0:
-            raise ValueError(f"norm_type={norm_type} must be > 0 (e.g. 2.0, or math.inf for the largest |g|)")
-        with_grad = [sp for sp in self._sharded.values() if sp.shard.grad is not None]
-        own = [sp.shard.grad[:self._own_numel(sp)] for sp in with_grad]
-        local = torch.zeros((), device=self.device)  # a fresh tensor: the all-reduce works in place
-        if norm_type == math.inf:
-            for g in own:
-                if g.numel():
-                    local = torch.maximum(local, g.abs().max())
-            comm.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group, tag="norm")
-            total = local
-        else:
-            for g in own:
-                local += g.abs().pow(norm_type).sum()
-            comm.all_reduce(local, group=self.process_group, tag="norm")
-            total = local.pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for sp in with_grad:
-            sp.shard.grad.mul_(coef)  # padding is zero and stays zero
-        return total
-
-    # ------------------------------------------------------------------ checkpoints and accounting
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unpadded tensors under the keys of the wrapped module's ``state_dict()`` (collective)."""
-        buffers = self.module.state_dict()  # buffers (and extra state); parameter keys hold local shards
-        gathered: dict[str, torch.Tensor] = {}
-        out = {}
-        for key in self._state_dict_keys:
-            sp = self._names.get(key)
-            if sp is None:
-                out[key] = buffers[key]
-                continue
-            if sp.name not in gathered:
-                full = torch.empty(sp.padded, device=self.device)
-                comm.all_gather(full, sp.shard.detach(), group=self.process_group, tag="state")
-                gathered[sp.name] = full[:sp.numel].view(sp.shape)
-            out[key] = gathered[sp.name]
-        return out
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
-        """Load full tensors (keys and shapes of the wrapped module's ``state_dict()``) into the shards.
-
-        The inverse of :meth:`full_state_dict`, and it also takes a plain single-device
-        model's ``state_dict()``. Not a collective: every rank is handed the same full
-        tensors and copies only its own slice — elements ``[r·S, (r+1)·S)`` of the flattened
-        tensor, zeros where that runs past the end (padding). Buffers go to the wrapped
-        module. A tied weight appears under two keys; as in ``nn.Module.load_state_dict`` both
-        are loaded into the one shard (the later key wins; :meth:`full_state_dict` writes the
-        same tensor under both). The shards stay the same ``nn.Parameter`` objects, so an
-        optimizer built over ``parameters()`` keeps pointing at them.
-
-        ``strict=True`` (default) raises on missing or unexpected keys; a shape mismatch
-        always raises.
-        """
-        keys = set(self._state_dict_keys)
-        missing = [k for k in self._state_dict_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in keys]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"Zero3.load_full_state_dict: missing keys {missing}, unexpected keys {unexpected} "
-                               f"(expected the wrapped module's state_dict() keys; pass strict=False to skip them)")
-        buffers = {}
-        for key, value in state_dict.items():
-            if key not in keys:
-                continue
-            sp = self._names.get(key)
-            if sp is None:  # a buffer (or extra state): the wrapped module still owns it
-                buffers[key] = value
-                continue
-            if tuple(value.shape) != tuple(sp.shape):
-                raise ValueError(f"Zero3.load_full_state_dict: {key} has shape {tuple(value.shape)} in the state "
-                                 f"dict, {tuple(sp.shape)} in the model")
-            size, own = sp.shard.numel(), self._own_numel(sp)
-            lo = self.rank * size
-            sp.shard.zero_()  # the padding
-            sp.shard[:own].copy_(value.detach().reshape(-1)[lo:lo + own])
-        # the shards were filled above; strictness was checked against all keys already
-        self.module.load_state_dict(buffers, strict=False)
-
-    @property
-    def numel(self) -> int:
-        return sum(sp.numel for sp in self._sharded.values())
-
-    @property
-    def padded_numel(self) -> int:
-        """Ψ padded: Σ over unique parameters of the size rounded up to a multiple of N."""
-        return sum(sp.padded for sp in self._sharded.values())
+    # ------------------------------------------------------------------ accounting
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Gather buffers still referenced (normally freed: 0 bytes) — for memory accounting."""
-        return [u.buffer for uses in self._live_uses for u in uses if u.buffer is not None]
+        """Every gathered buffer not yet garbage, and the prefetched all-gathers (freed ones hold 0 bytes)."""
+        return [u.buffer for u in list(self._uses) if u.buffer is not None] + \
+            [f.out for f in self._in_flight.values()]
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full weights alive right now, read from the real storages (sample it from module hooks)."""
+        return storage_bytes(self.held_tensors())
+
+    def unit_table(self) -> list[dict]:
+        """One row per unit: its name, parameter names, Ψ, Ψ_pad and gathered bytes (compute dtype)."""
+        size = torch.empty((), dtype=self.compute_dtype or torch.float32).element_size()
+        return [dict(name=u.name, params=[sp.name for sp in u.params], numel=u.numel, padded=u.padded,
+                     gathered_bytes=u.padded * size, root=u is self._root) for u in self.units]

@@ -1,0 +1,335 @@
+"""Zero3 per unit (FSDP2's design): one all-gather and one reduce-scatter per block + root, with and without prefetch.
+
+One ``spawn`` per world size runs every case below on real gloo ranks; the single-device references
+run in this process (``common.reference_run``). The model is chapter 03's (``common.zero_config()``:
+Ψ = 128,835, odd sizes, tied embedding), with 4 blocks where "the root + the 2 largest blocks" must
+be less than the whole model.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import math
+from functools import lru_cache
+
+import pytest
+import torch
+import torch.nn as nn
+
+from course_lib import comm
+from course_lib.experiments import common
+from course_lib.launch import spawn
+from course_lib.models import GPT
+
+WORLDS = [2, 4]
+BATCH = 8  # global batch, divisible by 2 and 4
+CLIP = 0.5  # below every step's gradient norm (~1.3): clipping really scales
+
+
+def case(opt="adamw", steps=10, *, prefetch=False, dtype=None, clip=None, micro=1, resume_at=None, n_layer=2,
+         tie=True, probe=False):
+    return dict(opt=opt, steps=steps, prefetch=prefetch, dtype=dtype, clip=clip, micro=micro, resume_at=resume_at,
+                n_layer=n_layer, tie=tie, probe=probe)
+
+
+CASES = {
+    "sgd": case("sgd", 5),
+    "sgd-prefetch": case("sgd", 5, prefetch=True),
+    "adamw": case(),
+    "adamw-prefetch": case(prefetch=True),
+    "adamw-untied": case(tie=False, prefetch=True),
+    "adamw-bf16": case(dtype="bf16"),
+    "adamw-bf16-prefetch": case(dtype="bf16", prefetch=True),
+    "adamw-clip-prefetch": case(clip=CLIP, prefetch=True),
+    "adamw-accumulate-prefetch": case(micro=2, prefetch=True),
+    "adamw-resume-prefetch": case(resume_at=5, prefetch=True),
+    "probe-4-blocks": case("sgd", 2, n_layer=4, probe=True),
+    "probe-4-blocks-prefetch": case("sgd", 2, n_layer=4, probe=True, prefetch=True),
+}
+
+
+def config(c):
+    return common.zero_config(n_layer=c["n_layer"], tie_weights=c["tie"])
+
+
+# ----------------------------------------------------------------------------- rank functions
+
+
+def _probe(model, zero3) -> dict:
+    """Gathered bytes sampled before every leaf module's forward and before its backward; collectives per pass."""
+    peaks = {"forward": 0, "backward": 0}
+
+    def sample(phase):
+        peaks[phase] = max(peaks[phase], zero3.gathered_bytes())
+
+    def after(module, args, output):
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: sample("backward"))  # runs just before this module's backward
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    handles = [m.register_forward_pre_hook(lambda m, a: sample("forward")) for m in leaves]
+    handles += [m.register_forward_hook(after) for m in leaves]
+    return peaks, handles
+
+
+def _train(c) -> dict:
+    from course_lib.experiments.ch03_zero import comm_accounting
+    from course_lib.launch import device
+    from course_lib.zero3 import Zero3
+
+    cfg, dev = config(c), device()
+    dtype = torch.bfloat16 if c["dtype"] == "bf16" else None
+
+    def build(seed=0):
+        z = Zero3(GPT(cfg, seed=seed).to(dev), compute_dtype=dtype, unit="block", prefetch=c["prefetch"])
+        return z, common.make_optimizer(c["opt"], z.parameters())
+
+    model, opt = build()
+    out = {"norms": [], "units": model.unit_table()}
+    peaks, handles = _probe(model.module, model) if c["probe"] else (None, [])
+    for step in range(c["steps"]):
+        if step == c["resume_at"]:  # full weights + this rank's optimizer state, into a model built from other weights
+            blob = io.BytesIO()
+            torch.save({"model": model.full_state_dict(), "optim": opt.state_dict()}, blob)
+            blob.seek(0)
+            saved = torch.load(blob)
+            model, opt = build(seed=1)
+            model.load_full_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+        x, y = common.shard_batch(*common.step_batch(step, cfg, BATCH, dev))
+        opt.zero_grad(set_to_none=True)
+        for xm, ym in zip(x.chunk(c["micro"]), y.chunk(c["micro"])):  # micro > 1: accumulate gradients
+            with comm.CommLog() as log_f:
+                _, loss = model(xm, ym)
+            with comm.CommLog() as log_b:
+                (loss / c["micro"]).backward()
+        out["held_after_backward"] = model.gathered_bytes()
+        if c["clip"]:
+            out["norms"].append(model.clip_grad_norm_(c["clip"]).item())
+        with comm.CommLog() as log_s:
+            opt.step()
+        if step == 1:
+            out["forward"] = [(r.op, r.tag, r.numel) for r in log_f.records]
+            out["backward"] = [(r.op, r.tag, r.numel) for r in log_b.records]
+            out["step_records"] = len(log_s.records)
+            log = comm.CommLog()
+            log.records = log_f.records + log_b.records
+            out["comm"] = comm_accounting(log, model)
+    for h in handles:
+        h.remove()
+    out["peaks"] = peaks
+    out["params"] = {k: v.detach().cpu().clone() for k, v in model.full_state_dict().items()}
+    with torch.no_grad():  # an eval forward: gathered without autograd, prefetch dropped at the end
+        x, y = common.step_batch(0, cfg, BATCH, dev)
+        out["eval_loss"] = model(x, y)[1].item()
+    out["held_after_eval"] = model.gathered_bytes()
+    return out
+
+
+def _errors() -> dict:
+    from course_lib.zero3 import Zero3
+
+    def catch(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return type(exc).__name__, str(exc)
+        return None, ""
+
+    def gpt():
+        return GPT(common.zero_config(), seed=0)
+
+    def tied(tie):
+        m = gpt()
+        tie(m)
+        return m
+
+    def blocks_share(m):
+        m.blocks[1].ln_1.weight = m.blocks[0].ln_1.weight
+
+    def block_and_root_share(m):
+        m.ln_f.weight = m.blocks[0].ln_2.weight
+
+    nested = gpt()
+    return {
+        "shared-blocks": catch(lambda: Zero3(tied(blocks_share), unit="block")),
+        "shared-root": catch(lambda: Zero3(tied(block_and_root_share), unit="block")),
+        "unknown-unit": catch(lambda: Zero3(gpt(), unit="block", units=[nn.Linear(3, 3)])),
+        "nested-units": catch(lambda: Zero3(nested, unit="block", units=[nested.blocks[0], nested.blocks[0].attn])),
+        "root-as-unit": catch(lambda: Zero3(nested, unit="block", units=[nested])),
+        "no-module-list": catch(lambda: Zero3(nn.Sequential(nn.Linear(3, 3)), unit="block")),
+        "bad-unit": catch(lambda: Zero3(gpt(), unit="layer")),
+        "prefetch-per-param": catch(lambda: Zero3(gpt(), prefetch=True)),
+    }
+
+
+def run_all(names: list[str]) -> dict:
+    out = {name: _train(CASES[name]) for name in names}
+    out["errors"] = _errors()
+    return out
+
+
+_RESULTS: dict[int, dict] = {}
+
+
+def results(world: int) -> dict:
+    if world not in _RESULTS:
+        per_rank = spawn(run_all, world, args=(list(CASES),), timeout=600)
+        _RESULTS[world] = {name: dict(per_rank[0][name], all_ranks=[r[name] for r in per_rank]) for name in CASES}
+        _RESULTS[world]["errors"] = per_rank[0]["errors"]
+    return _RESULTS[world]
+
+
+@lru_cache(maxsize=None)
+def reference(name: str) -> dict:
+    """One device on the full batches; bf16: a bf16 working copy computes, fp32 master weights step."""
+    c = CASES[name]
+    cfg = config(c)
+    if c["dtype"] is None:
+        model, losses, norms = common.reference_run(cfg, c["steps"], BATCH, c["opt"], max_norm=c["clip"], dev="cpu")
+        return {"params": model.state_dict(), "norms": norms, "model": model}
+    master = GPT(cfg, seed=0)
+    work = copy.deepcopy(master).to(torch.bfloat16)
+    opt = common.make_optimizer(c["opt"], master.parameters())
+    for step in range(c["steps"]):
+        _, loss = work(*common.step_batch(step, cfg, BATCH, "cpu"))
+        loss.backward()
+        for pm, pw in zip(master.parameters(), work.parameters()):
+            pm.grad, pw.grad = pw.grad.float(), None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for pm, pw in zip(master.parameters(), work.parameters()):
+                pw.copy_(pm)
+    return {"params": master.state_dict(), "norms": [], "model": master}
+
+
+def grid(names):
+    return pytest.mark.parametrize("world,name", [(w, n) for w in WORLDS for n in names],
+                                   ids=[f"world={w},{n}" for w in WORLDS for n in names])
+
+
+# ----------------------------------------------------------------------------- equality with one device
+
+
+@grid(["sgd", "sgd-prefetch"])
+def test_per_unit_sgd_equals_one_device_after_5_steps(world, name):
+    got, ref = results(world)[name], reference(name)
+    assert common.max_abs_diff(got["params"], ref["params"]) <= 1e-6
+
+
+ADAMW = ["adamw", "adamw-prefetch", "adamw-untied", "adamw-accumulate-prefetch", "adamw-resume-prefetch"]
+
+
+@grid(ADAMW)
+def test_per_unit_adamw_equals_one_device_after_10_steps(world, name):
+    got, ref = results(world)[name], reference(name)
+    assert list(got["params"]) == list(ref["params"])  # the plain model's keys, the tied name included
+    for k, v in ref["params"].items():
+        torch.testing.assert_close(got["params"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+@grid(["adamw-prefetch"])
+def test_every_rank_ends_with_the_same_full_weights(world, name):
+    ranks = results(world)[name]["all_ranks"]
+    assert all(common.max_abs_diff(r["params"], ranks[0]["params"]) == 0.0 for r in ranks[1:])
+
+
+@grid(["adamw", "adamw-prefetch"])
+def test_tied_weight_lies_in_the_root_unit_and_stays_tied(world, name):
+    got = results(world)[name]
+    root = [u for u in got["units"] if u["root"]]
+    assert len(root) == 1 and "wte.weight" in root[0]["params"]
+    assert all("wte.weight" not in u["params"] for u in got["units"] if not u["root"])
+    assert torch.equal(got["params"]["lm_head.weight"], got["params"]["wte.weight"])
+
+
+@grid(["adamw-bf16", "adamw-bf16-prefetch"])
+def test_bf16_compute_matches_bf16_single_device(world, name):
+    got, ref = results(world)[name], reference(name)
+    for k, v in ref["params"].items():
+        rel = ((got["params"][k] - v).norm() / v.norm()).item()
+        assert rel <= 1e-2, f"{k}: relative error {rel:.2e}"
+    gathers = [r for r in got["forward"] + got["backward"] if r[0] == "all_gather"]
+    assert gathers  # (their dtype is checked on the records in test_collectives_per_pass)
+
+
+@grid(["adamw-clip-prefetch"])
+def test_clip_grad_norm_is_the_single_device_norm(world, name):
+    got, ref = results(world)[name], reference(name)
+    assert min(ref["norms"]) > CLIP
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
+    for k, v in ref["params"].items():
+        torch.testing.assert_close(got["params"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+@grid(["adamw", "adamw-prefetch"])
+def test_eval_forward_without_autograd_gives_the_same_loss_and_frees_everything(world, name):
+    got, ref = results(world)[name], reference(name)
+    with torch.no_grad():
+        want = ref["model"](*common.step_batch(0, config(CASES[name]), BATCH, "cpu"))[1].item()
+    assert got["eval_loss"] == pytest.approx(want, rel=1e-5)
+    assert got["held_after_eval"] == 0 and got["held_after_backward"] == 0
+
+
+# ----------------------------------------------------------------------------- collectives and bytes
+
+
+@grid(["adamw", "adamw-prefetch", "adamw-bf16-prefetch", "probe-4-blocks-prefetch"])
+def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter_per_unit(world, name):
+    got = results(world)[name]
+    units = got["units"]
+    sizes = sorted(u["padded"] for u in units)
+    for phase in ("forward", "backward"):
+        gathers = [r for r in got[phase] if r[0] == "all_gather"]
+        assert len(gathers) == len(units) and all(r[1] == "param" for r in gathers)
+        assert sorted(r[2] for r in gathers) == sizes  # each all-gather is one whole unit
+    scatters = [r for r in got["backward"] if r[0] == "reduce_scatter"]
+    assert len(scatters) == len(units) and sorted(r[2] for r in scatters) == sizes
+    assert [r for r in got["forward"] if r[0] == "reduce_scatter"] == [] and got["step_records"] == 0
+
+
+@grid(["adamw", "adamw-prefetch", "adamw-untied"])
+def test_bytes_sent_per_step_are_exactly_3_psi_pad(world, name):
+    got = results(world)[name]
+    model = GPT(config(CASES[name]))
+    psi_pad = sum(math.ceil(p.numel() / world) * world for p in model.parameters())
+    assert got["comm"]["psi_pad"] == psi_pad == sum(u["padded"] for u in got["units"])
+    assert got["comm"]["sent_per_step"] == pytest.approx(3 * psi_pad * 4 * (world - 1) / world, rel=1e-12)
+    assert got["comm"]["ratio"] == pytest.approx(1.0, rel=1e-12)  # the tied weight: once per unit, no extra
+
+
+@grid(["probe-4-blocks", "probe-4-blocks-prefetch"])
+def test_gathered_weights_peak_is_at_most_root_plus_two_largest_blocks(world, name):
+    got = results(world)[name]
+    model = GPT(config(CASES[name]))
+    nbytes = {id(p): math.ceil(p.numel() / world) * world * 4 for p in model.parameters()}
+    blocks = sorted((sum(nbytes[id(p)] for p in b.parameters()) for b in model.blocks), reverse=True)
+    root = sum(nbytes.values()) - sum(blocks)
+    bound = root + blocks[0] + blocks[1]
+    assert bound < sum(nbytes.values())  # the bound says something: 4 blocks, 2 of them never gathered at once
+    expected = root + (blocks[0] + blocks[1] if CASES[name]["prefetch"] else blocks[0])
+    for r in got["all_ranks"]:
+        for phase in ("forward", "backward"):
+            assert root + blocks[0] <= r["peaks"][phase] <= bound, (phase, r["peaks"], bound)
+            assert r["peaks"][phase] == expected, phase  # prefetch holds exactly one more block
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+@pytest.mark.parametrize("label,exc_type,words", [
+    ("shared-blocks", "ValueError", ["blocks.1.ln_1.weight", "unit blocks.0", "unit blocks.1", "one unit"]),
+    ("shared-root", "ValueError", ["ln_f.weight", "the root unit", "unit blocks.0"]),
+    ("unknown-unit", "ValueError", ["units[0] (Linear) is not a submodule of the wrapped GPT"]),
+    ("nested-units", "ValueError", ["blocks.0.attn", "blocks.0", "nested"]),
+    ("root-as-unit", "ValueError", ["wrapped module itself"]),
+    ("no-module-list", "ValueError", ["no nn.ModuleList", "units="]),
+    ("bad-unit", "ValueError", ["unit='layer'", "'param'", "'block'"]),
+    ("prefetch-per-param", "ValueError", ["unit='block'"]),
+])
+def test_bad_inputs_give_clear_errors(label, exc_type, words):
+    got_type, message = results(2)["errors"][label]
+    assert got_type == exc_type, message
+    for w in words:
+        assert w in message, message
