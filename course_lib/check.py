@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .checks import ch00_collectives, ch01_memory, ch02_ddp, ch03_zero, ch04_fsdp
+from .checks import ch00_collectives, ch01_memory, ch02_ddp, ch03_zero, ch04_fsdp, ch05_pipeline
 from .launch import RankError, RankTimeout, spawn
 
 __all__ = ["check", "CheckResult", "EXERCISES", "Exercise"]
@@ -76,6 +76,9 @@ EXERCISES: dict[str, Exercise] = {
     "sharded_checkpoint": Exercise("ch04_fsdp", "ShardedCheckpoint",
                                    "ch04: save and restore FSDP2 model + optimizer shards with DCP",
                                    ch04_fsdp.check_sharded_checkpoint),
+    "one_f_one_b_schedule": Exercise("ch05_pipeline", "one_f_one_b_schedule",
+                                     "ch05: the 1F1B action order of one pipeline stage (compared, then run)",
+                                     ch05_pipeline.check_one_f_one_b_schedule, world_sizes=(2,)),
 }
 
 

@@ -252,3 +252,11 @@ def test_p2p_bytes_match_prediction():
         want = pipeline_p2p_bytes(2, 8, r["timelines"]["activation_bytes"], stage=r["timelines"]["rank"])
         for sched in ("gpipe", "1f1b"):
             assert r["timelines"][sched]["sent_bytes"] == want
+
+
+def test_exercise_checker_rejects_gpipe_order_naming_the_first_wrong_action(learner_answer):
+    run = learner_answer("ch05_pipeline", "from course_lib.pipeline import gpipe\n"
+                                          "def one_f_one_b_schedule(p, m, stage):\n    return gpipe(p, m, stage)\n")
+    res = run("one_f_one_b_schedule")
+    assert res.status == "failed"
+    assert "p=1, m=2, stage=0: action 1 is F1, 1F1B runs B0" in res.message
