@@ -209,7 +209,7 @@ class Zero3(_ShardOps, nn.Module):
         self.unit, self.prefetch = unit, bool(prefetch)
         self._state_dict_keys = list(module.state_dict().keys())
         self._forward_pass: _ForwardPass | None = None
-        self._live: list[list[_Use]] = []  # a stack: the uses of each trigger module now running forward
+        self._live: list[tuple] = []  # a stack: (trigger module now running forward, its uses)
         self._uses = weakref.WeakSet()  # every use not yet garbage: what gathered_bytes() measures
         self._in_flight: dict[_Unit, _InFlight] = {}  # prefetched all-gathers
         self._reductions: list[tuple] = []  # launched reduce-scatters not yet waited for
@@ -249,6 +249,8 @@ class Zero3(_ShardOps, nn.Module):
             return self.module(*args, **kwargs)
         finally:
             self._forward_pass = None
+            while self._live:  # an exception interrupted a unit's forward: shards back, memory freed
+                self._put_back(self._live[-1][0])
             if self.prefetch and self._seen:  # the order to prefetch in next time
                 order = list(dict.fromkeys(self._seen))
                 self._next_forward = dict(zip(order, order[1:]))
@@ -400,14 +402,18 @@ class Zero3(_ShardOps, nn.Module):
                 full = fulls[i]
                 sub._parameters[attr] = full if unit.params[i].shard.requires_grad else full.detach()
             uses.append(use)
-        self._live.append(uses)
+        self._live.append((trigger, uses))
 
-    def _after_forward(self, trigger: nn.Module, args, output):
-        uses = self._live.pop()
+    def _put_back(self, trigger: nn.Module) -> list[_Use]:
+        _, uses = self._live.pop()
         for (unit, slots), use in zip(self._triggers[trigger], uses):
             for sub, attr, i in slots:
                 sub._parameters[attr] = unit.params[i].shard  # the shard is back in place of the full weight ...
             self._free(use)  # ... and the memory, which autograd's saved copy shares
+        return uses
+
+    def _after_forward(self, trigger: nn.Module, args, output):
+        uses = self._put_back(trigger)
         needs = [use for use in uses if use.forward_pass is not None]
         if not needs:
             return output

@@ -27,14 +27,16 @@ CLIP = 0.5  # below every step's gradient norm (~1.3): clipping really scales
 
 
 def case(opt="adamw", steps=10, *, prefetch=False, dtype=None, clip=None, micro=1, resume_at=None, n_layer=2,
-         tie=True, probe=False):
+         tie=True, probe=False, sublayers=False):
+    """One training configuration; ``sublayers``: units=[every block's attn and mlp] instead of the blocks."""
     return dict(opt=opt, steps=steps, prefetch=prefetch, dtype=dtype, clip=clip, micro=micro, resume_at=resume_at,
-                n_layer=n_layer, tie=tie, probe=probe)
+                n_layer=n_layer, tie=tie, probe=probe, sublayers=sublayers)
 
 
 CASES = {
     "sgd": case("sgd", 5),
     "sgd-prefetch": case("sgd", 5, prefetch=True),
+    "sgd-sublayer-units-prefetch": case("sgd", 5, prefetch=True, sublayers=True),
     "adamw": case(),
     "adamw-prefetch": case(prefetch=True),
     "adamw-untied": case(tie=False, prefetch=True),
@@ -81,7 +83,9 @@ def _train(c) -> dict:
     dtype = torch.bfloat16 if c["dtype"] == "bf16" else None
 
     def build(seed=0):
-        z = Zero3(GPT(cfg, seed=seed).to(dev), compute_dtype=dtype, unit="block", prefetch=c["prefetch"])
+        gpt = GPT(cfg, seed=seed).to(dev)
+        units = [m for b in gpt.blocks for m in (b.attn, b.mlp)] if c["sublayers"] else None
+        z = Zero3(gpt, compute_dtype=dtype, unit="block", units=units, prefetch=c["prefetch"])
         return z, common.make_optimizer(c["opt"], z.parameters())
 
     model, opt = build()
@@ -127,6 +131,7 @@ def _train(c) -> dict:
 
 
 def _errors() -> dict:
+    from course_lib.launch import device
     from course_lib.zero3 import Zero3
 
     def catch(fn):
@@ -150,8 +155,15 @@ def _errors() -> dict:
     def block_and_root_share(m):
         m.ln_f.weight = m.blocks[0].ln_2.weight
 
+    def recovers():  # an exception inside the wrapped forward (the root is gathered): shards back, memory freed
+        z = Zero3(gpt(), unit="block", prefetch=True)
+        kind = catch(lambda: z(torch.zeros(2, 2, 2, dtype=torch.long, device=device())))[0]
+        back = all(a is b for a, b in zip(z.module.parameters(), z.parameters()))
+        return kind, f"shards back: {back}, gathered bytes: {z.gathered_bytes()}"
+
     nested = gpt()
     return {
+        "recovers": recovers(),
         "shared-blocks": catch(lambda: Zero3(tied(blocks_share), unit="block")),
         "shared-root": catch(lambda: Zero3(tied(block_and_root_share), unit="block")),
         "unknown-unit": catch(lambda: Zero3(gpt(), unit="block", units=[nn.Linear(3, 3)])),
@@ -212,7 +224,7 @@ def grid(names):
 # ----------------------------------------------------------------------------- equality with one device
 
 
-@grid(["sgd", "sgd-prefetch"])
+@grid(["sgd", "sgd-prefetch", "sgd-sublayer-units-prefetch"])
 def test_per_unit_sgd_equals_one_device_after_5_steps(world, name):
     got, ref = results(world)[name], reference(name)
     assert common.max_abs_diff(got["params"], ref["params"]) <= 1e-6
@@ -275,10 +287,11 @@ def test_eval_forward_without_autograd_gives_the_same_loss_and_frees_everything(
 # ----------------------------------------------------------------------------- collectives and bytes
 
 
-@grid(["adamw", "adamw-prefetch", "adamw-bf16-prefetch", "probe-4-blocks-prefetch"])
+@grid(["adamw", "adamw-prefetch", "adamw-bf16-prefetch", "probe-4-blocks-prefetch", "sgd-sublayer-units-prefetch"])
 def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter_per_unit(world, name):
     got = results(world)[name]
     units = got["units"]
+    assert len(units) == 1 + (2 if CASES[name]["sublayers"] else 1) * CASES[name]["n_layer"]
     sizes = sorted(u["padded"] for u in units)
     for phase in ("forward", "backward"):
         gathers = [r for r in got[phase] if r[0] == "all_gather"]
@@ -327,6 +340,7 @@ def test_gathered_weights_peak_is_at_most_root_plus_two_largest_blocks(world, na
     ("no-module-list", "ValueError", ["no nn.ModuleList", "units="]),
     ("bad-unit", "ValueError", ["unit='layer'", "'param'", "'block'"]),
     ("prefetch-per-param", "ValueError", ["unit='block'"]),
+    ("recovers", "ValueError", ["shards back: True, gathered bytes: 0"]),
 ])
 def test_bad_inputs_give_clear_errors(label, exc_type, words):
     got_type, message = results(2)["errors"][label]
