@@ -132,13 +132,14 @@ class BubbleResult(Result):
         out = {}
         for r in self.rows:
             ok = all(abs(b - r["formula"]) <= self.margin for b in r["per_rank"])
+            formula = "(p−1)/(v·m+p−1)" if r["schedule"] == "interleaved" else "(p−1)/(m+p−1)"
             out[f"{r['schedule']}, p={self.p}, m={r['m']}: every rank's bubble within {self.margin} of "
-                f"(p−1)/(m+p−1) = {r['formula']:.3f}"] = ok
+                f"{formula} = {r['formula']:.3f}"] = ok
         return out
 
 
 def sleep_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: float = 0.02, t_b: float = 0.04,
-                  steps: int = 3, warmup: int = 1, width: int = 8, micro_batch: int = 2) -> dict:
+                  steps: int = 3, warmup: int = 1, width: int = 8, micro_batch: int = 2, num_chunks: int = 2) -> dict:
     """Rank function: every stage one :class:`SleepLayer` (``t_f`` forward, ``t_b`` backward); measure bubbles.
 
     For each schedule and ``m``: ``warmup`` + ``steps`` pipeline steps, each after a barrier; per step
@@ -147,27 +148,31 @@ def sleep_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: f
     Returns ``BubbleResult.as_dict()`` (rank 0's is the one to read) plus the last step's timelines.
     """
     p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
-    layers = [SleepLayer(width, t_f, t_b, seed=k) for k in range(p)]
-    mod = split_layers(layers, p)[rank].to(dev)
     loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
     res = BubbleResult(p=p, t_f=t_f, t_b=t_b)
     for name in schedules:
+        v = num_chunks if name == "interleaved" else 1  # a rank's v chunks share its t_F, t_B: each costs 1/v
+        layers = split_layers([SleepLayer(width, t_f / v, t_b / v, seed=k) for k in range(p * v)], p * v)
+        chunks = [layers[c * p + rank].to(dev) for c in range(v)]
         for m in microbatches:
-            runner = PipelineRunner([mod], rank, make_schedules(name, p, m), m, activation_shape=(micro_batch, width),
-                                    loss_fn=loss_fn, device=dev)
+            kwargs = {"num_chunks": v} if v > 1 else {}
+            runner = PipelineRunner(chunks, rank, make_schedules(name, p, m, **kwargs), m,
+                                    activation_shape=(micro_batch, width), loss_fn=loss_fn, device=dev)
             x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(dev)
             per_step = []
             for i in range(warmup + steps):
-                mod.zero_grad(set_to_none=True)
+                for c in chunks:
+                    c.zero_grad(set_to_none=True)
                 dist.barrier()
-                stats = runner.step(x, x)
+                with comm.CommLog() as log:
+                    stats = runner.step(x, x)
                 gathered = [None] * p
                 dist.all_gather_object(gathered, stats.events)
                 if i >= warmup:
                     per_step.append(bubble_fractions(gathered))
             per_rank = [statistics.median(s[r] for s in per_step) for r in range(p)]
-            res.rows.append({"schedule": name, "m": m, "per_rank": per_rank, "formula": pipeline_bubble(p, m),
-                             "peak_live": stats.peak_live_microbatches})
+            res.rows.append({"schedule": name, "m": m, "per_rank": per_rank, "formula": pipeline_bubble(p, m, v),
+                             "peak_live": stats.peak_live_microbatches, "messages_sent": log.count(op="send")})
             t0 = min(e.start for tl in gathered for e in tl)
             res.timelines[f"{name}/{m}"] = [[(e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0) for e in tl]
                                             for tl in gathered]
