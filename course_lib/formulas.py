@@ -215,3 +215,25 @@ def pipeline_p2p_bytes(num_stages: int, num_microbatches: int, activation_bytes:
     virtual = [c * p + stage for c in range(v)]
     sends = sum((s < p * v - 1) + (s > 0) for s in virtual)
     return sends * num_microbatches * activation_bytes
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+def checkpointed_block_activation_bytes(n_layer: int, batch_size: int, seq_len: int, d_model: int,
+                                        bytes_per_element: int = 4) -> int:
+    """What a stack of ``n_layer`` blocks keeps for backward when each block is checkpointed: its input.
+
+    A checkpointed block saves only its input x (b·s·h floats) and recomputes everything inside
+    during backward; the other block activations (``activation_bytes_estimate``'s per-block rows)
+    exist only while that one block is recomputed. L blocks: L·b·s·h·bytes — the residual stream
+    between blocks, and the only activation memory of the stack that grows with depth.
+    """
+    for name, value in (("n_layer", n_layer), ("batch_size", batch_size), ("seq_len", seq_len),
+                        ("d_model", d_model), ("bytes_per_element", bytes_per_element)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    return n_layer * batch_size * seq_len * d_model * bytes_per_element
+
+
+__all__ += ["checkpointed_block_activation_bytes"]

@@ -49,7 +49,8 @@ import torch.nn as nn
 
 from .launch import device
 
-__all__ = ["fsdp2_wrap", "padded_numel", "full_state_dict", "full_training_state"]
+__all__ = ["fsdp2_wrap", "padded_numel", "full_state_dict", "full_training_state", "set_prefetch",
+           "save_sharded_checkpoint", "load_sharded_checkpoint"]
 
 
 # =========================================================================== wrapping
@@ -91,8 +92,10 @@ def fsdp2_wrap(model: nn.Module, mesh=None, reshard_after_forward: bool = True, 
         raise TypeError(f"fsdp2_wrap needs a model whose transformer blocks are in a non-empty `model.blocks` "
                         f"(nn.ModuleList): each block becomes one FSDP unit; {type(model).__name__} has {found}. "
                         f"For another model call torch.distributed.fsdp.fully_shard on its layers, then on the root")
-    if isinstance(model, FSDPModule) or any(isinstance(b, FSDPModule) for b in blocks):
-        raise ValueError("fsdp2_wrap: this model is already sharded with fully_shard; wrap a fresh model")
+    wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if wrapped:  # fully_shard itself would fail later with a bare AssertionError, or shard twice
+        raise ValueError(f"fsdp2_wrap: this model is already sharded with fully_shard (FSDP modules: "
+                         f"{', '.join(wrapped[:4])}{' …' if len(wrapped) > 4 else ''}); wrap a fresh model")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True (ZeRO-3: re-gather in backward) or False (keep "
                         f"gathered weights until backward), got {reshard_after_forward!r}")
@@ -163,3 +166,95 @@ def full_training_state(model, optimizer) -> dict[str, torch.Tensor]:
         for name, v in st.items():
             flat[f"optim.state.{fqn}.{name}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
     return flat
+
+
+# =========================================================================== prefetch plans
+
+
+def set_prefetch(model: nn.Module, forward: dict | None = None, backward: dict | None = None) -> None:
+    """Explicit prefetch: ``{unit: [units to all-gather before it runs]}``, for forward and/or backward.
+
+    FSDP2 already overlaps one unit ahead where the device runs ahead of Python (CUDA streams);
+    ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` make the all-gather of
+    the listed units *issue* as soon as the key unit starts — more in flight, more memory. Every
+    key and value must be a ``fully_shard`` ed module inside ``model`` (checked here: FSDP2 itself
+    would accept a module of another model and hang or gather the wrong weights).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m): name or "<root>" for name, m in model.named_modules()}
+
+    def check(m, role: str) -> None:
+        if id(m) not in names:
+            raise ValueError(f"set_prefetch: the {role} {type(m).__name__} (id {id(m):#x}) is not a module of this "
+                             f"model; name units of the model you prefetch for, e.g. model.blocks[i]")
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"set_prefetch: the {role} {names[id(m)]!r} ({type(m).__name__}) is not a fully_shard "
+                             f"unit; only units have an all-gather to prefetch")
+
+    for plan, setter in ((forward, "set_modules_to_forward_prefetch"), (backward, "set_modules_to_backward_prefetch")):
+        if plan is None:
+            continue
+        if not isinstance(plan, dict):
+            raise TypeError(f"a prefetch plan is a dict {{unit: [units]}}, got {type(plan).__name__}")
+        for unit, targets in plan.items():
+            check(unit, "unit")
+            targets = list(targets)
+            for t in targets:
+                check(t, f"prefetch target of {names[id(unit)]!r}")
+            getattr(unit, setter)(targets)
+
+
+# =========================================================================== sharded checkpoints (DCP)
+
+
+def save_sharded_checkpoint(model: nn.Module, optimizer, path: str) -> None:
+    """Every rank writes its own shards (``torch.distributed.checkpoint``); rank 0 writes ``.metadata``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def load_sharded_checkpoint(model: nn.Module, optimizer, path: str) -> None:
+    """Load a DCP checkpoint saved at any world size into ``model`` (and ``optimizer``), in place.
+
+    Checked first against the checkpoint's metadata, so that another model's checkpoint fails with
+    the key at fault (DCP alone reports a planner error, or loads a mismatched shape silently
+    partly): every model key must be in the checkpoint with the same global shape, and the
+    checkpoint must hold no model key this model lacks.
+    """
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    if not os.path.isfile(os.path.join(os.fspath(path), ".metadata")):
+        raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata file)")
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # the layout to fill (creates optimizer state)
+    else:
+        model_sd, optim_sd = get_model_state_dict(model), None
+    saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
+    missing = [k for k in model_sd if k not in saved]
+    if missing:
+        raise KeyError(f"checkpoint {path} has no entry for model key {missing[0]!r} ({len(missing)} missing); "
+                       f"it was saved from another model")
+    unexpected = sorted(set(saved) - set(model_sd))
+    if unexpected:
+        raise KeyError(f"checkpoint {path} holds model key {unexpected[0]!r} that this model does not have "
+                       f"({len(unexpected)} unexpected); it was saved from another model")
+    for k, v in model_sd.items():
+        want, got = tuple(v.shape), tuple(getattr(saved[k], "size", ()))
+        if want != got:
+            raise ValueError(f"checkpoint {path}: model key {k!r} has shape {got} there, {want} in this model")
+    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)  # in place: each rank reads the slices its shards cover
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

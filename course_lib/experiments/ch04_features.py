@@ -1,0 +1,446 @@
+"""Chapter 04, part 2: the FSDP2 features people reach for, each run on real ranks and measured.
+
+Rank functions (run with ``launch.spawn``; each returns a :class:`common.Result` whose ``claims()``
+the notebook prints and the tests assert):
+
+* :func:`reshard_memory_and_traffic` — ``reshard_after_forward`` True vs False: bytes sent per step
+  (3Ψ vs 2Ψ, counted) and memory over one step (``FSDPMemTracker``, sampled after every op);
+* :func:`accumulation_without_sync` — ``set_requires_gradient_sync(False)``: fewer reduce-scatters;
+* :func:`hsdp` — a (replicate, shard) = (2, 2) mesh: which collective runs on which dimension;
+* :func:`reshard_to_smaller_mesh` — ``reshard_after_forward=2`` at world 4;
+* :func:`prefetch_timeline` — explicit forward/backward prefetch, when each all-gather is issued.
+
+Gradient clipping, activation checkpointing, meta-device initialisation and sharded checkpoints are in
+:mod:`course_lib.experiments.ch04_practice`.
+
+Every run returns full tensors (``full_state``, CPU) where equality with one device is the claim,
+so the test process can judge it against its own reference.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..comm import CollectiveCounter
+from ..fsdp import fsdp2_wrap, full_state_dict, padded_numel, set_prefetch
+from ..launch import device
+from ..models import GPT, GPTConfig
+from .common import (Result, check_global_batch, make_optimizer, median_times, race, reference_run, shard_batch,
+                     state_diff, step_batch, train_step, zero_config)
+
+__all__ = ["features_config", "reshard_memory_and_traffic", "accumulation_without_sync", "hsdp",
+           "reshard_to_smaller_mesh", "prefetch_timeline"]
+
+
+def features_config(**overrides) -> GPTConfig:
+    """``zero_config`` with 4 blocks (Ψ = 224,343): enough units for memory over a step to show."""
+    return zero_config(**{"n_layer": 4, **overrides})
+
+
+def _cpu(sd: dict) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def _allclose(full: dict, reference) -> bool:
+    ref = reference.state_dict()
+    return all(torch.allclose(full[k], ref[k], rtol=1e-5, atol=1e-5) for k in ref)
+
+
+def _units(model, mesh, **kwargs):
+    """``fully_shard`` every block, then the root (``fsdp2_wrap``'s units) on any mesh, any kwargs."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    return fully_shard(model, mesh=mesh, **kwargs)
+
+
+def _counted_step(model, opt, x, y) -> tuple[CollectiveCounter, float]:
+    """One training step under a :class:`CollectiveCounter` tagged forward / backward / step; and its loss."""
+    opt.zero_grad(set_to_none=True)
+    with CollectiveCounter(tag="forward") as cc:
+        _, loss = model(x, y)
+        cc.tag = "backward"
+        loss.backward()
+        cc.tag = "step"
+        opt.step()
+    return cc, loss.item()
+
+
+def _per_group(cc: CollectiveCounter) -> dict:
+    """``{group: {op: {"calls", "tensor_bytes", "group_size"}}}`` over a counter's records."""
+    out: dict = {}
+    for r in cc.records:
+        row = out.setdefault(r.group, {}).setdefault(r.op, {"calls": 0, "tensor_bytes": 0, "group_size": r.world_size})
+        row["calls"] += 1
+        row["tensor_bytes"] += r.tensor_bytes
+    return out
+
+
+# =========================================================================== reshard_after_forward
+
+
+def _memory_tracker(model, opt):
+    """``FSDPMemTracker`` that also samples (phase, total, unsharded-param bytes) after every op."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    class Traced(FSDPMemTracker):
+        def __init__(self):
+            super().__init__(model, opt)
+            self.phase, self.trace = "forward", []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            snaps = self._curr_mem_snap.values()
+            self.trace.append((self.phase, sum(s.get("Total", 0) for s in snaps),
+                               sum(s.get(_FSDPRefType.UNSHARDED_PARAM, 0) for s in snaps)))
+            return out
+
+    return Traced()
+
+
+@dataclass
+class ReshardResult(Result):
+    world_size: int
+    units: int
+    psi_pad: int
+    block_param_bytes: int  # one block's parameters, gathered (padded rows)
+    root_param_bytes: int
+    sent: dict  # {"True"/"False": ring bytes sent per step}
+    collectives: dict  # {mode: {op: {phase: calls}}}
+    peak: dict  # {mode: peak total bytes over the step (FSDPMemTracker)}
+    peak_breakdown: dict  # {mode: {category: bytes at that peak}}
+    peak_gathered: dict  # {mode: most unsharded-parameter bytes at once}
+    trace: dict = field(repr=False, default_factory=dict)  # {mode: [(phase, total, unsharded)] per op}
+
+    def claims(self) -> dict[str, bool]:
+        ring = (self.world_size - 1) / self.world_size
+        full = 4 * self.psi_pad
+        return {
+            "reshard=True sends 3·(N−1)/N·4Ψ_pad per step": abs(self.sent["True"] - 3 * ring * full) < 1e-6 * full,
+            "reshard=False sends 2·(N−1)/N·4Ψ_pad per step (no backward all-gather)":
+                abs(self.sent["False"] - 2 * ring * full) < 1e-6 * full,
+            "False's peak exceeds True's by at least one block's gathered parameters":
+                self.peak["False"] - self.peak["True"] >= self.block_param_bytes,
+            "False holds every unit gathered at once (the whole model)": self.peak_gathered["False"] >= full,
+            "True never holds more than the root + 2 blocks gathered":
+                self.peak_gathered["True"] <= self.root_param_bytes + 2 * self.block_param_bytes,
+        }
+
+
+def reshard_memory_and_traffic(config: GPTConfig | None = None, global_batch: int = 8) -> ReshardResult:
+    """Rank function: one AdamW step each with ``reshard_after_forward`` True and False, counted and tracked.
+
+    After a warm-up step (FSDP2's lazy init, AdamW's state), one step under
+    :class:`comm.CollectiveCounter` (bytes per collective) and one under ``FSDPMemTracker``
+    (every tensor by category — sharded/unsharded params, grads, activations, optimizer state —
+    sampled after every op, so the notebook can draw memory over the step).
+    """
+    config = config or features_config()
+    n, dev = dist.get_world_size(), device()
+    check_global_batch(global_batch, n)
+    x, y = shard_batch(*step_batch(0, config, global_batch, dev))
+    sent, colls, peak, breakdown, gathered, trace = {}, {}, {}, {}, {}, {}
+    for reshard in (True, False):
+        key = str(reshard)
+        model = fsdp2_wrap(GPT(config, seed=0).to(dev), reshard_after_forward=reshard)
+        opt = make_optimizer("adamw", model.parameters())
+        train_step(model, opt, x, y)
+        cc, _ = _counted_step(model, opt, x, y)
+        sent[key] = cc.total("ring_bytes", op="all_gather") + cc.total("ring_bytes", op="reduce_scatter")
+        colls[key] = {op: {t: cc.count(op=op, tag=t) for t in ("forward", "backward")}
+                      for op in ("all_gather", "reduce_scatter")}
+        opt.zero_grad(set_to_none=True)
+        tracker = _memory_tracker(model, opt)
+        tracker.track_inputs((x, y))
+        with tracker:
+            _, loss = model(x, y)
+            tracker.phase = "backward"
+            loss.backward()
+            tracker.phase = "step"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        peak[key] = snap["Total"]
+        breakdown[key] = {getattr(k, "value", str(k)): v for k, v in snap.items()}
+        gathered[key] = max(u for _, _, u in tracker.trace)
+        trace[key] = tracker.trace
+        block_bytes = 4 * padded_numel(model.blocks[0], n)
+    root = 4 * padded_numel(model, n) - len(model.blocks) * block_bytes
+    return ReshardResult(n, len(model.blocks) + 1, padded_numel(model, n), block_bytes, root, sent, colls, peak,
+                         breakdown, gathered, trace)
+
+
+# =========================================================================== gradient accumulation
+
+
+@dataclass
+class AccumulationResult(Result):
+    world_size: int
+    micro_batches: int
+    units: int
+    reduce_scatters: dict  # {"sync_each": calls per step, "no_sync": calls per step}
+    all_gathers: dict
+    max_abs_diff: dict  # {variant: vs one device on the big batch, computed on the rank}
+    full_state: dict = field(repr=False, default_factory=dict)  # {variant: full tensors (CPU)}
+
+    def claims(self) -> dict[str, bool]:
+        return {
+            "syncing every micro-batch reduce-scatters M·units times per step":
+                self.reduce_scatters["sync_each"] == self.micro_batches * self.units,
+            "set_requires_gradient_sync(False) reduce-scatters once per unit per step":
+                self.reduce_scatters["no_sync"] == self.units,
+            "both equal one device on the big batch (max |Δ| ≤ 1e-6, SGD)": max(self.max_abs_diff.values()) <= 1e-6,
+        }
+
+
+def accumulation_without_sync(micro_batches: int = 4, steps: int = 3, global_batch: int = 16,
+                              config: GPTConfig | None = None) -> AccumulationResult:
+    """Rank function: M micro-batches per step, gradients synced each time vs only on the last one.
+
+    ``set_requires_gradient_sync(False)`` (FSDP1's ``no_sync``) makes each unit accumulate its
+    *unsharded* gradient locally; the last micro-batch turns sync back on and reduce-scatters the
+    sum once. Traffic per step drops by (M−1) reduce-scatters per unit; memory rises by one
+    unsharded gradient per unit until then. Losses are scaled by 1/M: the sum of M micro-batch
+    gradients is then the gradient of the mean over the rank's slice.
+    """
+    config = config or features_config()
+    n, dev = dist.get_world_size(), device()
+    check_global_batch(global_batch, n, micro_batches)
+    out: dict = {"reduce_scatters": {}, "all_gathers": {}, "max_abs_diff": {}, "full_state": {}}
+    reference, _, _ = reference_run(config, steps, global_batch, "sgd", dev=dev)
+    for variant in ("sync_each", "no_sync"):
+        model = fsdp2_wrap(GPT(config, seed=0).to(dev))
+        opt = make_optimizer("sgd", model.parameters())
+        for step in range(steps):
+            x, y = shard_batch(*step_batch(step, config, global_batch, dev))
+            opt.zero_grad(set_to_none=True)
+            counters = []  # one CommDebugMode per forward+backward (its module tracker breaks across passes)
+            for j, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+                if variant == "no_sync":
+                    model.set_requires_gradient_sync(j == micro_batches - 1)
+                with CollectiveCounter() as cc:
+                    (model(xm, ym)[1] / micro_batches).backward()
+                counters.append(cc)
+            opt.step()
+        out["reduce_scatters"][variant] = sum(c.count(op="reduce_scatter") for c in counters)
+        out["all_gathers"][variant] = sum(c.count(op="all_gather") for c in counters)
+        full = full_state_dict(model)
+        out["max_abs_diff"][variant] = state_diff(full, reference)
+        out["full_state"][variant] = _cpu(full)
+    return AccumulationResult(n, micro_batches, len(model.blocks) + 1, **out)
+
+
+# =========================================================================== HSDP and reshard-to-int
+
+
+@dataclass
+class HSDPResult(Result):
+    world_size: int
+    mesh_shape: tuple
+    units: int
+    per_group: dict  # {group name: {op: {"calls", "tensor_bytes", "group_size"}}} over one step
+    max_abs_diff: float  # vs one device, computed on the rank
+    allclose: bool
+    local_losses: list = field(default_factory=list)
+    full_state: dict = field(repr=False, default_factory=dict)
+    local_shapes: dict = field(default_factory=dict)
+
+    def claims(self) -> dict[str, bool]:
+        g, u = self.per_group, self.units
+        return {
+            "all-gathers run on the shard dimension (groups of 2), one per unit per pass":
+                g.get("shard", {}).get("all_gather", {}).get("calls") == 2 * u and g["shard"]["all_gather"][
+                    "group_size"] == 2,
+            "reduce-scatters run on the shard dimension, one per unit": g.get("shard", {}).get(
+                "reduce_scatter", {}).get("calls") == u,
+            "all-reduces run on the replicate dimension, one per unit": g.get("replicate", {}).get(
+                "all_reduce", {}).get("calls") == u and g["replicate"]["all_reduce"]["group_size"] == 2,
+            "nothing else is communicated": set(g) == {"shard", "replicate"} and set(g["replicate"]) == {"all_reduce"},
+            "HSDP equals one device (AdamW, allclose 1e-5)": self.allclose,
+        }
+
+
+def hsdp(steps: int = 4, global_batch: int = 8, config: GPTConfig | None = None) -> HSDPResult:
+    """Rank function (world 4): HSDP — shard within groups of 2, replicate across the 2 groups.
+
+    ``init_device_mesh(dev, (2, 2), mesh_dim_names=("replicate", "shard"))`` and ``fully_shard``
+    on that 2-D mesh: each parameter is ``Shard(0)`` over the shard dimension and replicated
+    over the other. Per unit and step: all-gathers within the shard group, a reduce-scatter within
+    it, then an all-reduce of the reduced shard across the replicate group — the model state is
+    ``16Ψ/2`` per rank, and the largest collective spans 2 ranks, not 4 (on GPUs: one node).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = config or features_config()
+    n, dev = dist.get_world_size(), device()
+    if n != 4:
+        raise ValueError(f"hsdp runs on a (2, 2) mesh: world_size must be 4, got {n}")
+    check_global_batch(global_batch, n)
+    mesh = init_device_mesh(dev.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _units(GPT(config, seed=0).to(dev), mesh, reshard_after_forward=True)
+    opt = make_optimizer("adamw", model.parameters())
+    local = []
+    for step in range(steps - 1):
+        local.append(train_step(model, opt, *shard_batch(*step_batch(step, config, global_batch, dev))))
+    cc, loss = _counted_step(model, opt, *shard_batch(*step_batch(steps - 1, config, global_batch, dev)))
+    local.append(loss)
+    reference, _, _ = reference_run(config, steps, global_batch, "adamw", dev=dev)
+    full = full_state_dict(model)
+    shapes = {k: tuple(p.to_local().shape) for k, p in model.named_parameters()}
+    return HSDPResult(n, (2, 2), len(model.blocks) + 1, _per_group(cc), state_diff(full, reference),
+                      _allclose(full, reference), local, _cpu(full), shapes)
+
+
+@dataclass
+class ReshardToIntResult(Result):
+    world_size: int
+    reshard_after_forward: int
+    units: int
+    all_gathers: dict  # {phase: {group size: calls}}
+    local_numel_after_forward: int  # elements of block 0's registered parameters between forward and backward
+    local_numel_sharded: int
+    full_numel: int
+
+    def claims(self) -> dict[str, bool]:
+        u, k = self.units, self.reshard_after_forward
+        return {
+            f"forward all-gathers span all {self.world_size} ranks": self.all_gathers["forward"] == {
+                self.world_size: u},
+            f"backward all-gathers span only {k} ranks (the smaller mesh)": self.all_gathers["backward"] == {k: u},
+            f"between forward and backward a rank holds 1/{k} of a block, not 1/{self.world_size} nor all of it":
+                self.local_numel_sharded < self.local_numel_after_forward < self.full_numel,
+        }
+
+
+def reshard_to_smaller_mesh(reshard_after_forward: int = 2, global_batch: int = 8,
+                            config: GPTConfig | None = None) -> ReshardToIntResult:
+    """Rank function (world 4): ``reshard_after_forward=2`` — after forward, keep 1/2 of each unit, not 1/4.
+
+    The middle ground between True (re-gather from 1/N) and False (keep everything): after a
+    unit's forward FSDP2 frees the gathered weights but keeps a shard over a *smaller* mesh (here
+    2 ranks), so the backward all-gather runs over groups of 2 — on GPUs, inside one node.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    config = config or features_config()
+    n, dev = dist.get_world_size(), device()
+    check_global_batch(global_batch, n)
+    model = _units(GPT(config, seed=0).to(dev), init_device_mesh(dev.type, (n,)),
+                   reshard_after_forward=reshard_after_forward)
+    opt = make_optimizer("adamw", model.parameters())
+    x, y = shard_batch(*step_batch(0, config, global_batch, dev))
+    train_step(model, opt, x, y)
+    sharded = sum(p.to_local().numel() for p in model.blocks[0].parameters())
+    opt.zero_grad(set_to_none=True)
+    with CollectiveCounter(tag="forward") as cc:
+        _, loss = model(x, y)
+        after = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.blocks[0].parameters())
+        cc.tag = "backward"
+        loss.backward()
+    opt.step()
+    gathers = {}
+    for r in cc.select(op="all_gather"):
+        phase = gathers.setdefault(r.tag, {})
+        phase[r.world_size] = phase.get(r.world_size, 0) + 1
+    return ReshardToIntResult(n, reshard_after_forward, len(model.blocks) + 1, gathers, after, sharded,
+                              sum(p.numel() for p in model.blocks[0].parameters()))
+
+
+# =========================================================================== prefetch
+
+
+@dataclass
+class PrefetchResult(Result):
+    world_size: int
+    n_layer: int
+    gathers_issued_at_block_start: dict  # {variant: [forward all-gathers issued when block i starts]}
+    events: dict  # {variant: [(kind, label, start_s, end_s)]}: "F"/"B" compute per block, "AG"/"RS" issue spans
+    step_s: dict  # {variant: median step seconds (interleaved rounds, max over ranks)}
+    step_s_rounds: dict
+
+    def claims(self) -> dict[str, bool]:
+        L, g = self.n_layer, self.gathers_issued_at_block_start
+        return {
+            "without a plan, block i's all-gather is issued when block i starts (root + i+1 issued)":
+                g["implicit"] == [i + 2 for i in range(L)],
+            "with set_modules_to_forward_prefetch, block i+1's is already issued when block i starts":
+                g["explicit"] == [min(i + 3, L + 1) for i in range(L)],
+            "both step times were measured (no speed-up asserted: on CPU gloo the all-gather runs in the "
+            "caller's time)": all(t > 0 for t in self.step_s.values()),
+        }
+
+
+def _timeline_recorder(model, t0: float):
+    """Hooks and a dispatch mode that record compute spans per block and when each collective is issued."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ..comm import _OP_NAMES
+
+    events, at_start, issued = [], [], {"all_gather": 0}
+    now = lambda: time.perf_counter() - t0  # noqa: E731
+
+    class Issue(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = _OP_NAMES.get(getattr(func, "_overloadpacket", None))
+            start = now()
+            out = func(*args, **(kwargs or {}))
+            if op in ("all_gather", "reduce_scatter"):
+                events.append(("AG" if op == "all_gather" else "RS", "", start, now()))
+                issued[op] = issued.get(op, 0) + 1
+            return out
+
+    handles, open_ = [], {}
+    for i, block in enumerate(model.blocks):
+        def pre(m, args, i=i):
+            if torch.is_grad_enabled() and args[0].requires_grad:
+                args[0].register_hook(lambda g, i=i: events.append(("B", str(i), open_.pop(("B", i)), now())))
+            at_start.append(issued["all_gather"])
+            open_[("F", i)] = now()
+
+        def post(m, args, out, i=i):
+            events.append(("F", str(i), open_.pop(("F", i)), now()))
+            if out.requires_grad:
+                out.register_hook(lambda g, i=i: open_.__setitem__(("B", i), now()))
+
+        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    return Issue(), events, at_start, handles
+
+
+def prefetch_timeline(config: GPTConfig | None = None, global_batch: int = 8, rounds: int = 3) -> PrefetchResult:
+    """Rank function: FSDP2 with and without an explicit prefetch plan (:func:`fsdp.set_prefetch`).
+
+    Explicit plan: each block all-gathers the next one in forward (``set_modules_to_forward_prefetch``)
+    and the previous one in backward (``set_modules_to_backward_prefetch``); the root prefetches
+    block 0. One recorded step each: compute spans per block (forward hooks; backward from the
+    gradient hooks of the block's output and input) and the moment each all-gather / reduce-scatter
+    is issued. Then both are timed in interleaved rounds. On GPUs the all-gather runs on its own
+    stream while the previous block computes; on CPU with gloo it is done in the caller's time,
+    so prefetch may gain nothing here — what is measured is *when* each all-gather is issued.
+    """
+    config = config or features_config()
+    n, dev = dist.get_world_size(), device()
+    check_global_batch(global_batch, n)
+    x, y = shard_batch(*step_batch(0, config, global_batch, dev))
+    models, opts, events, at_start = {}, {}, {}, {}
+    for variant in ("implicit", "explicit"):
+        model = fsdp2_wrap(GPT(config, seed=0).to(dev))
+        if variant == "explicit":
+            b = list(model.blocks)
+            set_prefetch(model, forward={model: [b[0]], **{b[i]: [b[i + 1]] for i in range(len(b) - 1)}},
+                         backward={b[i]: [b[i - 1]] for i in range(1, len(b))})
+        models[variant], opts[variant] = model, make_optimizer("adamw", model.parameters())
+        train_step(model, opts[variant], x, y)  # lazy init, optimizer state
+        dist.barrier()
+        mode, ev, starts, handles = _timeline_recorder(model, time.perf_counter())
+        with mode:
+            train_step(model, opts[variant], x, y)
+        for h in handles:
+            h.remove()
+        events[variant], at_start[variant] = sorted(ev, key=lambda e: e[2]), starts
+    times = race({v: (lambda v=v: train_step(models[v], opts[v], x, y)) for v in models}, rounds=rounds)
+    return PrefetchResult(n, config.n_layer, at_start, events, median_times(times), times)
