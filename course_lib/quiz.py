@@ -3,8 +3,15 @@
 Every notebook ends with ``quiz(chapter)``. The statements live as YAML data in ``quiz_bank/chNN.yaml``
 (one file per chapter), each item with a Korean and an English statement, the answer ``O`` (true) or
 ``X`` (false), an explanation that says *why*, a short ``trap`` tag naming the misconception it tests,
-and a ``source``. Items marked ``seed: true`` are the exam statements of ``shared/seeds/003_*.txt``,
-kept verbatim.
+a ``source``, a ``topic`` (the final exam scores per topic), ``teaches`` (the notebook anchor that teaches
+it, ``"NN#anchor"`` in chapter NN's notebook, NN ≤ the item's chapter) and, for items that give each other
+away, a ``group`` (an exam form draws at most one item per group). Items marked ``seed: true`` are the exam
+statements of ``shared/seeds/003_*.txt``, kept verbatim: their Korean text is shown in both languages (in
+English with the translation under it).
+
+Language: one course-wide setting, English by default like the prose. ``COURSE_LANG=ko`` in the
+environment or ``set_language("ko")`` switches every quiz to Korean; ``lang=`` on a call overrides it for
+that call; the widget has its own ko/en toggle.
 
 Four ways in, one bank:
 
@@ -43,6 +50,12 @@ __all__ = [
     "QuizResult",
     "QuizText",
     "QuizWidget",
+    "get_language",
+    "set_language",
+    "exam_form",
+    "grade_items",
+    "anchor_of",
+    "statement_text",
     "load_bank",
     "validate_bank",
     "chapters",
@@ -61,8 +74,12 @@ BANK_DIR = Path(__file__).resolve().parent / "quiz_bank"
 
 ANSWERS = ("O", "X")
 LANGS = ("ko", "en")
-REQUIRED_FIELDS = ("id", "chapter", "statement", "answer", "explanation", "trap", "source")
-OPTIONAL_FIELDS = ("seed",)
+REQUIRED_FIELDS = ("id", "chapter", "statement", "answer", "explanation", "trap", "source", "topic", "teaches")
+OPTIONAL_FIELDS = ("seed", "group")
+DEFAULT_LANG = "en"
+_TEACHES_RE = re.compile(r"^(\d{2})#([A-Za-z0-9][A-Za-z0-9_-]*)$")
+_SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+_language: str | None = None  # set_language(); None: $COURSE_LANG, else DEFAULT_LANG
 _FILE_RE = re.compile(r"^ch(\d{2})\.yaml$")
 _ID_RE = re.compile(r"^ch(\d{2})-[a-z0-9][a-z0-9-]*$")
 
@@ -74,7 +91,10 @@ TEXT_HINT = "(answer with grade({chapter}, {{item_id: 'O' or 'X'}}) or: course-l
 _UI = {
     "ko": {
         "title": "{ch:02d}장 O/X 퀴즈 — {title} ({n}문항)",
+        "exam_title": "O/X 시험 ({n}문항)",
+        "topics": "주제별",
         "result": "{ch:02d}장 O/X 결과: {score}/{total} 정답 ({pct}%)",
+        "result_exam": "O/X 시험 결과: {score}/{total} 정답 ({pct}%)",
         "right": "✔ 정답",
         "wrong": "✘ 오답",
         "answer_is": "정답 {answer}",
@@ -94,7 +114,10 @@ _UI = {
     },
     "en": {
         "title": "Chapter {ch:02d} O/X quiz — {title} ({n} statements)",
+        "exam_title": "O/X exam ({n} statements)",
+        "topics": "By topic",
         "result": "Chapter {ch:02d} O/X result: {score}/{total} correct ({pct}%)",
+        "result_exam": "O/X exam result: {score}/{total} correct ({pct}%)",
         "right": "✔ correct",
         "wrong": "✘ wrong",
         "answer_is": "answer {answer}",
@@ -198,6 +221,18 @@ def _check_item(item, where: str, chapter: int | None) -> str:
             raise QuizBankError(f"{label}: {name} must be a non-empty string")
     if "seed" in item and not isinstance(item["seed"], bool):
         raise QuizBankError(f"{label}: seed must be true or false, got {item['seed']!r}")
+    for name in ("topic", "group"):
+        if name in item and (not isinstance(item[name], str) or not _SLUG_RE.match(item[name])):
+            raise QuizBankError(f"{label}: {name} must be a short lower-case name (letters, digits, dashes), "
+                                f"got {item[name]!r}")
+    teaches = item["teaches"]
+    match = _TEACHES_RE.match(teaches) if isinstance(teaches, str) else None
+    if not match:
+        raise QuizBankError(f"{label}: teaches must look like '02#anchor' (chapter, '#', the notebook anchor), "
+                            f"got {teaches!r}")
+    if int(match.group(1)) > item_chapter:
+        raise QuizBankError(f"{label}: teaches {teaches!r} points at a later chapter than the item's ({item_chapter}); "
+                            "an item must be answerable from its chapter or an earlier one")
     return item_id
 
 
@@ -276,9 +311,9 @@ def load_bank(chapter=None, *, bank_dir=None) -> list[dict]:
     return items if number is None else [item for item in items if item["chapter"] == number]
 
 
-def chapter_title(chapter, lang: str = "ko", *, bank_dir=None) -> str:
-    """The chapter's title from its bank file, in ``lang``."""
-    _check_lang(lang)
+def chapter_title(chapter, lang: str | None = None, *, bank_dir=None) -> str:
+    """The chapter's title from its bank file, in ``lang`` (default: :func:`get_language`)."""
+    lang = _resolve_lang(lang)
     number = _normalize_chapter(chapter, chapters(bank_dir=bank_dir))
     titles, _ = _load_all(bank_dir)
     return titles[number][lang]
@@ -287,6 +322,53 @@ def chapter_title(chapter, lang: str = "ko", *, bank_dir=None) -> str:
 def _check_lang(lang: str) -> None:
     if lang not in LANGS:
         raise ValueError(f"unknown language {lang!r}; choose one of: {', '.join(LANGS)}")
+
+
+def get_language() -> str:
+    """The course-wide quiz language: :func:`set_language`'s choice, else ``$COURSE_LANG``, else English.
+
+    An unknown ``$COURSE_LANG`` (e.g. ``fr``) warns and falls back to English.
+    """
+    if _language is not None:
+        return _language
+    env = os.environ.get("COURSE_LANG", "").strip().lower()
+    if not env:
+        return DEFAULT_LANG
+    if env not in LANGS:
+        warnings.warn(f"ignoring COURSE_LANG={env!r}; choose one of: {', '.join(LANGS)}", stacklevel=3)
+        return DEFAULT_LANG
+    return env
+
+
+def set_language(lang: str | None) -> str:
+    """Set the language of every later quiz in this process (``"ko"`` or ``"en"``); ``None`` goes back
+    to ``$COURSE_LANG`` / English. Returns the language now in effect."""
+    global _language
+    if lang is not None:
+        _check_lang(lang)
+    _language = lang
+    return get_language()
+
+
+def _resolve_lang(lang: str | None) -> str:
+    if lang is None:
+        return get_language()
+    _check_lang(lang)
+    return lang
+
+
+def statement_text(item: Mapping, lang: str) -> str:
+    """The statement as shown: a seed item's Korean text verbatim in both languages (in English mode the
+    English translation follows on its own line, in parentheses); other items in ``lang``."""
+    if item.get("seed") and lang != "ko":
+        return f"{item['statement']['ko']}\n({item['statement'][lang]})"
+    return item["statement"][lang]
+
+
+def anchor_of(item: Mapping) -> tuple[int, str]:
+    """``(chapter, anchor)`` of the notebook section that teaches ``item`` (its ``teaches`` field)."""
+    match = _TEACHES_RE.match(item["teaches"])
+    return int(match.group(1)), match.group(2)
 
 
 def _select(chapter, n, shuffle, seed, bank_dir) -> tuple[int, list[dict]]:
@@ -322,6 +404,7 @@ class ItemResult:
     answer: str
     explanation: str
     trap: str
+    topic: str = ""
 
     @property
     def correct(self) -> bool:
@@ -335,7 +418,7 @@ class QuizResult:
     ``repr()`` is the full text report (deterministic: no times, no paths).
     """
 
-    chapter: int
+    chapter: int | None  # None: an exam form over several chapters
     lang: str
     items: tuple[ItemResult, ...] = field(default_factory=tuple)
 
@@ -367,21 +450,35 @@ class QuizResult:
         """Trap tags of the wrong answers, each once, in quiz order."""
         return list(dict.fromkeys(item.trap for item in self.items if not item.correct))
 
+    def by_topic(self) -> dict[str, tuple[int, int]]:
+        """``{topic: (score, total)}`` in order of first appearance (the final exam scores per topic)."""
+        out: dict[str, list[int]] = {}
+        for item in self.items:
+            entry = out.setdefault(item.topic, [0, 0])
+            entry[0] += item.correct
+            entry[1] += 1
+        return {topic: (score, total) for topic, (score, total) in out.items()}
+
     def report(self) -> str:
         ui = _UI[self.lang]
         pct = round(100 * self.score / self.total) if self.total else 0
-        lines = [ui["result"].format(ch=self.chapter, score=self.score, total=self.total, pct=pct)]
+        if self.chapter is None:
+            lines = [ui["result_exam"].format(score=self.score, total=self.total, pct=pct)]
+        else:
+            lines = [ui["result"].format(ch=self.chapter, score=self.score, total=self.total, pct=pct)]
         for number, item in enumerate(self.items, 1):
             verdict = ui["right"] if item.correct else ui["wrong"]
             if item.correct:
                 detail = item.answer
             else:
                 detail = ui["you_said"].format(given=item.given) + ", " + ui["answer_is"].format(answer=item.answer)
-            lines.append(f"{number:2d}. {verdict} ({detail}) {item.statement}")
+            lines.append(f"{number:2d}. {verdict} ({detail}) " + item.statement.replace("\n", "\n    "))
             lines.append(f"    {ui['why']}: {item.explanation}")
             if not item.correct:
                 lines.append(f"    {ui['trap']}: {item.trap}")
         lines.append(f"{ui['missed']}: {', '.join(self.missed_traps) or ui['none']}")
+        if self.chapter is None:
+            lines.append(f"{ui['topics']}: " + ", ".join(f"{t} {s}/{n}" for t, (s, n) in self.by_topic().items()))
         return "\n".join(lines)
 
     __str__ = report
@@ -393,15 +490,16 @@ class QuizResult:
         printer.text(self.report())
 
 
-def _result(chapter: int, lang: str, items: Sequence[dict], given: Mapping[str, str]) -> QuizResult:
+def _result(chapter: int | None, lang: str, items: Sequence[dict], given: Mapping[str, str]) -> QuizResult:
     graded = tuple(
         ItemResult(
             id=item["id"],
-            statement=item["statement"][lang],
+            statement=statement_text(item, lang),
             given=given[item["id"]],
             answer=item["answer"],
             explanation=item["explanation"][lang],
             trap=item["trap"],
+            topic=item.get("topic", ""),
         )
         for item in items
         if item["id"] in given
@@ -409,14 +507,15 @@ def _result(chapter: int, lang: str, items: Sequence[dict], given: Mapping[str, 
     return QuizResult(chapter=chapter, lang=lang, items=graded)
 
 
-def grade(chapter, answers, lang: str = "ko", *, record: bool = True, bank_dir=None) -> QuizResult:
+def grade(chapter, answers, lang: str | None = None, *, record: bool = True, bank_dir=None) -> QuizResult:
     """Grade ``answers`` for ``chapter`` and (by default) record the score in the progress file.
 
     ``answers`` is ``{item_id: "O" | "X"}`` (any subset of the chapter's items; case-insensitive) or a
     list of answers for all of the chapter's items in bank order. Unknown ids, a list of the wrong
     length, or a value other than O/X raise ``ValueError`` naming the item and the allowed values.
+    ``lang`` defaults to :func:`get_language`.
     """
-    _check_lang(lang)
+    lang = _resolve_lang(lang)
     items = load_bank(chapter, bank_dir=bank_dir)
     number = items[0]["chapter"] if items else _normalize_chapter(chapter, chapters(bank_dir=bank_dir))
     ids = [item["id"] for item in items]
@@ -442,6 +541,53 @@ def grade(chapter, answers, lang: str = "ko", *, record: bool = True, bank_dir=N
     if record:
         record_score(number, result.score, result.total)
     return result
+
+
+def exam_form(from_chapters=None, n: int | None = None, seed: int = 0, *, bank_dir=None) -> list[dict]:
+    """One exam form: items drawn from ``from_chapters`` (default: all), in bank order.
+
+    Every seed item of those chapters is on the form (the final exam always includes all 14); the other
+    items are drawn in a ``random.Random(seed)`` order, **never two of one group** (items that give each
+    other away share a ``group``), and none from a group that a seed item belongs to. ``n`` is the size of
+    the form, seeds included (default: every item the group rule allows).
+    """
+    available = chapters(bank_dir=bank_dir)
+    wanted = available if from_chapters is None else [_normalize_chapter(c, available) for c in from_chapters]
+    pool = [item for item in load_bank(bank_dir=bank_dir) if item["chapter"] in wanted]
+    order = {item["id"]: index for index, item in enumerate(pool)}
+    seeds = [item for item in pool if item.get("seed")]
+    taken = {item["group"] for item in seeds if item.get("group")}
+    others = [item for item in pool if not item.get("seed")]
+    random.Random(seed).shuffle(others)
+    drawn = []
+    for item in others:
+        group = item.get("group")
+        if group in taken:
+            continue
+        if group:
+            taken.add(group)
+        drawn.append(item)
+    if n is not None:
+        low, high = len(seeds), len(seeds) + len(drawn)
+        if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= high:
+            raise ValueError(f"n must be an integer between {low} (the seed items) and {high}, got {n!r}")
+        drawn = drawn[: n - len(seeds)]
+    return sorted(seeds + drawn, key=lambda item: order[item["id"]])
+
+
+def grade_items(items: Sequence[Mapping], answers: Mapping[str, str], lang: str | None = None) -> QuizResult:
+    """Grade ``answers`` (``{item_id: 'O'/'X'}``) for a list of items from any chapters, e.g. an
+    :func:`exam_form`; the result's :meth:`QuizResult.by_topic` gives the per-topic scores. Nothing is
+    recorded."""
+    lang = _resolve_lang(lang)
+    ids = [item["id"] for item in items]
+    unknown = [key for key in answers if key not in ids]
+    if unknown:
+        raise ValueError(f"unknown item id {unknown[0]!r}; this form has: {', '.join(ids)}")
+    given = {key: _normalize_answer(value, key) for key, value in answers.items()}
+    if not given:
+        raise ValueError("no answers given")
+    return _result(None, lang, list(items), given)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -518,7 +664,8 @@ def record_score(chapter: int, score: int, total: int) -> dict:
 
 def _listing(chapter: int, lang: str, title: str, items: Sequence[dict], hint: str) -> str:
     lines = [_UI[lang]["title"].format(ch=chapter, title=title, n=len(items))]
-    lines += [f"{number:2d}. {item['statement'][lang]}" for number, item in enumerate(items, 1)]
+    for number, item in enumerate(items, 1):
+        lines.append(f"{number:2d}. " + statement_text(item, lang).replace("\n", "\n    "))
     lines.append(hint)
     return "\n".join(lines)
 
@@ -549,22 +696,35 @@ class QuizWidget:
     nbval skips it because the model id is random) and ``text/plain``, the numbered statements
     followed by :data:`WIDGET_HINT` -- deterministic, so nbval compares it.
 
+    A ko/en toggle (``language``, a ``ToggleButtons``) re-renders statements, feedback and score in the
+    other language; ``set_lang("ko")`` does the same from code. Seed items show their Korean text in both.
+
     Tests and scripts can drive it without a browser: ``answer(i, "O")`` or ``buttons[i][0].click()``.
     """
 
-    def __init__(self, chapter: int, items: Sequence[dict], lang: str, title: str, *, record: bool = True):
+    def __init__(self, chapter: int, items: Sequence[dict], lang: str, title: str | None = None, *,
+                 record: bool = True, bank_dir=None):
         import ipywidgets as w
 
-        self.chapter, self.items, self.lang, self.title, self.record = chapter, list(items), lang, title, record
+        self.chapter, self.items, self.lang, self.record = chapter, list(items), lang, record
+        self._titles = {code: chapter_title(chapter, code, bank_dir=bank_dir) for code in LANGS}
+        if title is not None:
+            self._titles[lang] = title
         self.answers: dict[str, str] = {}
         self.saved_entry: dict | None = None
-        ui = _UI[lang]
-        header = w.HTML(f"<b>{html.escape(ui['title'].format(ch=chapter, title=title, n=len(self.items)))}</b>")
+        self._save_error: OSError | None = None
+        self.header = w.HTML("")
+        self.language = w.ToggleButtons(options=[("English", "en"), ("한국어", "ko")], value=lang,
+                                         layout=w.Layout(width="auto"),
+                                         style={"button_width": "5.5em"})
+        self.language.observe(lambda change: self.set_lang(change["new"]), names="value")
         self.buttons: list[tuple] = []
         self.feedback: list = []
+        self.statements: list = []
         rows = []
-        for number, item in enumerate(self.items, 1):
-            statement = w.HTML(f"<b>{number}.</b> {html.escape(item['statement'][lang])}")
+        for number in range(1, len(self.items) + 1):
+            statement = w.HTML("")
+            self.statements.append(statement)
             o_button = w.Button(description="O", layout=w.Layout(width="3.5em"))
             x_button = w.Button(description="X", layout=w.Layout(width="3.5em"))
             o_button.on_click(self._handler(number - 1, "O"))
@@ -573,9 +733,38 @@ class QuizWidget:
             self.buttons.append((o_button, x_button))
             self.feedback.append(feedback)
             rows.append(w.VBox([statement, w.HBox([o_button, x_button]), feedback]))
-        self.score_label = w.HTML(self._score_text())
+        self.score_label = w.HTML("")
         self.summary = w.HTML("")
-        self.box = w.VBox([header, *rows, self.score_label, self.summary])
+        self.box = w.VBox([w.HBox([self.header, self.language]), *rows, self.score_label, self.summary])
+        self._render()
+
+    @property
+    def title(self) -> str:
+        return self._titles[self.lang]
+
+    def set_lang(self, lang: str) -> None:
+        """Show the quiz in ``lang`` (``"ko"`` / ``"en"``): what the toggle does."""
+        _check_lang(lang)
+        self.lang = lang
+        if self.language.value != lang:
+            self.language.value = lang  # calls set_lang again through the observer; harmless
+        self._render()
+
+    def _render(self) -> None:
+        ui = _UI[self.lang]
+        title = ui["title"].format(ch=self.chapter, title=self.title, n=len(self.items))
+        self.header.value = f"<b>{html.escape(title)}</b>"
+        for number, (item, label) in enumerate(zip(self.items, self.statements), 1):
+            text = html.escape(statement_text(item, self.lang)).replace("\n", "<br><i>", 1)
+            if "<i>" in text:
+                text += "</i>"
+            label.value = f"<b>{number}.</b> {text}"
+        for index, item in enumerate(self.items):
+            if item["id"] in self.answers:
+                self._show_feedback(index)
+        self.score_label.value = self._score_text()
+        if self.finished:
+            self._summarize()
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -606,22 +795,26 @@ class QuizWidget:
         if item["id"] in self.answers:  # one attempt per statement; buttons are disabled anyway
             return
         self.answers[item["id"]] = value
-        ui = _UI[self.lang]
         correct = value == item["answer"]
         o_button, x_button = self.buttons[index]
         for button in (o_button, x_button):
             button.disabled = True
         chosen = o_button if value == "O" else x_button
         chosen.button_style = "success" if correct else "danger"
+        self._show_feedback(index)
+        self.score_label.value = self._score_text()
+        if self.finished:
+            self._finish()
+
+    def _show_feedback(self, index: int) -> None:
+        ui, item = _UI[self.lang], self.items[index]
+        correct = self.answers[item["id"]] == item["answer"]
         verdict = ui["right"] if correct else f"{ui['wrong']} — {ui['answer_is'].format(answer=item['answer'])}"
         color = "#1a7f37" if correct else "#cf222e"
         self.feedback[index].value = (
             f"<span style='color:{color}'><b>{html.escape(verdict)}</b></span> "
             f"{html.escape(item['explanation'][self.lang])}"
         )
-        self.score_label.value = self._score_text()
-        if self.finished:
-            self._finish()
 
     def _score_text(self) -> str:
         score = sum(self.answers[i["id"]] == i["answer"] for i in self.items if i["id"] in self.answers)
@@ -631,18 +824,26 @@ class QuizWidget:
         return f"<b>{html.escape(text)}</b>"
 
     def _finish(self) -> None:
+        self._save_error = None
+        if self.record:
+            result = self.result()
+            try:
+                self.saved_entry = record_score(self.chapter, result.score, result.total)
+            except OSError as exc:
+                self._save_error = exc
+        self._summarize()
+
+    def _summarize(self) -> None:
         ui = _UI[self.lang]
         result = self.result()
         parts = [
             f"<b>{html.escape(ui['final'].format(score=result.score, total=result.total))}</b>",
             html.escape(f"{ui['missed']}: {', '.join(result.missed_traps) or ui['none']}"),
         ]
-        if self.record:
-            try:
-                self.saved_entry = record_score(self.chapter, result.score, result.total)
-                parts.append(html.escape(ui["saved"].format(path=progress_path())))
-            except OSError as exc:
-                parts.append(html.escape(ui["not_saved"].format(err=exc)))
+        if self.record and getattr(self, "_save_error", None) is not None:
+            parts.append(html.escape(ui["not_saved"].format(err=self._save_error)))
+        elif self.record and self.saved_entry is not None:
+            parts.append(html.escape(ui["saved"].format(path=progress_path())))
         self.summary.value = "<br>".join(parts)
 
     # -- display ----------------------------------------------------------------------------------
@@ -676,23 +877,24 @@ def _widgets_available() -> bool:
     return True
 
 
-def quiz(chapter, lang: str = "ko", n: int | None = None, shuffle: bool = False, seed: int = 0, *,
+def quiz(chapter, lang: str | None = None, n: int | None = None, shuffle: bool = False, seed: int = 0, *,
          mode: str = "auto", record: bool = True, bank_dir=None):
-    """The chapter's O/X quiz, to be displayed as a cell's result.
+    """The chapter's O/X quiz, to be displayed as a cell's result, in ``lang`` (default: the course-wide
+    :func:`get_language`, English unless ``COURSE_LANG=ko`` or ``set_language("ko")``).
 
     In a Jupyter kernel with ipywidgets it returns a :class:`QuizWidget`; elsewhere a :class:`QuizText`
     listing (``mode="widget"`` / ``"text"`` forces one). ``n`` keeps the first ``n`` statements after
     an optional deterministic ``shuffle`` (``random.Random(seed)``). Both objects have the same
     deterministic ``text/plain`` listing except for its last line.
     """
-    _check_lang(lang)
+    lang = _resolve_lang(lang)
     if mode not in ("auto", "widget", "text"):
         raise ValueError(f"mode must be 'auto', 'widget' or 'text', got {mode!r}")
     number, items = _select(chapter, n, shuffle, seed, bank_dir)
     title = chapter_title(number, lang, bank_dir=bank_dir)
     use_widget = mode == "widget" or (mode == "auto" and _in_kernel() and _widgets_available())
     if use_widget:
-        return QuizWidget(number, items, lang, title, record=record)
+        return QuizWidget(number, items, lang, record=record, bank_dir=bank_dir)
     return QuizText(number, items, lang, title)
 
 
@@ -701,13 +903,14 @@ def quiz(chapter, lang: str = "ko", n: int | None = None, shuffle: bool = False,
 # --------------------------------------------------------------------------------------------------
 
 
-def run_terminal_quiz(chapter, lang: str = "ko", n: int | None = None, shuffle: bool = False, seed: int = 0, *,
+def run_terminal_quiz(chapter, lang: str | None = None, n: int | None = None, shuffle: bool = False, seed: int = 0, *,
                       input_fn: Callable[[str], str] = input, print_fn: Callable[..., None] = print,
                       record: bool = True, bank_dir=None) -> QuizResult:
     """Ask each statement on a terminal, read O/X (re-asking on anything else; ``q`` or end of input
     stops early), print feedback with the explanation, then the score and missed traps, and record
-    the score. Returns the :class:`QuizResult` of the answered statements."""
-    _check_lang(lang)
+    the score. Returns the :class:`QuizResult` of the answered statements. ``lang`` defaults to
+    :func:`get_language`."""
+    lang = _resolve_lang(lang)
     number, items = _select(chapter, n, shuffle, seed, bank_dir)
     ui = _UI[lang]
     print_fn(ui["title"].format(ch=number, title=chapter_title(number, lang, bank_dir=bank_dir), n=len(items)))
@@ -715,7 +918,7 @@ def run_terminal_quiz(chapter, lang: str = "ko", n: int | None = None, shuffle: 
     stopped = False
     for position, item in enumerate(items, 1):
         print_fn("")
-        print_fn(f"[{position}/{len(items)}] {item['statement'][lang]}")
+        print_fn(f"[{position}/{len(items)}] {statement_text(item, lang)}")
         while True:
             try:
                 raw = input_fn(ui["prompt"])

@@ -1,5 +1,6 @@
-"""The O/X quiz: the bank's schema and coverage, the seed statements, grading, progress, the terminal
-quiz, the widget, and the deterministic text/plain output that nbval compares."""
+"""The O/X quiz: the bank's schema and coverage, the seed statements, exam hygiene (every item taught by its
+notebook, groups of items that give each other away, the absolute-word cue), the course-wide language,
+grading, progress, the terminal quiz, the widget, and the deterministic text/plain output that nbval compares."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ q = importlib.import_module("course_lib.quiz")  # the module, even if course_lib
 
 CHAPTERS = list(range(10))
 SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+NOTEBOOK_SRC = Path(__file__).resolve().parents[1] / "notebooks" / "src"
 BANK_FILES = sorted(q.BANK_DIR.glob("ch*.yaml"))
+ITEM_KEYS = {"id", "chapter", "statement", "answer", "explanation", "trap", "source", "topic", "teaches",
+             "seed", "group"}
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +30,13 @@ def course_home(tmp_path, monkeypatch):
     home = tmp_path / "course_home"
     monkeypatch.setenv("COURSE_LIB_HOME", str(home))
     return home
+
+
+@pytest.fixture(autouse=True)
+def default_language(monkeypatch):
+    """Every test starts from the course default (English): no COURSE_LANG, no set_language()."""
+    monkeypatch.delenv("COURSE_LANG", raising=False)
+    monkeypatch.setattr(q, "_language", None)  # undone (back to None) after the test, whatever it set
 
 
 def correct_answers(chapter):
@@ -52,7 +63,7 @@ def test_bank_file_schema(path):
     assert data["chapter"] == chapter
     assert data["title"]["ko"].strip() and data["title"]["en"].strip()
     for item in data["items"]:
-        assert set(item) <= {"id", "chapter", "statement", "answer", "explanation", "trap", "source", "seed"}
+        assert set(item) <= ITEM_KEYS, item["id"]
         assert re.fullmatch(rf"ch{chapter:02d}-[a-z0-9-]+", item["id"]), item["id"]
         assert item["chapter"] == chapter, item["id"]
         assert item["answer"] in ("O", "X"), item["id"]
@@ -62,6 +73,9 @@ def test_bank_file_schema(path):
         assert isinstance(item["trap"], str) and item["trap"].strip(), item["id"]
         assert isinstance(item["source"], str) and item["source"].strip(), item["id"]
         assert item.get("seed", False) in (True, False), item["id"]
+        assert re.fullmatch(r"[a-z0-9-]+", item["topic"]), item["id"]
+        assert re.fullmatch(r"\d{2}#[A-Za-z0-9_-]+", item["teaches"]), item["id"]
+        assert int(item["teaches"][:2]) <= chapter, item["id"]
     q.validate_bank(data["items"], source=str(path), chapter=chapter)
 
 
@@ -136,7 +150,7 @@ def test_only_seed_statements_are_marked_seed():
         ("Model Parallel은", {5, 6}),
         ("파이프라인 병렬은", {5}),
         ("텐서 병렬은", {6}),
-        ("Horovod는", {2, 9}),
+        ("Horovod는", {9}),  # moved from 02: notebook 02 does not teach Horovod; the review chapter does
         ("DeepSpeed는", {3}),
     ],
 )
@@ -161,6 +175,8 @@ def good_item(chapter=0, name="sample"):
         "explanation": {"ko": "해설", "en": "explanation"},
         "trap": "a trap",
         "source": "a source",
+        "topic": "a-topic",
+        "teaches": f"{chapter:02d}#an-anchor",
     }
 
 
@@ -199,9 +215,15 @@ def test_a_valid_tmp_bank_loads(tmp_path):
         (lambda it: it.update(chapter=3), r"chapter 3 does not match the file's chapter 0"),
         (lambda it: it.update(seed="yes"), r"seed must be true or false"),
         (lambda it: it.update(explaination={}), r"unknown field"),
+        (lambda it: it.pop("teaches"), r"missing field 'teaches'"),
+        (lambda it: it.pop("topic"), r"missing field 'topic'"),
+        (lambda it: it.update(teaches="the-anchor"), r"teaches must look like '02#anchor'"),
+        (lambda it: it.update(teaches="03#later"), r"points at a later chapter"),
+        (lambda it: it.update(group="Two Words"), r"group must be a short lower-case name"),
     ],
     ids=["missing-trap", "missing-explanation", "answer-true", "answer-lowercase", "missing-en",
-         "blank-ko", "chapter-mismatch", "seed-not-bool", "typo-field"],
+         "blank-ko", "chapter-mismatch", "seed-not-bool", "typo-field", "missing-teaches", "missing-topic",
+         "teaches-without-chapter", "teaches-later-chapter", "group-not-a-slug"],
 )
 def test_invalid_items_are_reported_with_file_and_id(tmp_path, mutate, message):
     item = good_item(0, "broken")
@@ -320,8 +342,8 @@ def test_result_report_is_deterministic_and_readable():
     items = q.load_bank(5)
     answers = {item["id"]: item["answer"] for item in items}
     answers[items[1]["id"]] = flipped(items[1]["answer"])
-    first = repr(q.grade(5, answers, record=False))
-    second = repr(q.grade(5, dict(answers), record=False))
+    first = repr(q.grade(5, answers, lang="ko", record=False))
+    second = repr(q.grade(5, dict(answers), lang="ko", record=False))
     assert first == second
     lines = first.splitlines()
     score, total = len(items) - 1, len(items)
@@ -329,7 +351,7 @@ def test_result_report_is_deterministic_and_readable():
     assert lines[-1] == f"놓친 함정: {items[1]['trap']}"
     assert "✘" in first and "✔" in first
     assert items[1]["explanation"]["ko"] in first
-    english = repr(q.grade(5, answers, lang="en", record=False))
+    english = repr(q.grade(5, answers, record=False))  # English is the default
     assert english.splitlines()[0].startswith("Chapter 05 O/X result:")
     assert english.splitlines()[-1] == f"Missed traps: {items[1]['trap']}"
 
@@ -474,9 +496,18 @@ def test_widget_text_plain_is_deterministic_and_lists_the_statements():
     assert bundle_1[view]["model_id"] != bundle_2[view]["model_id"]  # why nbval must skip this one
     text = bundle_1["text/plain"].splitlines()
     items = q.load_bank(2)
-    assert text[0] == f"02장 O/X 퀴즈 — {q.chapter_title(2)} ({len(items)}문항)"
-    assert text[1:-1] == [f"{n:2d}. {item['statement']['ko']}" for n, item in enumerate(items, 1)]
+    assert text[0] == f"Chapter 02 O/X quiz — {q.chapter_title(2, 'en')} ({len(items)} statements)"
+    expected = []
+    for n, item in enumerate(items, 1):
+        if item.get("seed"):  # the Korean exam statement verbatim, the English translation under it
+            expected += [f"{n:2d}. {item['statement']['ko']}", f"    ({item['statement']['en']})"]
+        else:
+            expected.append(f"{n:2d}. {item['statement']['en']}")
+    assert text[1:-1] == expected
     assert text[-1] == "(interactive quiz: click O or X)"
+    korean = q.quiz(2, lang="ko", mode="widget").text().splitlines()
+    assert korean[0] == f"02장 O/X 퀴즈 — {q.chapter_title(2, 'ko')} ({len(items)}문항)"
+    assert korean[1:-1] == [f"{n:2d}. {item['statement']['ko']}" for n, item in enumerate(items, 1)]
 
 
 def test_displayed_widget_carries_the_deterministic_text():
@@ -513,3 +544,183 @@ def test_quiz_shuffle_and_n():
         q.quiz(5, n=0)
     with pytest.raises(ValueError, match="mode must be"):
         q.quiz(5, mode="gui")
+
+
+# -- language ---------------------------------------------------------------------------------------
+
+
+def test_english_is_the_default_and_course_lang_switches_to_korean(monkeypatch):
+    assert q.get_language() == "en"
+    assert repr(q.quiz(1, mode="text")).startswith("Chapter 01 O/X quiz")
+    monkeypatch.setenv("COURSE_LANG", "ko")
+    assert q.get_language() == "ko"
+    assert repr(q.quiz(1, mode="text")).startswith("01장 O/X 퀴즈")
+    assert repr(q.grade(1, correct_answers(1), record=False)).startswith("01장 O/X 결과")
+    assert repr(q.quiz(1, lang="en", mode="text")).startswith("Chapter 01")  # a call's lang= wins
+
+
+def test_set_language_overrides_the_environment_and_none_resets(monkeypatch):
+    monkeypatch.setenv("COURSE_LANG", "en")
+    assert q.set_language("ko") == "ko"
+    assert q.quiz(3, mode="widget", record=False).lang == "ko"
+    assert q.set_language(None) == "en"
+    with pytest.raises(ValueError, match="unknown language"):
+        q.set_language("fr")
+
+
+def test_unknown_course_lang_warns_and_falls_back_to_english(monkeypatch):
+    monkeypatch.setenv("COURSE_LANG", "fr")
+    with pytest.warns(UserWarning, match="COURSE_LANG"):
+        assert q.get_language() == "en"
+
+
+def test_seed_items_show_their_korean_text_in_both_languages():
+    seeds = [item for item in q.load_bank() if item.get("seed")]
+    assert len(seeds) == 14
+    for item in seeds:
+        ko, en = item["statement"]["ko"], item["statement"]["en"]
+        assert q.statement_text(item, "ko") == ko
+        assert q.statement_text(item, "en") == f"{ko}\n({en})"
+    plain = next(item for item in q.load_bank(0) if not item.get("seed"))
+    assert q.statement_text(plain, "en") == plain["statement"]["en"]
+    listing = repr(q.quiz(0, mode="text"))
+    for item in (i for i in seeds if i["chapter"] == 0):
+        assert item["statement"]["ko"] in listing and item["statement"]["en"] in listing
+    result = q.grade(0, {seeds[0]["id"]: seeds[0]["answer"]}, record=False)
+    assert seeds[0]["statement"]["ko"] in repr(result)
+
+
+def test_widget_toggle_switches_language_and_keeps_answers():
+    widget = q.quiz(0, mode="widget", record=False)
+    assert widget.lang == "en" and widget.language.value == "en"
+    seed = widget.items[0]
+    assert seed.get("seed") and seed["statement"]["ko"] in widget.statements[0].value
+    widget.answer(0, seed["answer"])
+    assert seed["explanation"]["en"][:30] in widget.feedback[0].value
+    widget.language.value = "ko"  # what clicking the toggle does
+    assert widget.lang == "ko"
+    assert html_unescape(widget.statements[1].value).endswith(widget.items[1]["statement"]["ko"])
+    assert seed["explanation"]["ko"][:30] in html_unescape(widget.feedback[0].value)
+    assert "점수 1/1" in widget.score_label.value
+    assert widget.text().startswith("00장 O/X 퀴즈")
+    widget.set_lang("en")
+    assert widget.language.value == "en" and widget.text().startswith("Chapter 00")
+    assert widget.answers == {seed["id"]: seed["answer"]}
+
+
+def html_unescape(text):
+    import html
+
+    return html.unescape(text)
+
+
+# -- exam hygiene -----------------------------------------------------------------------------------
+
+
+def _slug(text):
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def notebook_anchors(path: Path) -> set[str]:
+    """Anchors of a percent-format notebook source: `<a id="...">` / `<a name="...">` in markdown cells, and
+    every markdown heading as a slug (lower case, runs of other characters -> '-'), with and without its
+    section number ("## 3. Step time vs bucket size" -> "3-step-time-vs-bucket-size", "step-time-vs-bucket-size")."""
+    anchors, markdown = set(), False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# %%"):
+            markdown = "[markdown]" in line
+            continue
+        if not markdown:
+            continue
+        anchors.update(re.findall(r"""<a\s+(?:id|name)=["']([^"']+)["']""", line))
+        heading = re.match(r"^# #{1,6}\s+(.+)$", line)
+        if heading:
+            text = heading.group(1)
+            anchors.add(_slug(text))
+            anchors.add(_slug(re.sub(r"^[\d.·\s]+", "", text)))
+    return anchors
+
+
+def notebook_source(chapter: int) -> Path | None:
+    found = sorted(NOTEBOOK_SRC.glob(f"{chapter:02d}_*.py"))
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_item_is_taught_by_an_anchor_in_its_notebook(chapter):
+    """Each item's `teaches: "NN#anchor"` names a section of chapter NN's notebook (NN <= the item's chapter).
+    Chapters whose notebook does not exist yet are skipped: each chapter issue makes its own anchors pass."""
+    if notebook_source(chapter) is None:
+        pytest.skip(f"notebook {chapter:02d} does not exist yet")
+    missing = []
+    for item in q.load_bank(chapter):
+        where, anchor = q.anchor_of(item)
+        source = notebook_source(where)
+        if source is None or anchor not in notebook_anchors(source):
+            missing.append(f"{item['id']} -> {item['teaches']}")
+    assert not missing, "anchors missing from the notebooks: " + "; ".join(missing)
+
+
+def test_groups_have_at_least_two_members_and_seeds_carry_none():
+    groups = collections.Counter(item["group"] for item in q.load_bank() if item.get("group"))
+    assert groups and all(count >= 2 for count in groups.values()), groups
+    assert not [item["id"] for item in q.load_bank() if item.get("seed") and item.get("group")]
+
+
+def test_every_item_has_a_topic_and_the_seed_topics_are_covered():
+    topics = collections.Counter(item["topic"] for item in q.load_bank())
+    seeds = {item["topic"] for item in q.load_bank() if item.get("seed")}
+    assert seeds == {"basics", "data-parallel", "model-parallel", "pipeline-parallel", "tensor-parallel",
+                     "horovod", "deepspeed"}
+    assert all(count >= 2 for count in topics.values()), topics
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_exam_form_never_draws_two_items_of_a_group_and_always_has_the_seeds(seed):
+    form = q.exam_form(seed=seed)
+    groups = collections.Counter(item["group"] for item in form if item.get("group"))
+    assert all(count == 1 for count in groups.values()), groups
+    assert sum(bool(item.get("seed")) for item in form) == 14
+    small = q.exam_form(n=30, seed=seed)
+    assert len(small) == 30 and sum(bool(item.get("seed")) for item in small) == 14
+    assert all(count == 1 for count in collections.Counter(i["group"] for i in small if i.get("group")).values())
+
+
+def test_exam_form_draws_every_group_member_sometimes_and_is_deterministic():
+    assert [i["id"] for i in q.exam_form(seed=3)] == [i["id"] for i in q.exam_form(seed=3)]
+    drawn = {item["id"] for seed in range(40) for item in q.exam_form(seed=seed)}
+    grouped = {item["id"] for item in q.load_bank() if item.get("group")}
+    assert grouped <= drawn
+    with pytest.raises(ValueError, match="between 14"):
+        q.exam_form(n=5)
+    assert {i["chapter"] for i in q.exam_form([5, 6])} == {5, 6}
+
+
+def test_exam_result_scores_per_topic():
+    form = q.exam_form(seed=1)
+    answers = {item["id"]: item["answer"] for item in form}
+    wrong = form[0]
+    answers[wrong["id"]] = flipped(wrong["answer"])
+    result = q.grade_items(form, answers)
+    per_topic = result.by_topic()
+    assert sum(total for _, total in per_topic.values()) == len(form)
+    score, total = per_topic[wrong["topic"]]
+    assert score == total - 1
+    text = repr(result)
+    assert text.startswith("O/X exam result:") and "By topic:" in text.splitlines()[-1]
+    with pytest.raises(ValueError, match="unknown item id"):
+        q.grade_items(form, {"ch00-nope": "O"})
+
+
+ABSOLUTE_KO = re.compile(r"항상|반드시|전혀")
+ABSOLUTE_EN = re.compile(r"\b(always|must|never|at all)\b", re.IGNORECASE)
+
+
+def test_absolute_words_do_not_predict_the_answer():
+    """Among non-seed items whose statement says always/must/never/at all (항상/반드시/전혀) in either
+    language, the share of true (O) statements lies between 35 % and 65 %."""
+    hits = [item for item in q.load_bank() if not item.get("seed")
+            and (ABSOLUTE_KO.search(item["statement"]["ko"]) or ABSOLUTE_EN.search(item["statement"]["en"]))]
+    assert len(hits) >= 10
+    share = sum(item["answer"] == "O" for item in hits) / len(hits)
+    assert 0.35 <= share <= 0.65, (share, [(i["id"], i["answer"]) for i in hits])

@@ -10,6 +10,15 @@
 # - why distributed training is **not** always faster.
 #
 # Everything below calls `course_lib`; open `course_lib/launch.py` and `course_lib/comm.py` to read the code.
+#
+# <a id="kinds-of-parallelism"></a>
+# **Two ways to split the work** (the course builds both). *Data parallelism* gives every device a full copy of the
+# model and a different part of each batch; the copies' gradients must then be averaged every step (an all-reduce),
+# or the copies would drift apart. *Model parallelism* splits one model over devices: consecutive layers (pipeline
+# parallelism, chapter 05) or the matrices inside a layer (tensor parallelism, chapter 06). Data parallelism buys
+# speed; model parallelism and sharding (chapters 03–06) make models trainable that one device cannot hold. The
+# largest language models are trained with all three combined — data, tensor and pipeline: "3D" hybrid
+# parallelism. Every kind pays for itself in communication between devices.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -85,6 +94,11 @@ except RankTimeout as err:
 # | all-gather | every rank's piece, concatenated |
 # | broadcast | rank `src`'s tensor |
 # | send / recv | what the neighbour sent |
+#
+# <a id="collective-semantics"></a>
+# A collective completes only when **every** rank of the group calls it, the same operation in the same order; a
+# rank that calls it alone blocks until the others arrive or the process group's timeout expires. send/recv is
+# point-to-point: only the two ranks involved take part.
 
 # %%
 def show_collectives():
@@ -257,8 +271,10 @@ check("ring_all_reduce", package="solutions")
 # %% [markdown]
 # ## 7. O/X quiz
 #
-# Click **O** (true) or **X** (false) for each statement; each answer shows why. `quiz(0, lang="en")` for English,
-# or `course-lib quiz --chapter 0` in a terminal.
+# Click **O** (true) or **X** (false) for each statement; each answer shows why. The quiz is in English; the
+# **한국어** toggle (or `COURSE_LANG=ko`, or `quiz.set_language("ko")`) switches to Korean. The exam's own Korean
+# statements are always shown in Korean, with the English translation under them. In a terminal:
+# `course-lib quiz --chapter 0`.
 
 # %%
 from course_lib.quiz import quiz

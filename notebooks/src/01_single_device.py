@@ -45,6 +45,11 @@ print(f"loss floor ln(V)/T = {loss_floor(cfg.block_size, cfg.vocab_size):.3f}; u
 
 # %% [markdown]
 # ## 2. Train on one device
+#
+# <a id="throughput"></a>
+# **Throughput** (tokens/s) is the number the later chapters compare with. A larger batch raises it only while the
+# hardware has idle capacity; once the cores are saturated, twice the batch takes about twice as long, so
+# throughput does not simply double with the batch size.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -69,7 +74,9 @@ print(f"mean loss of the last 20 steps below 0.3: {sum(run['loss'][-20:]) / 20 <
 # **Model states.** In fp32 with Adam(W), every parameter costs 4 bytes (weight) + 4 (gradient) + 8 (two Adam
 # moments) = **16 bytes**: the "16Ψ" rule. We count the bytes of the real tensors — unique storages, so the tied
 # embedding/output weight counts once — after an optimizer step, when all three exist. (AdamW also keeps one
-# 4-byte `step` counter per parameter *tensor*, which the rule of thumb ignores.)
+# 4-byte `step` counter per parameter *tensor*, which the rule of thumb ignores.) torch's Adam creates its moments
+# lazily, at the first `step()`. The optimizer decides the third term: plain SGD without momentum keeps no state at
+# all, SGD with momentum one buffer (4 bytes per parameter).
 
 # %%
 model, opt = run["model"], run["optimizer"]
@@ -120,9 +127,22 @@ plt.show()
 # batch, so it splits activations but replicates all 16Ψ; ZeRO (chapter 03) shards the model states, not the
 # activations.
 #
+# <a id="saving-activation-memory"></a>
+# Activations are saved *for backward*: under `torch.no_grad()` (inference) autograd saves none. When training
+# needs less activation memory, **activation checkpointing** (recomputation) keeps only some forward activations
+# and recomputes the rest during backward: more compute, less memory.
+#
 # ## 4. The same rule at scale
 # The ZeRO paper's example: Ψ = 7.5B parameters in mixed precision (2 + 2 + K·Ψ bytes, K = 12 for fp32 master
 # weights + Adam's two moments) need 16Ψ = 120 GB of model states per GPU without sharding — more than any single GPU.
+#
+# <a id="mixed-precision"></a>
+# **Mixed precision.** 2 + 2 + 12 is the ZeRO paper's (apex-style) accounting: 16-bit parameters and gradients plus
+# fp32 master weights and Adam moments. `torch.amp` autocast keeps fp32 parameters and gradients instead and casts
+# inside the operations: 4 + 4 + 8. Either way about 16 bytes per parameter — mixed precision does not halve the
+# model states. fp16 has a 5-bit exponent, so small gradients underflow to zero: fp16 training multiplies the loss
+# by a scale factor before backward and divides the gradients by it before the step (**loss scaling**, a fix for
+# range, not for memory). bf16 has fp32's 8-bit exponent and is usually trained without loss scaling.
 
 # %%
 for stage in range(4):

@@ -44,6 +44,11 @@ print(f"cores: {os.cpu_count()}")
 # averaging — naive (all-reduce after backward), our DDP per parameter, our DDP with buckets, and torch's DDP —
 # with SGD (5 steps) and AdamW (10 steps). Each rank starts from a *different* random init: wrapping broadcasts
 # rank 0's weights.
+#
+# <a id="synchronous-data-parallelism"></a>
+# This is **synchronous** data parallelism: every step waits for all ranks, so all replicas hold the same weights.
+# Asynchronous schemes (a parameter server applying each worker's gradient as it arrives) avoid the wait, but a
+# gradient may then have been computed from stale weights.
 
 # %%
 VARIANTS = ["naive", "own_per_param", "own_bucketed", "torch_ddp"]
@@ -143,6 +148,12 @@ plt.show()
 #
 # The same model, the same data, the same bucket size, timed in interleaved rounds in one run (the order rotates
 # every round so noise hits every variant alike). `python -m course_lib.bench ddp` runs the same race from a terminal.
+#
+# <a id="unused-parameters"></a>
+# torch's DDP expects, by default (`find_unused_parameters=False`), a gradient for every trainable parameter in
+# every backward: its buckets are complete only then. If forward leaves a parameter unused, its gradient never
+# arrives and DDP reports an error at the next iteration. `find_unused_parameters=True` makes DDP walk the autograd
+# graph after each forward and mark such parameters ready, at an extra cost every step.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

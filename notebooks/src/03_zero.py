@@ -209,6 +209,9 @@ else:
 # DeepSpeed's answer to "the model does not fit even sharded" is **ZeRO-Offload**: `"offload_optimizer":
 # {"device": "cpu"}` keeps the optimizer state in CPU memory and runs the Adam step there (a fused C++ `cpu_adam`), and
 # `"offload_param"` (stage 3) parks the parameters there too, trading PCIe traffic for GPU memory.
+# <a id="offload"></a>
+# **ZeRO-Infinity** extends the offload to NVMe (SSD). ZeRO is one part of DeepSpeed: it also provides pipeline
+# parallelism, tensor parallelism (AutoTP) and sequence parallelism (DeepSpeed-Ulysses).
 #
 # ### Memory calculator
 # The paper's example — Ψ = 7.5B, N = 64, mixed precision, K = 12 — per GPU (decimal GB, model states only):

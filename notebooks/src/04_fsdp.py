@@ -33,6 +33,21 @@ from course_lib.launch import spawn
 # `reshard_after_forward=False` the gathered weights stay from forward to backward: 2Ψ of traffic (like ZeRO-2), more
 # memory during the step.
 #
+# <a id="wrap-granularity"></a>
+# The unit is what is gathered at once. Call `fully_shard(model)` on the root only and the whole model is one unit:
+# forward gathers all parameters together, so the peak holds the full model on every rank; per-block units gather
+# one block at a time.
+#
+# <a id="gradient-sync"></a>
+# **Gradient accumulation**: `model.set_requires_gradient_sync(False)` on the intermediate micro-batches skips their
+# reduce-scatters (FSDP2's counterpart of DDP's `no_sync()`); meanwhile each rank keeps *unsharded*, full-size
+# gradients, so it trades communication for memory. Turn it back on for the last micro-batch.
+#
+# <a id="hsdp"></a>
+# **HSDP** (hybrid sharding: FSDP1's `HYBRID_SHARD`, FSDP2's `fully_shard` on a 2-D device mesh) shards within a
+# group of ranks, typically one node, and replicates across groups: the all-gathers and reduce-scatters stay on the
+# fast links inside a node, and only the gradient all-reduce between replicas crosses nodes.
+#
 # ## 2. Exactly one device
 
 # %%
