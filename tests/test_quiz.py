@@ -724,3 +724,14 @@ def test_absolute_words_do_not_predict_the_answer():
     assert len(hits) >= 10
     share = sum(item["answer"] == "O" for item in hits) / len(hits)
     assert 0.35 <= share <= 0.65, (share, [(i["id"], i["answer"]) for i in hits])
+
+
+def test_anchor_reader_finds_html_anchors_and_headings_in_markdown_cells_only(tmp_path):
+    source = tmp_path / "07_demo.py"
+    source.write_text(
+        '# %% [markdown]\n# # 07 · Demo title\n#\n# <a id="tasks"></a>\n# text\n#\n# ## 3. Step time vs `bucket` size\n'
+        '\n# %%\n# ## not-a-heading in code\nx = 1  # <a id="in-code"></a>\n',
+        encoding="utf-8")
+    anchors = notebook_anchors(source)
+    assert {"tasks", "demo-title", "3-step-time-vs-bucket-size", "step-time-vs-bucket-size"} <= anchors
+    assert "in-code" not in anchors and "not-a-heading-in-code" not in anchors

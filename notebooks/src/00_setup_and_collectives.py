@@ -272,8 +272,8 @@ check("ring_all_reduce", package="solutions")
 # ## 7. O/X quiz
 #
 # Click **O** (true) or **X** (false) for each statement; each answer shows why. The quiz is in English; the
-# **한국어** toggle (or `COURSE_LANG=ko`, or `quiz.set_language("ko")`) switches to Korean. The exam's own Korean
-# statements are always shown in Korean, with the English translation under them. In a terminal:
+# **한국어** toggle (or `COURSE_LANG=ko`, or `course_lib.quiz.set_language("ko")`) switches to Korean. The exam's own
+# Korean statements are always shown in Korean, with the English translation under them. In a terminal:
 # `course-lib quiz --chapter 0`.
 
 # %%
