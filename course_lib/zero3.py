@@ -118,7 +118,7 @@ class _RegatherBeforeBackward(torch.autograd.Function):
 class Zero3(_ShardOps, nn.Module):
     """ZeRO stage 3: every rank keeps 1/N of every parameter; full weights exist only while a unit runs.
 
-    ``Zero3(module, compute_dtype=None, process_group=None, *, unit="param", units=None, prefetch=False)``
+    ``Zero3(module, compute_dtype=None, process_group=None, *, unit="block", units=None, prefetch=None)``
 
     * Each unique parameter is flattened, padded to a multiple of N and cut into N shards;
       this rank keeps its shard as an fp32 ``nn.Parameter``, registered in place of the
@@ -126,11 +126,12 @@ class Zero3(_ShardOps, nn.Module):
       ``named_parameters()`` yield exactly the shards, one per unique parameter (names gain the
       wrapper's ``module.`` prefix, as under DDP) — hand them to any element-wise torch
       optimizer (AdamW …): its state is then 1/N too. The unit does not change the shards.
-    * Units. ``unit="param"``: each parameter is gathered when a module that owns it runs
-      (a tied weight once per use). ``unit="block"``: one unit per module in ``units`` (default:
-      the children of every ``nn.ModuleList``, i.e. the transformer blocks) plus the root unit
-      (every other parameter), gathered when the wrapper is called and kept through the whole
-      forward, as FSDP2's root. Units must not be nested, and a parameter (a tied weight) must
+    * Units. ``unit="block"`` (the default, FSDP2's design): one unit per module in ``units``
+      (default: the children of every ``nn.ModuleList``, i.e. the transformer blocks; ``units=[]``:
+      the whole model is one unit) plus the root unit (every other parameter), gathered when the
+      wrapper is called and kept through the whole forward, as FSDP2's root. ``unit="param"``
+      (the textbook version, for comparison): each parameter is gathered when a module that owns
+      it runs (a tied weight once per use). Units must not be nested, and a parameter (a tied weight) must
       lie in one unit only: tie within a block, or between modules of the root.
     * Before a unit's module runs forward, its full parameters are all-gathered (tag ``"param"``)
       and stand in for the shards (``linear.weight`` is the full tensor while the unit runs);
@@ -144,7 +145,7 @@ class Zero3(_ShardOps, nn.Module):
       ``shard.grad``) when the next unit launches its own, and the last one at the end of
       ``backward()`` (an autograd callback): one reduce-scatter in flight, overlapping the next
       unit's backward; ``shard.grad`` is complete when ``backward()`` returns.
-    * ``prefetch=True`` (``unit="block"``): the next unit's all-gather is issued before the
+    * ``prefetch`` (default: on with ``unit="block"``): the next unit's all-gather is issued before the
       current unit computes — in forward the order seen in the previous forward (at first, the
       order of ``units``), in backward the reverse (the root first: its outputs are the loss's
       inputs). Memory: at most the root and two units gathered at once.
@@ -182,7 +183,7 @@ class Zero3(_ShardOps, nn.Module):
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, process_group=None, *,
-                 unit: str = "param", units=None, prefetch: bool = False):
+                 unit: str = "block", units=None, prefetch: bool | None = None):
         super().__init__()
         if compute_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype={compute_dtype!r} must be None, torch.float32, torch.bfloat16 "
@@ -206,7 +207,7 @@ class Zero3(_ShardOps, nn.Module):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.unit, self.prefetch = unit, bool(prefetch)
+        self.unit, self.prefetch = unit, (unit == "block") if prefetch is None else bool(prefetch)
         self._state_dict_keys = list(module.state_dict().keys())
         self._forward_pass: _ForwardPass | None = None
         self._live: list[tuple] = []  # a stack: (trigger module now running forward, its uses)

@@ -39,10 +39,10 @@ CLIP_INF = 0.02  # below the largest |gradient element| of every step (~0.05): t
 
 
 def case(stage, opt="adamw", *, cap=None, clip=None, norm_type=2.0, resume_at=None, tie=True, dtype=None,
-         probe=False, groups=False, micro=1):
+         probe=False, groups=False, micro=1, unit="block"):
     """One training configuration; ``micro`` > 1 accumulates gradients over that many backward passes per step."""
     return dict(stage=stage, opt=opt, cap=cap, clip=clip, norm_type=norm_type, resume_at=resume_at, tie=tie,
-                dtype=dtype, probe=probe, groups=groups, micro=micro)
+                dtype=dtype, probe=probe, groups=groups, micro=micro, unit=unit)
 
 
 CASES = {
@@ -61,6 +61,7 @@ CASES = {
     "stage1-adamw-unused": case(1, probe=True),
     "stage2-adamw-unused": case(2, cap=SMALL_BUCKETS, probe=True),
     "stage3-adamw": case(3, groups=True),
+    "stage3-adamw-per-param": case(3, groups=True, unit="param"),
     "stage3-adamw-untied": case(3, tie=False),
     "stage3-sgd": case(3, "sgd"),
     "stage3-adamw-bf16": case(3, dtype="bf16"),
@@ -170,7 +171,8 @@ def _train_zero3(c) -> dict:
     plain = make_model(c)
 
     def build(seed=0):
-        model = Zero3(make_model(c, seed=seed), compute_dtype=torch.bfloat16 if c["dtype"] == "bf16" else None)
+        model = Zero3(make_model(c, seed=seed), compute_dtype=torch.bfloat16 if c["dtype"] == "bf16" else None,
+                      unit=c["unit"])
         params = param_groups(model.named_parameters()) if c["groups"] else model.parameters()
         return model, opt_cls(params, **kwargs)
 
@@ -449,8 +451,8 @@ def test_bytes_sent_per_step_match_2psi_for_stages_1_2_and_3psi_for_stage_3(worl
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
-def test_zero3_tied_weight_is_gathered_per_use_and_reduced_once(world):
-    got = results(world)["stage3-adamw"]
+def test_zero3_per_param_gathers_the_tied_weight_per_use_and_reduces_it_once(world):
+    got = results(world)["stage3-adamw-per-param"]
     vocab, d = MODEL["vocab_size"], MODEL["d_model"]
     tied_pad = math.ceil(vocab * d / world) * world
     # two uses (embedding, output layer) → gathered twice in forward and twice in backward
@@ -581,3 +583,9 @@ def test_zero_optimizer_is_a_torch_optimizer_that_lr_schedulers_drive(stage):
     assert got["lrs"] == pytest.approx(got["ref_lrs"], rel=1e-12)
     assert got["inner_lr"] == got["lrs"][-1]  # the scheduler drives the optimizer that steps the shards
     assert got["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
+def test_zero3_default_gathers_each_unit_once_so_a_tied_weight_costs_nothing_extra(world):
+    got = results(world)["stage3-adamw"]
+    assert got["comm"]["ratio"] == pytest.approx(1.0, rel=1e-9)  # exactly 3Ψ_pad·(N−1)/N, tied weight included

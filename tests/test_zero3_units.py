@@ -171,7 +171,7 @@ def _errors() -> dict:
         "root-as-unit": catch(lambda: Zero3(nested, unit="block", units=[nested])),
         "no-module-list": catch(lambda: Zero3(nn.Sequential(nn.Linear(3, 3)), unit="block")),
         "bad-unit": catch(lambda: Zero3(gpt(), unit="layer")),
-        "prefetch-per-param": catch(lambda: Zero3(gpt(), prefetch=True)),
+        "prefetch-per-param": catch(lambda: Zero3(gpt(), unit="param", prefetch=True)),
     }
 
 
