@@ -132,8 +132,8 @@ def group_by_block(module: nn.Module, slots: list, units=None):
         units = [child for m in module.modules() if isinstance(m, nn.ModuleList) for child in m]
         if not units:
             raise ValueError(f"Zero3(unit='block') found no nn.ModuleList in {type(module).__name__} to take "
-                             f"its children as units: pass units=[the submodules to gather one at a time], units=[] (one unit: "
-                             f"the whole model) or unit='param'")
+                             f"its children as units: pass units=[the submodules to gather one at a time], "
+                             f"units=[] (one unit: the whole model) or unit='param'")
     units = list(units)
     owner: dict[nn.Module, int] = {}  # every module inside a unit -> that unit's index
     for i, m in enumerate(units):
