@@ -13,7 +13,7 @@ Language: one course-wide setting, English by default like the prose. ``COURSE_L
 environment or ``set_language("ko")`` switches every quiz to Korean; ``lang=`` on a call overrides it for
 that call; the widget has its own ko/en toggle.
 
-Four ways in, one bank:
+Five ways in, one bank:
 
 * ``quiz(chapter)`` -- in a Jupyter kernel an ipywidgets quiz (O / X buttons, immediate feedback with
   the explanation, running score, missed traps at the end); elsewhere a plain-text listing.
@@ -22,6 +22,8 @@ Four ways in, one bank:
   ``application/vnd.jupyter.widget-view+json`` (its model id is random).
 * ``grade(chapter, answers)`` -- the programmatic path: answers in, a result with explanations out.
 * ``run_terminal_quiz(chapter, ...)`` -- the same quiz on a terminal (``course-lib quiz --chapter N``).
+* ``exam_form(chapters, n, seed)`` + ``grade_items(form, answers)`` -- a final-exam form over several
+  chapters (all seed items, never two items of one group) and its per-topic scores (``by_topic()``).
 * ``load_bank(chapter)`` / ``validate_bank(items)`` -- the data itself, checked.
 
 Finished quizzes and ``grade`` calls record the last and best score per chapter in
@@ -91,7 +93,6 @@ TEXT_HINT = "(answer with grade({chapter}, {{item_id: 'O' or 'X'}}) or: course-l
 _UI = {
     "ko": {
         "title": "{ch:02d}장 O/X 퀴즈 — {title} ({n}문항)",
-        "exam_title": "O/X 시험 ({n}문항)",
         "topics": "주제별",
         "result": "{ch:02d}장 O/X 결과: {score}/{total} 정답 ({pct}%)",
         "result_exam": "O/X 시험 결과: {score}/{total} 정답 ({pct}%)",
@@ -114,7 +115,6 @@ _UI = {
     },
     "en": {
         "title": "Chapter {ch:02d} O/X quiz — {title} ({n} statements)",
-        "exam_title": "O/X exam ({n} statements)",
         "topics": "By topic",
         "result": "Chapter {ch:02d} O/X result: {score}/{total} correct ({pct}%)",
         "result_exam": "O/X exam result: {score}/{total} correct ({pct}%)",
