@@ -76,6 +76,17 @@ SMOKE: list[tuple[str, str, dict]] = [
                                                 config=_pipe_tiny())),
 ]
 
+_F04, _P04 = "course_lib.experiments.ch04_features", "course_lib.experiments.ch04_practice"
+SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need world 4: in the tests)
+    ("04", f"{_F04}:reshard_memory_and_traffic", dict(config=_zero_tiny(), global_batch=4)),
+    ("04", f"{_F04}:accumulation_without_sync", dict(micro_batches=2, steps=1, global_batch=4, config=_zero_tiny())),
+    ("04", f"{_F04}:prefetch_timeline", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
+    ("04", f"{_P04}:clip_grad_norm", dict(steps=1, global_batch=4, config=_zero_tiny())),
+    ("04", f"{_P04}:activation_checkpointing", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
+    ("04", f"{_P04}:meta_device_init", dict(config=_zero_tiny())),
+    ("04", f"{_P04}:checkpoint_save", dict(tmp_dir=TMP, steps=1, global_batch=4, config=_zero_tiny())),
+]
+
 
 @dataclass
 class SmokeRow:
