@@ -33,7 +33,7 @@ def _suite(world: int) -> dict:
         out[("interleaved", "sgd")] = E.pipeline_training("interleaved", "sgd", STEPS, M, BATCH, num_chunks=2)
         for sched in ("gpipe", "1f1b", "interleaved"):
             out[("torch", sched)] = E.torch_pipelining_grads(sched, M, BATCH)
-        out["bubbles"] = E.sleep_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.02, t_b=0.04, steps=3, warmup=1)
+        out["bubbles"] = E.sleep_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.02, t_b=0.04, steps=5, warmup=1)
         out["timelines"] = E.gpt_timelines(("gpipe", "1f1b"), num_microbatches=8, global_batch=16, steps=2)
     return out
 
