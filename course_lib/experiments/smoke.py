@@ -68,6 +68,7 @@ SMOKE: list[tuple[str, str, dict]] = [
     ("04", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
     ("04", f"{E04}:fsdp2_mixed_precision", dict(steps=1, config=_zero_tiny(), global_batch=4)),
     ("04", f"{E04}:fsdp2_checkpoint_roundtrip", dict(tmp_dir=TMP, steps=2, resume_at=1, config=_zero_tiny())),
+    ("04", "course_lib.experiments.ch04_race:zero3_race", dict(rounds=1, batch_size=2, config=_zero_tiny(), warmup=0)),
     ("05", f"{E05}:pipeline_training", dict(schedule="1f1b", steps=2, num_microbatches=2, global_batch=4,
                                            config=_pipe_tiny())),
     ("05", f"{E05}:sleep_bubbles", dict(microbatches=(2,), t_f=0.002, t_b=0.004, steps=1, warmup=0)),
