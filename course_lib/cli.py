@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="check torch/ray, backend, cores, compiler; spawn 2 ranks")
     q = sub.add_parser("quiz", help="O/X quiz in the terminal")
     q.add_argument("--chapter", type=int, required=True)
-    q.add_argument("--lang", choices=["ko", "en"], default="ko")
+    q.add_argument("--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English")
     q.add_argument("-n", type=int, default=None, help="number of statements")
     q.add_argument("--shuffle", action="store_true")
     c = sub.add_parser("check", help="check an exercise against its reference on real ranks")

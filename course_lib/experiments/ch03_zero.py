@@ -90,14 +90,16 @@ def _adamw_kwargs() -> dict:
     return dict(OPTIMIZERS["adamw"][1])
 
 
-def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config: GPTConfig | None = None) -> dict:
+def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config: GPTConfig | None = None,
+                      zero3_unit: str = "block") -> dict:
     """Rank function: train ``steps`` AdamW steps at ZeRO ``stage`` (0 = DDP) and measure everything.
 
     Returns, for this rank: model-state bytes measured vs the fp32 formula (after the last step,
     before ``zero_grad``), the last step's communication (Σ ring bytes of tags "grad" and "param"
     ÷ ((N−1)/N · c · Ψ_pad · 4), c = 2 for stages 0–2 and 3 for stage 3), the activation bytes
     autograd saved in the last forward (ZeRO does not shard them), the loss curve and max|Δparam|
-    against one device trained on the full batches.
+    against one device trained on the full batches. ``zero3_unit``: ``Zero3``'s ``unit`` at stage 3
+    ("block": one all-gather per block + root, the default; "param": one per parameter and use).
     """
     config = config or zero_config()
     world, dev = dist.get_world_size(), device()
@@ -110,7 +112,7 @@ def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config:
         wrapped = model
         opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **_adamw_kwargs())
     elif stage == 3:
-        wrapped = Zero3(model)
+        wrapped = Zero3(model, unit=zero3_unit)
         opt = make_optimizer("adamw", wrapped.parameters())
     else:
         raise ValueError(f"stage={stage} is not one of 0 (DDP), 1, 2, 3")
