@@ -237,3 +237,66 @@ def gantt(timelines, ax=None, title: str | None = None, unit: str = "ms", label_
     if title:
         ax.set_title(title, fontsize=10)
     return ax
+
+
+# --------------------------------------------------------------------------- FSDP (chapter 04)
+
+_GANTT_COLORS.setdefault("AG", "#dd8452")  # all-gather issued
+_GANTT_COLORS.setdefault("RS", "#c44e52")  # reduce-scatter issued
+
+
+def memory_over_step(traces: dict, ax=None, title: str | None = None, gathered: bool = True):
+    """Bytes held over one training step, one line per run: ``traces[label] = [(phase, total, gathered)]``.
+
+    One sample per operator (``ch04_features.reshard_memory_and_traffic`` records them with
+    ``FSDPMemTracker``); x is the operator's index within its run, y the total bytes tracked (solid)
+    and, with ``gathered``, the unsharded-parameter bytes among them (dashed). The forward / backward /
+    step boundaries of each run are marked in its colour. Returns the axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.2))
+    for i, (label, trace) in enumerate(traces.items()):
+        color = f"C{i}"
+        ax.plot([t / 1e6 for _, t, _ in trace], color=color, label=f"{label}: total (peak "
+                f"{max(t for _, t, _ in trace) / 1e6:.2f} MB)")
+        if gathered:
+            ax.plot([u / 1e6 for _, _, u in trace], color=color, linestyle="--", linewidth=1,
+                    label=f"{label}: gathered parameters")
+    top = max((t for trace in traces.values() for _, t, _ in trace), default=0) / 1e6
+    for i, trace in enumerate(traces.values()):  # phase boundaries of each run, in its colour
+        for k in range(1, len(trace)):
+            if trace[k][0] != trace[k - 1][0]:
+                ax.axvline(k, color=f"C{i}", linewidth=0.7, linestyle=":")
+                ax.text(k, top * (1.04 - 0.07 * i), f" {trace[k][0]}", fontsize=7, color=f"C{i}")
+    ax.set_xlabel("operator (in order of execution)")
+    ax.set_ylabel("MB")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def fsdp_timeline(events: dict, ax=None, title: str | None = None, unit: str = "ms"):
+    """FSDP compute vs communication, two rows per run, drawn with :func:`gantt`.
+
+    ``events[label] = [(kind, block, start_s, end_s)]`` as ``ch04_features.prefetch_timeline``
+    returns them: "F" / "B" a block's forward / backward compute, "AG" / "RS" the span in which an
+    all-gather / reduce-scatter was issued (a call into ``torch.distributed``, not its transfer).
+    """
+    from matplotlib.patches import Patch
+
+    rows, names = [], []
+    for label, evs in events.items():
+        rows.append([(k, b, 0, s, e) for k, b, s, e in evs if k in ("F", "B")])
+        rows.append([(k, "", 0, s, e) for k, b, s, e in evs if k in ("AG", "RS")])
+        names += [f"{label}: compute", f"{label}: comm"]
+    ax = gantt(rows, ax=ax, title=title, unit=unit, row_names=names)
+    legend = {"F": "forward (block)", "B": "backward (block)", "AG": "all-gather issued", "RS": "reduce-scatter issued"}
+    ax.legend(handles=[Patch(color=_GANTT_COLORS[k], label=v) for k, v in legend.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.3), ncol=4, frameon=False, fontsize=8)
+    return ax
+
+
+__all__ += ["memory_over_step", "fsdp_timeline"]
