@@ -153,8 +153,8 @@ def fsdp2_vs_zero3(steps: int = 3, config: GPTConfig | None = None, global_batch
        its own Ψ_pad (FSDP2 pads rows, ``Zero3`` elements).
 
     Bytes sent (ring, per rank) are compared with ``(N−1)/N · c · Ψ_pad · 4``, c = 3 (c = 2 for
-    FSDP2 with ``reshard_after_forward=False``). ``Zero3`` gathers the tied embedding once per
-    *use* (twice per pass), so it sends more than 3Ψ; FSDP2 gathers its root unit once per pass.
+    FSDP2 with ``reshard_after_forward=False``). Both gather by unit (each block, and the root with
+    the tied embedding once per pass), so both send 3Ψ.
     """
     from dataclasses import asdict
 

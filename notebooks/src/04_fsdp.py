@@ -20,6 +20,8 @@ _t_notebook = time.perf_counter()
 import shutil
 import tempfile
 
+import matplotlib.pyplot as plt
+
 from course_lib.experiments import ch04_fsdp
 from course_lib.launch import spawn
 
@@ -91,8 +93,9 @@ print(f"FSDP2: one all-gather per unit in forward and in backward, one reduce-sc
       f"{f2['collectives']['all_gather']['forward'] == f2['collectives']['all_gather']['backward'] == units == f2['collectives']['reduce_scatter']['backward']}")
 print(f"FSDP2 sends exactly 3Ψ_pad·(N−1)/N: {abs(f2['comm_ratio'] - 1) < 1e-6}")
 print(f"both hold ≈16Ψ/N (within 1 %): {abs(f2['memory_ratio'] - 1) < 0.01 and abs(z3['memory_ratio'] - 1) < 0.01}")
-print(f"our Zero3 issues more, smaller collectives (one per parameter and per use): "
-      f"{z3['collectives']['all_gather']['forward'] > f2['collectives']['all_gather']['forward']}")
+print(f"our Zero3 gathers by unit too: {units} all-gathers in forward, {units} in backward, {units} reduce-scatters: "
+      f"{z3['collectives']['all_gather']['forward'] == z3['collectives']['all_gather']['backward'] == units == z3['collectives']['reduce_scatter']['backward']}")
+print(f"our Zero3 sends exactly 3Ψ_pad·(N−1)/N too: {abs(z3['comm_ratio'] - 1) < 1e-6}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -100,10 +103,42 @@ print(f"step time: FSDP2 {f2['step_s'] * 1e3:.1f} ms, our Zero3 {z3['step_s'] * 
       f"(FSDP2 / Zero3 = {cmp['step_time_ratio_fsdp2_over_zero3']:.2f})")
 
 # %% [markdown]
-# FSDP2 pads each tensor to ⌈dim0/N⌉ rows (so its Ψ_pad is a little larger than our flat padding), and moves a whole
-# unit per collective: far fewer messages, each paying the latency once. That is the main reason it is faster than our
-# per-parameter Zero3 here (besides prefetching the next unit while the current one computes).
+# FSDP2 pads each tensor to ⌈dim0/N⌉ rows (so its Ψ_pad is a little larger than our flat padding). What makes both
+# fast is the *unit*: a whole block travels in one all-gather through a copy-in buffer (this rank's shards of every
+# parameter of the block, concatenated), is copied out into the full tensors, and its gradients go back in one
+# reduce-scatter launched as soon as the block's backward is done — few, large messages, each paying the latency once.
+# With **prefetch** the next unit's all-gather is issued before the current unit computes, so the two can overlap.
 #
+# The race below trains the same 4-block model (d_model 128) four ways, one AdamW step of each per round, rounds
+# interleaved: our `Zero3(unit="param")` (the textbook ZeRO-3: one collective per parameter and per use), per unit,
+# per unit with prefetch (the default), and FSDP2.
+
+# %%
+from course_lib.experiments import ch04_race
+
+race = spawn(ch04_race.zero3_race, 2, kwargs=dict(rounds=5))[0]
+gathers, n_units = race["gathers_per_forward"], 5  # 4 blocks + the root
+print(f"all-gathers per forward: {gathers}")
+print(f"per unit (ours and FSDP2's): one all-gather per unit and forward: "
+      f"{all(gathers[k] == n_units for k in ('zero3 per-unit', 'zero3 per-unit+prefetch', 'fsdp2'))}; "
+      f"per parameter: {gathers['zero3 per-param']} (one per parameter and use)")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(ch04_race.format_zero3(race))
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3))
+names = list(race["times"])
+ax.boxplot([[t * 1e3 for t in race["times"][n]] for n in names], tick_labels=names)
+ax.set_ylabel("step time (ms), one AdamW step")
+ax.set_ylim(bottom=0)
+ax.set_title("ZeRO-3 four ways, 2 ranks (interleaved rounds; box = spread over rounds)")
+plt.xticks(rotation=15)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
 # ## 4. Mixed precision
 #
 # `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`: shards, gradients and optimizer
@@ -168,8 +203,8 @@ quiz(4)
 # %% [markdown]
 # ## Summary
 # - FSDP2 = ZeRO-3 with whole-module collectives: parameters are `Shard(0)` DTensors, trained exactly like one device.
-# - Per rank it holds ≈16Ψ/N like our Zero3, sends exactly 3Ψ per step in 3(L+1) collectives, and is faster on this
-#   model because its messages are few and large.
+# - Per rank it holds ≈16Ψ/N like our Zero3, and both send exactly 3Ψ per step in 3(L+1) collectives: one per unit,
+#   few and large; per parameter and per use (the textbook ZeRO-3) the messages are many and small.
 # - bf16 mixed precision halves the all-gathers and the gathered weights; shards, gradients and optimizer state stay fp32.
 # - DCP checkpoints are sharded, bit-exact on resume, and load at a different world size.
 
