@@ -101,6 +101,7 @@ def _suite(world: int, tmp_dir: str, load_from: str | None) -> dict:
             "checkpointing": P.activation_checkpointing,
             "meta": P.meta_device_init,
             "save": functools.partial(P.checkpoint_save, tmp_dir),
+            "flat": P.flat_vs_per_parameter,
             "errors": functools.partial(_error_cases, os.path.join(tmp_dir, "dcp_w2")),
         }
     if world == 4:
@@ -255,6 +256,25 @@ def test_meta_device_init_broadcast_from_rank0_equals_the_one_device_init(case):
         _assert_claims(r)
         assert _max_diff(r.full_state, want) == 0.0
         assert r.construction_peak < r.full_model_bytes == 4 * GPT(CONFIG).num_params()
+
+
+# ----------------------------------------------------------------------------- FSDP1 vs FSDP2, CPU offload
+
+
+def test_fsdp1_flattens_each_unit_fsdp2_keeps_parameter_shapes(case):
+    ranks = case(2, "flat")
+    plain = {k: tuple(v.shape) for k, v in GPT(F.features_config(n_layer=2)).named_parameters()}
+    for r in ranks:
+        _assert_claims(r)
+        assert sorted(r.fsdp1_flat_params) == ["<root>", "blocks.0", "blocks.1"]
+        assert {k: g for k, (g, _) in r.fsdp2_param_shapes.items()} == plain
+        assert all(len(s) == 1 for s in r.fsdp1_param_shapes.values())  # 1-D views into the flat shard
+    # the two ranks' slices of each flat parameter cover it: some weights live on one rank only
+    for name, shape in plain.items():
+        assert sum(r.fsdp1_param_shapes[name][0] for r in ranks) == torch.Size(shape).numel(), name
+    assert any(r.fsdp1_param_shapes[n] == (0,) for r in ranks for n in plain)
+    if not torch.accelerator.is_available():
+        assert "accelerator" in ranks[0].cpu_offload_error
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints

@@ -16,6 +16,7 @@ allocation regardless.)
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from .common import (Result, check_global_batch, make_optimizer, median_times, r
                      state_diff, step_batch, train_step)
 
 __all__ = ["clip_grad_norm", "activation_checkpointing", "meta_device_init", "checkpoint_save", "checkpoint_load",
-           "eval_batch"]
+           "eval_batch", "flat_vs_per_parameter"]
 
 
 def _on(snapshot: dict, dev) -> dict:
@@ -309,3 +310,62 @@ def checkpoint_load(path: str, config: GPTConfig | None = None) -> CheckpointRes
     return CheckpointResult(dist.get_world_size(), path, _digest(full_training_state(model, opt)),
                             _logits(model, config, dev),
                             {k: tuple(p.to_local().shape) for k, p in model.named_parameters()})
+
+
+# =========================================================================== why FSDP2: FSDP1's FlatParameter
+
+
+@dataclass
+class FlatVsPerParameterResult(Result):
+    world_size: int
+    fsdp1_flat_params: dict  # {unit: (local FlatParameter shape, numel incl. padding, parameters flattened into it)}
+    fsdp1_param_shapes: dict  # {parameter: shape the optimizer sees} — 1-D views into the flat shard
+    fsdp2_param_shapes: dict  # {parameter: (global shape, local shape)} — DTensor Shard(0)
+    cpu_offload_error: str  # what CPUOffloadPolicy says on a machine without an accelerator ("" if it worked)
+
+    def claims(self) -> dict[str, bool]:
+        return {
+            "FSDP1 keeps one 1-D FlatParameter per unit": all(len(s) == 1 for s, _, _ in
+                                                              self.fsdp1_flat_params.values()),
+            "FSDP2 keeps every parameter with its own shape (dim 0 sharded)": all(
+                len(g) == len(loc) and g[1:] == loc[1:] for g, loc in self.fsdp2_param_shapes.values()),
+            "FSDP1's shard cuts some weight in the middle of a row": any(
+                numel % math.prod(self.fsdp2_param_shapes[n][0][1:]) for n, (numel,) in
+                self.fsdp1_param_shapes.items()),
+        }
+
+
+def flat_vs_per_parameter(config: GPTConfig | None = None) -> FlatVsPerParameterResult:
+    """Rank function: the same model under FSDP1 (``FullyShardedDataParallel``) and FSDP2 (``fully_shard``).
+
+    FSDP1 flattens each unit's parameters into one ``FlatParameter``, pads it and keeps 1/N of the
+    flat vector: a rank's shard can end in the middle of a weight, per-parameter settings (frozen
+    weights, another dtype, a per-tensor optimizer) fight the flattening, and a checkpoint needs
+    the flat layout's metadata. FSDP2 shards each parameter on dim 0 as a ``DTensor``: the optimizer
+    sees parameters with their own shapes, and state dicts are DTensors that DCP reshards.
+    Also tries ``CPUOffloadPolicy`` (keeping shards in pinned host memory): it needs an accelerator.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from ..models import Block
+
+    config = config or features_config(n_layer=2)
+    dev = device()
+    fsdp1 = FullyShardedDataParallel(GPT(config, seed=0).to(dev), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                     device_id=dev, use_orig_params=True)
+    flat = {}
+    for name, m in fsdp1.named_modules():
+        if isinstance(m, FullyShardedDataParallel) and m._handle is not None:
+            fp = m._handle.flat_param
+            flat[name.replace("_fsdp_wrapped_module.", "") or "<root>"] = (
+                tuple(fp.shape), fp.numel(), [n.replace("_fsdp_wrapped_module.", "") for n in fp._fqns])
+    fsdp1_shapes = {n.replace("_fsdp_wrapped_module.", ""): tuple(p.shape) for n, p in fsdp1.named_parameters()}
+    fsdp2 = fsdp2_wrap(GPT(config, seed=0).to(dev))
+    fsdp2_shapes = {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in fsdp2.named_parameters()}
+    error = ""
+    try:
+        fully_shard(GPT(config, seed=0).to(dev), offload_policy=CPUOffloadPolicy())
+    except Exception as exc:  # noqa: BLE001 - shown in the notebook
+        error = f"{type(exc).__name__}: {exc}"
+    return FlatVsPerParameterResult(dist.get_world_size(), flat, fsdp1_shapes, fsdp2_shapes, error)

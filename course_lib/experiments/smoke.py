@@ -86,6 +86,7 @@ SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need
     ("04", f"{_P04}:activation_checkpointing", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
     ("04", f"{_P04}:meta_device_init", dict(config=_zero_tiny())),
     ("04", f"{_P04}:checkpoint_save", dict(tmp_dir=TMP, steps=1, global_batch=4, config=_zero_tiny())),
+    ("04", f"{_P04}:flat_vs_per_parameter", dict(config=_zero_tiny())),
 ]
 
 
