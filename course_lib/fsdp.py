@@ -33,8 +33,12 @@ whole model is gathered at the end of the forward — ZeRO-2-like memory for par
 step, while the optimizer state and the gradients stay sharded.
 
 This module is the technique only: :func:`fsdp2_wrap` (which modules become units),
-:func:`padded_numel` (Ψ_pad as FSDP2 stores it) and :func:`full_state_dict` (full tensors from the
-shards). What the notebook measures with them — equality with one device, FSDP2 vs our ``Zero3``,
+:func:`padded_numel` (Ψ_pad as FSDP2 stores it), :func:`full_state_dict` (full tensors from the
+shards), :func:`set_prefetch` (an explicit prefetch plan, checked) and
+:func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint` (DCP, keys and shapes checked
+before loading). FSDP2's features — HSDP, accumulation, checkpointing, meta-device init — are
+measured in :mod:`course_lib.experiments.ch04_features` and :mod:`course_lib.experiments.ch04_practice`.
+What the notebook measures with them — equality with one device, FSDP2 vs our ``Zero3``,
 mixed precision, sharded checkpoints — is in :mod:`course_lib.experiments.ch04_fsdp`; FSDP2's
 collectives are counted with :class:`course_lib.comm.CollectiveCounter` and its gathered weights
 with :class:`course_lib.memory.GatheredParamMeter`.
