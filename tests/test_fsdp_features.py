@@ -338,3 +338,26 @@ def test_checkpointed_block_formula_rejects_bad_sizes():
         checkpointed_block_activation_bytes(0, 2, 16, 63)
     with pytest.raises(ValueError, match="d_model=True"):
         checkpointed_block_activation_bytes(1, 2, 16, True)
+
+
+# ----------------------------------------------------------------------------- the notebook's plots
+
+
+def test_the_memory_and_timeline_plots_draw_from_the_measurements(case):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_lib import viz
+
+    reshard, prefetch = case(2, "reshard")[0], case(2, "prefetch")[0]
+    fig, (top, bottom) = plt.subplots(2, 1)
+    viz.memory_over_step({"True": reshard.trace["True"], "False": reshard.trace["False"]}, ax=top)
+    assert len(top.lines) == 4 + 4  # total + gathered per run, and 2 phase boundaries per run
+    assert max(top.lines[0].get_ydata()) == pytest.approx(reshard.peak["True"] / 1e6)
+    viz.fsdp_timeline(prefetch.events, ax=bottom)
+    assert [t.get_text() for t in bottom.get_yticklabels()] == ["implicit: compute", "implicit: comm",
+                                                                "explicit: compute", "explicit: comm"]
+    assert len(bottom.patches) == sum(len(e) for e in prefetch.events.values())
+    plt.close(fig)
