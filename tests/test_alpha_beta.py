@@ -1,0 +1,52 @@
+"""The α–β cost model: the fit recovers a known model, refuses bad input, and fits a real sweep."""
+import pytest
+
+from course_lib.comm import ring_factor
+from course_lib.experiments import ch00_collectives as ch00
+
+SIZES = (2**10, 2**12, 2**16, 2**20, 2**22, 2**24)
+
+
+def _rows(alpha, beta, n=2, ops=("all_reduce", "send_recv")):
+    return [{"op": op, "bytes": b, "world_size": n,
+             "time_s": alpha + (1.0 if op == "send_recv" else ring_factor(op, n)) * b / beta}
+            for op in ops for b in SIZES]
+
+
+def test_fit_recovers_a_known_model():
+    fit = ch00.fit_alpha_beta(_rows(1e-4, 2e9))
+    for op in ("all_reduce", "send_recv"):
+        # α is read off the latency regime (≤ 4 KiB), where b/β adds at most 2 µs
+        assert fit.alpha_s[op] == pytest.approx(1e-4, rel=0.03)
+        assert fit.beta_bytes_per_s[op] == pytest.approx(2e9, rel=0.03)
+        assert fit.points[op] == 3
+    assert fit.predict("all_reduce", 2**24) == pytest.approx(1e-4 + 2**24 / 2e9, rel=0.03)
+    # the ring factor carries the model to other world sizes: 2(N−1)/N = 1.5 at N=4
+    assert fit.predict("all_reduce", 2**24, 4) == pytest.approx(fit.alpha_s["all_reduce"]
+                                                                + 1.5 * 2**24 / fit.beta_bytes_per_s["all_reduce"])
+    assert fit.predict("all_reduce", 2**24, 1) == 0.0
+    assert "β (GB/s)" in fit.table()
+
+
+def test_fit_refuses_bad_input():
+    with pytest.raises(ValueError, match="no rows"):
+        ch00.fit_alpha_beta([])
+    with pytest.raises(ValueError, match="several world sizes"):
+        ch00.fit_alpha_beta(_rows(1e-4, 2e9, n=2) + _rows(1e-4, 2e9, n=4))
+    with pytest.raises(ValueError, match="no row with bytes ≥ min_bytes"):
+        ch00.fit_alpha_beta([r for r in _rows(1e-4, 2e9) if r["bytes"] < 2**20])
+    fit = ch00.fit_alpha_beta(_rows(1e-4, 2e9))
+    with pytest.raises(ValueError, match="no fit for op 'broadcast'"):
+        fit.predict("broadcast", 1024)
+
+
+def test_measured_sweep_fits():
+    """A real sweep on 2 ranks: median of 5 repeats with spread; the fit gives positive α and β."""
+    fit, rows = ch00.measure_alpha_beta(2, sizes_bytes=(2**10, 2**20, 2**22), repeats=5)
+    assert {r["op"] for r in rows} == set(ch00.OPS)
+    for r in rows:
+        assert len(r["times_s"]) == 5
+        assert r["time_lo_s"] <= r["time_s"] <= r["time_hi_s"]
+    for op in ch00.OPS:
+        assert fit.alpha_s[op] > 0 and fit.beta_bytes_per_s[op] > 0
+        assert fit.predict(op, 2**22) > fit.predict(op, 2**10)
