@@ -300,3 +300,114 @@ def fsdp_timeline(events: dict, ax=None, title: str | None = None, unit: str = "
 
 
 __all__ += ["memory_over_step", "fsdp_timeline"]
+
+
+# --------------------------------------------------------------------------- shared bars, curves, cost model
+
+
+def stacked_bars(bars: dict, ax=None, title: str | None = None, unit: str = "MB", horizontal: bool = False,
+                 scale: float | None = None, errors: dict | None = None):
+    """Stacked bars: ``bars[label] = {part: value}`` (bytes with ``unit`` "MB"/"KB", or ms/s values).
+
+    One bar per label, its parts stacked in the order of the first bar's keys, one legend entry per
+    part; the value axis starts at 0. ``errors[label]`` (optional) draws a (lo, hi) whisker on the
+    bar's total, in the same units as the values. The memory bars of chapters 01 and 03 and the
+    compute / communication bars of chapter 00 are drawn with it. Returns the axes.
+    """
+    import matplotlib.pyplot as plt
+
+    div = scale if scale is not None else {"MB": 1e6, "KB": 1e3, "B": 1.0, "ms": 1.0, "s": 1.0}.get(unit, 1.0)
+    labels = list(bars)
+    parts = list(dict.fromkeys(p for b in bars.values() for p in b))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 1.6) if horizontal else (1.2 * len(labels) + 3, 3.4))
+    base = [0.0] * len(labels)
+    for part in parts:
+        vals = [bars[lb].get(part, 0) / div for lb in labels]
+        (ax.barh(labels, vals, left=base, label=part) if horizontal else ax.bar(labels, vals, bottom=base, label=part))
+        base = [b + v for b, v in zip(base, vals)]
+    if errors:
+        for i, lb in enumerate(labels):
+            if lb in errors:
+                lo, hi = errors[lb]
+                kw = dict(fmt="none", ecolor="k", capsize=3, linewidth=1)
+                if horizontal:
+                    ax.errorbar(base[i], i, xerr=[[base[i] - lo / div], [hi / div - base[i]]], **kw)
+                else:
+                    ax.errorbar(i, base[i], yerr=[[base[i] - lo / div], [hi / div - base[i]]], **kw)
+    (ax.set_xlabel if horizontal else ax.set_ylabel)(unit)
+    (ax.set_xlim if horizontal else ax.set_ylim)(0, max(base + [0]) * 1.15 or 1)
+    if horizontal:
+        ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18 if not horizontal else -0.35),
+              ncol=min(4, len(parts)), frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def scaling_curves(x, series: dict, ax=None, title: str | None = None, xlabel: str = "", ylabel: str = "",
+                   logx: bool = False, from_zero: bool = True):
+    """Lines with error bars: ``series[name] = (ys, lo, hi)`` or ``ys``, all against ``x``.
+
+    ``lo`` / ``hi`` are the spread (e.g. min / max of the repeats whose median is ``ys``); the
+    y-axis starts at 0 unless ``from_zero=False`` (log axes). Returns the axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 3.4))
+    for name, s in series.items():
+        ys, lo, hi = s if isinstance(s, tuple) else (s, None, None)
+        if lo is not None:
+            ax.errorbar(x, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
+                        marker="o", capsize=3, label=name)
+        else:
+            ax.plot(x, ys, marker="o", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if from_zero:
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def alpha_beta_plot(rows: list[dict], fit, ax=None, title: str | None = None):
+    """Measured time per call (median, min–max whiskers) vs the α–β fit, one colour per op, log–log.
+
+    ``rows`` as ``ch00_collectives.bandwidth_benchmark`` returns them, ``fit`` an ``AlphaBeta``;
+    the fit's β was fitted on sizes ≥ ``fit.min_bytes`` (shaded). Returns the axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for i, op in enumerate(dict.fromkeys(r["op"] for r in rows)):
+        mine = sorted((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
+        xs = [r["bytes"] for r in mine]
+        med = [r["time_s"] * 1e6 for r in mine]
+        lo = [r.get("time_lo_s", r["time_s"]) * 1e6 for r in mine]
+        hi = [r.get("time_hi_s", r["time_s"]) * 1e6 for r in mine]
+        ax.errorbar(xs, med, yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]], fmt="o",
+                    color=f"C{i}", capsize=3, label=f"{op}: measured (median, min–max)")
+        grid = [xs[0] * (xs[-1] / xs[0]) ** (k / 40) for k in range(41)]
+        ax.plot(grid, [fit.predict(op, b) * 1e6 for b in grid], color=f"C{i}", linewidth=1,
+                label=f"{op}: α={fit.alpha_s[op] * 1e6:.0f} µs, β={fit.beta_bytes_per_s[op] / 1e9:.2f} GB/s")
+    ax.axvspan(fit.min_bytes, max(r["bytes"] for r in rows) * 1.5, color="0.92", zorder=0)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes); shaded: bandwidth regime, where β is fitted")
+    ax.set_ylabel("time per call (µs)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+__all__ += ["stacked_bars", "scaling_curves", "alpha_beta_plot"]
