@@ -143,13 +143,14 @@ for k, d in diffs.items():
 # ## 4. The bubble, measured
 #
 # To measure the bubble without a busy laptop's noise, each stage is a tiny real `Linear` whose forward sleeps
-# t_F = 20 ms and backward t_B = 40 ms (`SleepLayer`). Each rank records `perf_counter` at the start and end of
+# t_F = 40 ms and backward t_B = 80 ms (`SleepLayer`: long enough that the few milliseconds each send, receive and
+# Python step cost on a busy laptop stay small beside them). Each rank records `perf_counter` at the start and end of
 # every F and B (one clock for all processes on a machine); bubble_r = 1 − busy_r / (latest end − earliest start
 # over all ranks), median of 3 steps after a warm-up.
 
 # %%
 def timing_suite():
-    return {"sleep": E.sleep_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8)),
+    return {"sleep": E.sleep_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.04, t_b=0.08),
             "gpt": E.gpt_timelines(("gpipe", "1f1b"), num_microbatches=8, global_batch=32, steps=3),
             "torch": [E.torch_pipelining_grads(s) for s in ("gpipe", "1f1b", "interleaved")],
             "zb": E.zero_bubble_order(num_microbatches=4)}
@@ -162,7 +163,7 @@ sleep = E.BubbleResult(**tm[0]["sleep"])
 # NBVAL_IGNORE_OUTPUT
 fig, axes = plt.subplots(2, 1, figsize=(9, 3.6))
 for ax, name in zip(axes, ("gpipe", "1f1b")):
-    gantt(sleep.timelines[f"{name}/4"], ax=ax, title=f"{name}, p=2, m=4, measured (t_F = 20 ms, t_B = 40 ms)")
+    gantt(sleep.timelines[f"{name}/4"], ax=ax, title=f"{name}, p=2, m=4, measured (t_F = 40 ms, t_B = 80 ms)")
 plt.tight_layout()
 plt.show()
 ms = [1, 2, 4, 8]
