@@ -1,0 +1,196 @@
+"""Ray, the few lines around it that keep a notebook short: start, name runs, check resources, clean up.
+
+The notebooks call the real Ray API (``@ray.remote``, ``ray.get``, ``TorchTrainer``, ``ScalingConfig``,
+``ray.train.report``); this module only does what every Ray cell would otherwise repeat:
+
+* :func:`start` — ``ray.init`` on **localhost only**, with the settings this course needs on a laptop:
+  ``num_cpus`` fixed (a known-size local cluster), ``log_to_driver=False`` (workers never print into the
+  notebook), no dashboard, and a *short* temp dir of its own (Ray puts Unix sockets there, and rejects
+  socket paths longer than 107 bytes);
+* :func:`run_config_kwargs` — a fresh ``RunConfig(name=..., storage_path=...)`` per run: a reused name
+  silently *resumes* the old run from its last checkpoint;
+* :func:`check_resources` — Ray waits forever for resources it does not have; on a fixed-size local
+  cluster we say which one is missing *before* ``fit()`` hangs (on an autoscaling cluster: a warning);
+* :func:`stop` — ``ray.shutdown()`` and remove the temp dir (Ray leaves its session dirs behind);
+* :class:`ReportLog` — a ``ray.train.UserCallback`` that keeps *every* ``ray.train.report`` (Train v2's
+  ``Result.metrics_dataframe`` keeps only those reported with a checkpoint) and drives a progress line.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+
+__all__ = ["ENV", "start", "stop", "run_config_kwargs", "check_resources", "ReportLog", "auto_use_gpu"]
+
+# Environment for the driver and (through runtime_env) every Ray worker.
+ENV = {
+    "RAY_AUTH_MODE": "disabled",                  # local cluster, nothing to authenticate against
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",   # no cloud preemption on a laptop
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",   # notice a dead worker within a fraction of a second
+    "RAY_TRAIN_V2_ENABLED": "1",                  # Train v2 (the default in 2.60; v1 hangs on 2 CPUs here)
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_agent_register_timeout_ms": "180000",    # a busy laptop starts Ray's agents slowly (default 30 s: fatal)
+    "OMP_NUM_THREADS": "1",                       # one thread per worker: 2 workers × 2 threads on 2 cores is slow
+    "PYTHONWARNINGS": "ignore",
+}
+
+_state: dict = {}
+
+
+def auto_use_gpu() -> bool:
+    """``use_gpu`` for ``ScalingConfig``: True when this machine has a CUDA GPU, else False (gloo on CPU)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def start(num_cpus: int = 2, **init_kwargs):
+    """``ray.init`` a local, localhost-only Ray with ``num_cpus`` logical CPUs; returns the ``ray`` module.
+
+    Idempotent: a second call while this course's Ray runs returns it unchanged.
+    """
+    os.environ.update(ENV)
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    if not isinstance(num_cpus, int) or num_cpus < 1:
+        raise ValueError(f"num_cpus must be an integer >= 1, got {num_cpus!r}")
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    warnings.filterwarnings("ignore", module="ray")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
+             configure_logging=True, logging_level="ERROR", _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": dict(ENV)}, **init_kwargs)
+    _state.update(temp_dir=temp_dir, storage=tempfile.mkdtemp(prefix="course_ray_runs_"), runs=0)
+    return ray
+
+
+def stop() -> None:
+    """``ray.shutdown()``, then remove Ray's temp dir and this session's run storage."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    for key in ("temp_dir", "storage"):
+        if _state.get(key):
+            shutil.rmtree(_state.pop(key), ignore_errors=True)
+
+
+def run_config_kwargs(prefix: str = "run") -> dict:
+    """``dict(name=..., storage_path=...)`` for a *new* ``RunConfig``: a unique name under this session's storage."""
+    if "storage" not in _state:
+        raise RuntimeError("call course_lib.ray_train.start() first")
+    _state["runs"] += 1
+    return {"name": f"{prefix}-{_state['runs']}-{uuid.uuid4().hex[:6]}", "storage_path": _state["storage"]}
+
+
+def check_resources(num_workers: int, resources_per_worker: dict | None = None, use_gpu: bool = False,
+                    autoscaling: bool = False) -> None:
+    """Raise (or, on an autoscaling cluster, warn) if ``num_workers`` cannot all be placed.
+
+    Ray does not fail on an impossible request: the workers stay *pending* and ``fit()`` waits forever.
+    A Train worker asks for 1 CPU (plus 1 GPU with ``use_gpu``) unless ``resources_per_worker`` says otherwise.
+    """
+    import ray
+
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+    per = dict(resources_per_worker or {})
+    per.setdefault("CPU", 1.0)
+    if use_gpu:
+        per.setdefault("GPU", 1.0)
+    have = ray.cluster_resources()
+    for resource, amount in per.items():
+        need, avail = num_workers * amount, have.get(resource, 0.0)
+        if need > avail + 1e-9:
+            msg = (f"num_workers={num_workers} × {amount:g} {resource} per worker = {need:g} {resource}, but this "
+                   f"Ray cluster has {avail:g} {resource}: the workers would wait for resources forever. Use fewer "
+                   f"workers, a smaller resources_per_worker={{'{resource}': ...}}, or a bigger cluster")
+            if autoscaling:
+                warnings.warn(msg + " (an autoscaling cluster may add nodes)", stacklevel=2)
+            else:
+                raise ValueError(msg)
+
+
+def _user_callback_base():
+    from ray.train import UserCallback
+
+    return UserCallback
+
+
+class ReportLog(_user_callback_base()):
+    """A ``ray.train.UserCallback`` that keeps every ``ray.train.report`` of a run.
+
+    Train v2 runs its callbacks in the Train *controller*, a Ray actor of its own, not in the notebook's
+    process: so the reports go to a tiny Ray **actor** (:class:`_Reports`) that the driver asks with
+    :meth:`history`. A restarted run reports again from its checkpoint: the history shows the redone steps.
+    """
+
+    def __init__(self):
+        import ray
+
+        self._store = ray.remote(num_cpus=0)(_Reports).remote()
+
+    def after_report(self, run_context, metrics, checkpoint):
+        self._store.add.remote(dict(metrics[0]), checkpoint is not None)
+
+    def after_exception(self, run_context, worker_exceptions):
+        self._store.failed.remote({r: type(e).__name__ for r, e in worker_exceptions.items()})
+
+    def history(self) -> list[dict]:
+        """Rank 0's reported metrics in order, each with ``"checkpoint": bool`` added."""
+        import ray
+
+        return ray.get(self._store.get.remote())[0]
+
+    def failures(self) -> list[dict]:
+        """One ``{rank: exception type name}`` per failure the controller saw."""
+        import ray
+
+        return ray.get(self._store.get.remote())[1]
+
+    def fit(self, trainer, total: int | None = None, key: str = "loss", every: float = 0.5):
+        """``trainer.fit()`` while one text line shows the reports so far (reported metrics, not worker logs)."""
+        import threading
+
+        out: dict = {}
+        thread = threading.Thread(target=lambda: out.update(result=_call(trainer.fit)), daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(every)
+            hist = self.history()
+            if hist:
+                n = len(hist)
+                bar = "#" * int(20 * min(n, total) / total) if total else ""
+                print(f"\rreport {n}{'/' + str(total) if total else ''} [{bar:<20}] {key}={hist[-1].get(key, 0):.4f}",
+                      end="", flush=True)
+        print()
+        if "error" in out["result"]:
+            raise out["result"]["error"]
+        return out["result"]["value"]
+
+
+def _call(fn) -> dict:
+    try:
+        return {"value": fn()}
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        return {"error": exc}
+
+
+class _Reports:
+    """The actor behind :class:`ReportLog`: a list of reports and a list of failures."""
+
+    def __init__(self):
+        self.reports, self.failures = [], []
+
+    def add(self, metrics: dict, has_checkpoint: bool) -> None:
+        self.reports.append({**metrics, "checkpoint": has_checkpoint})
+
+    def failed(self, ranks: dict) -> None:
+        self.failures.append(ranks)
+
+    def get(self):
+        return self.reports, self.failures

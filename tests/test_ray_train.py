@@ -1,0 +1,113 @@
+"""Chapter 07: Ray Core and Ray Train, on one local Ray session for the whole module (start-up ≈ 7 s).
+
+Each ``TorchTrainer.fit`` costs ≈ 25–60 s on 2 CPUs (actor start-up), so the few fits here each prove
+several things: equality with one device, resume after a failure, the callback's reports.
+"""
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from course_lib import ray_train  # noqa: E402
+from course_lib.experiments import ch07_ray_train as ex  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW, see COURSE_DESIGN's note on equality tests
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    r = ray_train.start(num_cpus=2)
+    temp_dir = ray_train._state["temp_dir"]
+    yield r
+    ray_train.stop()
+    assert not ray.is_initialized()
+    assert not os.path.exists(temp_dir), "the course removes Ray's temp dir after ray.shutdown()"
+
+
+def _trainer(loop, cfg, callbacks=(), max_failures=0, num_workers=2):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer(loop, train_loop_config=cfg,
+                        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=ray_train.auto_use_gpu()),
+                        run_config=RunConfig(**ray_train.run_config_kwargs("test"), callbacks=list(callbacks),
+                                             failure_config=FailureConfig(max_failures=max_failures)))
+
+
+def test_ray_core_tasks_actor_object_store(local_ray):
+    nap = ray.remote(ex.nap)
+    ray.get([nap.remote(0.0) for _ in range(2)])  # start the 2 worker processes (seconds on a busy machine)
+    t0 = time.perf_counter()
+    assert ray.get([nap.remote(1.0) for _ in range(4)]) == [1.0] * 4
+    waves = time.perf_counter() - t0
+    assert 1.95 <= waves < 3.5, f"4 × 1 s tasks on 2 CPUs take two waves (not 1, not 4), took {waves:.2f} s"
+
+    big = np.arange(2_000_000, dtype=np.float64)
+    ref = ray.put(big)
+    total, writeable = ray.get(ray.remote(ex.checksum).remote(ref))
+    assert total == float(big[:1000].sum()) and writeable is False, "object-store numpy arrays are zero-copy views"
+
+    rng = np.random.default_rng(0)
+    X, w_true = rng.normal(size=(64, 3)), np.array([1.0, -2.0, 0.5])
+    y = X @ w_true
+    ps = ray.remote(ex.ParameterServer).remote(3, lr=0.3)
+    grad = ray.remote(ex.shard_gradient)
+    shards = [(ray.put(X[i::2]), ray.put(y[i::2])) for i in range(2)]
+    for _ in range(60):
+        w = ps.get_weights.remote()
+        ray.get(ps.apply.remote(*[grad.remote(w, xs, ys) for xs, ys in shards]))
+    assert ray.get(ps.apply.remote(np.zeros(3))) == 61, "the actor kept its state (update count) between calls"
+    np.testing.assert_allclose(ray.get(ps.get_weights.remote()), w_true, atol=1e-3)
+
+
+def test_too_many_workers_is_refused_before_a_pending_hang(local_ray):
+    with pytest.raises(ValueError, match=r"num_workers=3 .* 3 CPU, but this Ray cluster has 2 CPU"):
+        ray_train.check_resources(3)
+    with pytest.warns(UserWarning, match="autoscaling"):
+        ray_train.check_resources(3, autoscaling=True)
+    with pytest.raises(ValueError, match="GPU"):
+        ray_train.check_resources(2, use_gpu=True) if not ray_train.auto_use_gpu() else ray_train.check_resources(99)
+    ray_train.check_resources(2)  # fits: no error
+
+
+def test_ddp_fit_survives_a_raising_worker_and_equals_one_device(local_ray, tmp_path):
+    """A worker raises in epoch 1; Ray restarts the group, it resumes from epoch 0's checkpoint, ends equal."""
+    cfg = ex.train_config(fail={"rank": 1, "epoch": 1, "step": 1, "how": "raise",
+                                "marker": str(tmp_path / "raised")})
+    log = ray_train.ReportLog()
+    result = _trainer(ex.ddp_loop, cfg, callbacks=[log], max_failures=1).fit()
+    assert (tmp_path / "raised").exists(), "the failure was injected"
+    torch.testing.assert_close(ex.final_state(result), ex.reference_params(cfg), **TOL)
+    hist = log.history()
+    steps = [(h["epoch"], h["step"]) for h in hist if "step" in h]
+    assert steps.count((1, 0)) == 2, "epoch 1's first step ran, was lost with the failure, and was redone"
+    assert steps[-1] == (2, 2) and len(log.failures()) == 1
+    assert result.metrics["epoch"] == 2 and result.error is None
+
+
+def test_fsdp2_dcp_survives_a_killed_worker_and_equals_one_device(local_ray, tmp_path):
+    """FSDP2 on Ray's process group; a worker process is SIGKILLed; DCP shards restore; ends equal."""
+    cfg = ex.train_config(fail={"rank": 0, "epoch": 1, "step": 2, "how": "kill",
+                                "marker": str(tmp_path / "killed")})
+    result = _trainer(ex.fsdp_loop, cfg, max_failures=1).fit()
+    assert (tmp_path / "killed").exists()
+    with result.checkpoint.as_directory() as d:
+        shards = sorted(f for f in os.listdir(os.path.join(d, "dcp")) if f.endswith(".distcp"))
+    assert len(shards) == 2, f"each worker wrote its own DCP shard: {shards}"
+    torch.testing.assert_close(ex.final_state(result), ex.reference_params(cfg), **TOL)
+
+
+def test_a_raising_training_function_shows_the_worker_traceback(local_ray, tmp_path):
+    from ray.train import TrainingFailedError
+
+    cfg = ex.train_config(epochs=1, fail={"rank": 1, "epoch": 0, "step": 0, "how": "raise",
+                                          "marker": str(tmp_path / "raised")})
+    with pytest.raises(TrainingFailedError) as info:
+        _trainer(ex.ddp_loop, cfg).fit()
+    text = str(info.value)
+    assert "injected failure on rank 1 in epoch 0, step 0" in text
+    assert "fail_once" in text, "the worker's traceback reaches the driver"
