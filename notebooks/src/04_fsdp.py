@@ -174,7 +174,180 @@ print(f"the world-2 checkpoint loads at world 4 with identical contents: {at4['d
 shutil.rmtree(ckpt_dir)  # the checkpoint was only for this demonstration
 
 # %% [markdown]
-# ## 6. Exercises
+# ## 6. The FSDP2 features people reach for
+#
+# Each one below runs on real ranks on a 4-block version of the model (Ψ ≈ 224k), and prints what it measured.
+# Results carry their claims (`result.claims()`), which the tests assert too.
+
+# %%
+from course_lib import viz
+from course_lib.experiments import ch04_features as F
+from course_lib.experiments import ch04_practice as P
+
+
+def show(result):
+    for claim, ok in result.claims().items():
+        print(f"{claim}: {ok}")
+
+
+def features_at_2(ckpt_dir):
+    return {"reshard": F.reshard_memory_and_traffic(), "prefetch": F.prefetch_timeline(),
+            "accumulate": F.accumulation_without_sync(), "clip": P.clip_grad_norm(),
+            "ckpt": P.activation_checkpointing(), "meta": P.meta_device_init(),
+            "flat": P.flat_vs_per_parameter(), "save": P.checkpoint_save(ckpt_dir)}
+
+
+def features_at_4(path):
+    return {"hsdp": F.hsdp(), "reshard_int": F.reshard_to_smaller_mesh(), "load": P.checkpoint_load(path)}
+
+
+feat_dir = tempfile.mkdtemp(prefix="fsdp_features_")
+f2 = spawn(features_at_2, 2, args=(feat_dir,))
+saved = f2[0]["save"]
+f4 = spawn(features_at_4, 4, args=(saved.path,))
+f1 = spawn(P.checkpoint_load, 1, args=(saved.path,))
+
+# %% [markdown]
+# ### `reshard_after_forward`: traffic against memory
+# `True` (the default) frees each unit's gathered weights after its forward and gathers them again in backward: 3Ψ
+# of traffic, little memory. `False` keeps them from forward to backward: 2Ψ, but at the end of forward every unit is
+# gathered at once. Bytes are counted per collective (`CollectiveCounter`); memory is tracked operator by operator
+# with torch's `FSDPMemTracker`.
+
+# %%
+r = f2[0]["reshard"]
+print(f"bytes sent per step: True {r.sent['True']:,.0f}, False {r.sent['False']:,.0f} "
+      f"(False / True = {r.sent['False'] / r.sent['True']:.3f})")
+print(f"peak over the step: True {r.peak['True']:,} B, False {r.peak['False']:,} B; "
+      f"one block's gathered parameters = {r.block_param_bytes:,} B")
+show(r)
+
+# %%
+viz.memory_over_step({"reshard_after_forward=True": r.trace["True"], "reshard_after_forward=False": r.trace["False"]},
+                     title="bytes held over one step (FSDPMemTracker), 2 ranks")
+plt.show()
+
+# %% [markdown]
+# `reshard_after_forward=<int>` is the middle ground: after forward each rank keeps a shard over a *smaller* group
+# of k ranks (typically one node), so backward's all-gathers only span k ranks. At world 4 with k = 2:
+
+# %%
+show(f4[0]["reshard_int"])
+
+# %% [markdown]
+# ### Prefetch
+# FSDP2 issues a unit's all-gather when the unit starts; `set_modules_to_forward_prefetch` (and `..._backward_...`)
+# issue the next unit's all-gather one unit earlier, so on a GPU it can overlap the current unit's compute. On CPU
+# with gloo the all-gather runs in the caller's time, so the measured step time is reported, not claimed faster:
+
+# %%
+pf = f2[0]["prefetch"]
+print("forward all-gathers already issued when block i starts:", pf.gathers_issued_at_block_start)
+show(pf)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print({k: f"{v * 1e3:.1f} ms" for k, v in pf.step_s.items()})
+viz.fsdp_timeline(pf.events, title="when each all-gather (AG) and reduce-scatter (RS) is issued, rank 0")
+plt.show()
+
+# %% [markdown]
+# ### Gradient accumulation without the reduce-scatters
+# Four micro-batches per step, with `set_requires_gradient_sync(False)` on the first three (see above):
+
+# %%
+a = f2[0]["accumulate"]
+print(f"reduce-scatters per step: {a.reduce_scatters}; all-gathers per step: {a.all_gathers}")
+show(a)
+
+# %% [markdown]
+# ### HSDP on a (2, 2) mesh
+# `init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))`, `fully_shard(..., mesh=mesh)`: every
+# collective is counted with the mesh dimension it ran on.
+
+# %%
+h = f4[0]["hsdp"]
+for dim, ops in h.per_group.items():
+    print(f"{dim:<9}", {op: (v["calls"], f"groups of {v['group_size']}") for op, v in ops.items()})
+show(h)
+
+# %% [markdown]
+# ### Gradient clipping on sharded gradients
+# `torch.nn.utils.clip_grad_norm_` works on FSDP2's DTensor gradients: each rank sums the squares of its shard and the
+# norm is reduced across ranks, so every rank gets the global norm.
+
+# %%
+show(f2[0]["clip"])
+
+# %% [markdown]
+# <a id="activation-checkpointing"></a>
+# ### Activation checkpointing: the answer to "ZeRO does not shard activations"
+# `checkpoint_wrapper` around each block keeps only the block's input for backward and recomputes the rest. Measured
+# with torch's `MemTracker` (our `SavedTensorMeter`'s hooks are shadowed by checkpointing's own) against the formula
+# (each block keeps its input, L·b·s·h·4 bytes):
+
+# %%
+c = f2[0]["ckpt"]
+print(f"activation bytes kept by the blocks: {c.block_stack_activation_bytes['none']:,} without, "
+      f"{c.block_stack_activation_bytes['per_block']:,} with checkpointing; formula {c.formula_bytes:,}")
+show(c)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"step time without / with checkpointing: {c.step_s['none'] * 1e3:.1f} / {c.step_s['per_block'] * 1e3:.1f} ms "
+      f"(recompute ≈ {c.recompute_s * 1e3:.1f} ms)")
+
+# %% [markdown]
+# ### Never holding the full model: meta-device initialisation
+# Build the model on `torch.device("meta")` (shapes, no memory), `fully_shard` it, `to_empty(device=...)` allocates
+# only this rank's shards; the weights then come from a full state dict loaded with
+# `set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))` (random
+# re-initialisation of a DTensor on a CPU mesh would be rank-local and not equal one device's init).
+
+# %%
+m = f2[1]["meta"]
+print(f"full model {m.full_model_bytes:,} B; rank 1's construction peak {m.construction_peak:,} B; "
+      f"its shards {m.shard_bytes:,} B")
+show(m)
+
+# %% [markdown]
+# ### Why FSDP2 exists: FSDP1's FlatParameter vs per-parameter DTensors
+# FSDP1 flattens each unit's parameters into one 1-D `FlatParameter` and cuts it into N equal pieces, so a rank's
+# piece can end in the middle of a weight's row, and per-parameter things (a frozen weight, its own optimizer
+# settings, a low-precision weight) get awkward. FSDP2 shards every parameter on its own along dim 0, as a `DTensor`
+# that keeps its shape. `CPUOffloadPolicy` (shards kept in CPU memory between uses) needs an accelerator:
+
+# %%
+fl = f2[0]["flat"]
+print("FSDP1 flat parameter per unit (rank 0):", {k: v for k, v in list(fl.fsdp1_flat_params.items())[:2]})
+print("FSDP2 c_attn.weight (global, local):", fl.fsdp2_param_shapes["blocks.0.attn.c_attn.weight"])
+print("CPUOffloadPolicy here:", fl.cpu_offload_error)
+show(fl)
+
+# %% [markdown]
+# ### Checkpoints at another world size, and for one device
+# The world-2 DCP checkpoint loads at world 1 and world 4 — including `c_attn.weight`, whose 189 rows do not divide
+# by 4 — and a full state dict exported for inference loads into a plain `GPT`:
+
+# %%
+import torch
+
+from course_lib.models import GPT
+
+key = "blocks.0.attn.c_attn.weight"
+print(f"{key} per rank: world 2 {[r['save'].local_shapes[key] for r in f2]}, world 1 {f1[0].local_shapes[key]}, "
+      f"world 4 {[r['load'].local_shapes[key] for r in f4]}")
+print("world 1 loads identical contents:", all(x.digest == saved.digest for x in f1))
+print("world 4 loads identical contents:", all(r["load"].digest == saved.digest for r in f4))
+plain = GPT(F.features_config())
+plain.load_state_dict(torch.load(saved.inference_path, weights_only=True))
+logits = plain(P.eval_batch(F.features_config(), "cpu")[0])[0]
+print("one-device GPT from the exported state dict gives FSDP2's logits:",
+      torch.allclose(logits, saved.logits, atol=1e-6))
+shutil.rmtree(feat_dir)
+
+# %% [markdown]
+# ## 7. Exercises
 # (a) `exercises/ch04_fsdp.py` — wrap the blocks and the root with `fully_shard`; (b) save and restore a sharded
 # checkpoint with DCP.
 
@@ -193,7 +366,7 @@ check("fsdp2_wrap_blocks", package="solutions")
 check("sharded_checkpoint", package="solutions")
 
 # %% [markdown]
-# ## 7. O/X quiz
+# ## 8. O/X quiz
 
 # %%
 from course_lib.quiz import quiz
@@ -206,7 +379,12 @@ quiz(4)
 # - Per rank it holds ≈16Ψ/N like our Zero3, and both send exactly 3Ψ per step in 3(L+1) collectives: one per unit,
 #   few and large; per parameter and per use (the textbook ZeRO-3) the messages are many and small.
 # - bf16 mixed precision halves the all-gathers and the gathered weights; shards, gradients and optimizer state stay fp32.
-# - DCP checkpoints are sharded, bit-exact on resume, and load at a different world size.
+# - DCP checkpoints are sharded, bit-exact on resume, and load at a different world size (1, 2, 4) and into a plain
+#   model for one-device inference.
+# - The features: `reshard_after_forward=False` trades 3Ψ → 2Ψ of traffic for a peak with the whole model gathered;
+#   `set_requires_gradient_sync(False)` cuts the reduce-scatters of accumulation to one per unit per step; HSDP keeps
+#   all-gathers and reduce-scatters on the shard dimension and all-reduces on the replicate dimension; activation
+#   checkpointing keeps only each block's input; meta-device init never holds the full model.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
