@@ -12,36 +12,48 @@ import statistics
 import torch.distributed as dist
 
 from ..comm import CollectiveCounter, CommLog
+from ..ddp import torch_ddp
 from ..fsdp import fsdp2_wrap
 from ..launch import device
 from ..models import GPT
 from ..zero3 import Zero3
 from . import common
 
-__all__ = ["ZERO3_VARIANTS", "zero3_race", "format_zero3"]
+__all__ = ["ZERO3_VARIANTS", "BASELINE", "zero3_race", "format_zero3"]
 
 ZERO3_VARIANTS = {"zero3 per-param": dict(unit="param"), "zero3 per-unit": dict(unit="block", prefetch=False),
                   "zero3 per-unit+prefetch": dict(unit="block", prefetch=True), "fsdp2": None}
+BASELINE = "ddp (torch, for scale)"  # no sharding: the step time ZeRO-3's extra communication is measured against
 
 
-def zero3_race(rounds: int = 9, batch_size: int = 8, config=None, warmup: int = 2) -> dict:
+def _build(name: str, kw, cfg, dev):
+    if name == BASELINE:
+        return torch_ddp(GPT(cfg, seed=0).to(dev))
+    if kw is None:
+        return fsdp2_wrap(GPT(cfg, seed=0).to(dev))
+    return Zero3(GPT(cfg, seed=0).to(dev), **kw)
+
+
+def zero3_race(rounds: int = 9, batch_size: int = 8, config=None, warmup: int = 2, baseline: bool = True) -> dict:
     """Rank function: one AdamW step of each variant per round (same model, same data), timed by ``common.race``.
 
     The model (default ``d_model`` 128, 4 blocks, 0.9M parameters) is big enough that the step is
     communication and compute, not Python overhead. Returns the per-round times, the medians,
     each median's ratio to FSDP2's, and our variants' all-gathers in one forward (``CommLog``).
+    ``baseline``: also time torch DDP on the same model (no sharding), for scale.
     """
     cfg = config or common.zero_config(n_layer=4, d_model=128, n_head=4, vocab_size=512, block_size=32)
     world, dev = dist.get_world_size(), device()
     x, y = common.shard_batch(*common.step_batch(0, cfg, batch_size * world, dev))
-    models = {name: Zero3(GPT(cfg, seed=0).to(dev), **kw) if kw is not None else fsdp2_wrap(GPT(cfg, seed=0).to(dev))
-              for name, kw in ZERO3_VARIANTS.items()}
+    variants = dict(ZERO3_VARIANTS, **({BASELINE: None} if baseline else {}))
+    models = {name: _build(name, kw, cfg, dev) for name, kw in variants.items()}
     opts = {name: common.make_optimizer("adamw", m.parameters()) for name, m in models.items()}
     gathers = {}  # all-gathers in one forward: ours from CommLog, FSDP2's from the dispatcher
     for name, m in models.items():
         with CommLog() as log, CollectiveCounter() as counter:
             m(x, y)
-        gathers[name] = counter.count(op="all_gather") if name == "fsdp2" else log.count(op="all_gather", tag="param")
+        gathers[name] = counter.count(op="all_gather") if name in ("fsdp2", BASELINE) \
+            else log.count(op="all_gather", tag="param")
     times = common.race({name: (lambda n=name: common.train_step(models[n], opts[n], x, y)) for name in models},
                         rounds=rounds, warmup=warmup)
     med = common.median_times(times)

@@ -111,7 +111,8 @@ print(f"step time: FSDP2 {f2['step_s'] * 1e3:.1f} ms, our Zero3 {z3['step_s'] * 
 #
 # The race below trains the same 4-block model (d_model 128) four ways, one AdamW step of each per round, rounds
 # interleaved: our `Zero3(unit="param")` (the textbook ZeRO-3: one collective per parameter and per use), per unit,
-# per unit with prefetch (the default), and FSDP2.
+# per unit with prefetch (the default), and FSDP2 — and torch DDP (no sharding at all) for scale: what ZeRO-3's
+# extra all-gathers cost against plain data parallelism.
 
 # %%
 from course_lib.experiments import ch04_race
@@ -128,12 +129,12 @@ print(f"per unit (ours and FSDP2's): one all-gather per unit and forward: "
 print(ch04_race.format_zero3(race))
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 3))
+fig, ax = plt.subplots(figsize=(8, 3))
 names = list(race["times"])
 ax.boxplot([[t * 1e3 for t in race["times"][n]] for n in names], tick_labels=names)
 ax.set_ylabel("step time (ms), one AdamW step")
 ax.set_ylim(bottom=0)
-ax.set_title("ZeRO-3 four ways, 2 ranks (interleaved rounds; box = spread over rounds)")
+ax.set_title("ZeRO-3 four ways and DDP, 2 ranks (interleaved rounds; box = spread over rounds)")
 plt.xticks(rotation=15)
 plt.tight_layout()
 plt.show()
