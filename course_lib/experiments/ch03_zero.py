@@ -192,3 +192,160 @@ def zero_clip_and_resume(stage: int = 2, steps: int = 6, resume_at: int = 3, max
             "max_abs_diff_resumed": state_diff(resumed, reference),
             "resumed_equals_uninterrupted": all(torch.equal(v, straight.state_dict()[k])
                                                 for k, v in resumed.state_dict().items())}
+
+
+# --------------------------------------------------------------------------- time and peak memory per stage
+
+
+def _build_stage(stage: int, config: GPTConfig, dev, bucket_cap_mb: float):
+    """(model, wrapped, optimizer) for ZeRO ``stage`` (0 = DDP), as in :func:`zero_stage_report`."""
+    model = GPT(config, seed=0).to(dev)
+    if stage == 0:
+        wrapped = DDP(model, bucket_cap_mb=None)
+        return model, wrapped, make_optimizer("adamw", wrapped.parameters())
+    if stage in (1, 2):
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bucket_cap_mb=bucket_cap_mb,
+                            **_adamw_kwargs())
+        return model, model, opt
+    wrapped = Zero3(model)
+    return model, wrapped, make_optimizer("adamw", wrapped.parameters())
+
+
+class _Sampler:
+    """Bytes held, by category, sampled from hooks: model states, transient comm buffers, live activations.
+
+    * model states — parameters, their ``.grad``, optimizer state and the wrapper's persistent buffers;
+    * transient — ZeRO-2's gradient staging buckets (filling, or in flight in a reduce-scatter) and
+      ZeRO-3's gathered full weights (``Zero3.held_tensors``);
+    * activations — tensors saved for backward and not yet freed (weak references, so counting
+      does not keep them alive).
+    Samples are taken after every module's forward, as every gradient is accumulated, and at the
+    phase boundaries; ``peak[phase]`` keeps the largest total per phase with its breakdown.
+    """
+
+    def __init__(self, stage, model, wrapped, opt):
+        import weakref
+
+        self.stage, self.model, self.wrapped, self.opt = stage, model, wrapped, opt
+        self.phase, self.peak, self._saved, self._weakref = "forward", {}, [], weakref.ref
+        leaves = list(wrapped.parameters()) if stage in (0, 3) else list(model.parameters())
+        self._hooks = [m.register_forward_hook(lambda *_: self.sample()) for m in model.modules()]
+        self._hooks += [p.register_post_accumulate_grad_hook(lambda _p: self.sample()) for p in leaves
+                        if p.requires_grad]
+        self.leaves = leaves
+
+    def _pack(self, t):
+        self._saved.append(self._weakref(t))
+        return t
+
+    def _groups(self) -> dict:
+        opt, stage = self.opt, self.stage
+        params = self.leaves
+        states = params + [p.grad for p in params if p.grad is not None]
+        transient = []
+        if stage in (1, 2):
+            staging = list(opt._staging.values()) + [t for _b, _w, out, st in opt._inflight for t in (out, st)]
+            states += [t for t in opt.held_tensors() if not any(t is s for s in staging)]
+            states += [s.param for s in opt.segments] + [s.param.grad for s in opt.segments if s.param.grad is not None]
+            states += list(_tensors(opt.optimizer.state))
+            transient = staging
+        else:
+            states += list(_tensors(opt.state))
+            if stage == 3:
+                transient = self.wrapped.held_tensors()
+        acts = [t for t in (r() for r in self._saved) if t is not None]
+        return {"model states": states, "transient": transient, "activations": acts}
+
+    def sample(self) -> None:
+        from ..memory import unique_storage_bytes
+
+        snap = self.last = unique_storage_bytes(self._groups())
+        snap["total"] = sum(snap.values())
+        if snap["total"] > self.peak.get(self.phase, {"total": -1})["total"]:
+            self.peak[self.phase] = snap
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def _tensors(obj):
+    from ..memory import tensors_in
+
+    return tensors_in(obj)
+
+
+def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 5, bucket_cap_mb: float = 0.05,
+                       config: GPTConfig | None = None) -> dict:
+    """Rank function: every stage's step time, peak memory per phase and when it communicates.
+
+    Each rank trains every stage on a per-rank micro-batch of ``micro_batch`` sequences (global
+    batch ``micro_batch · N``). ``bucket_cap_mb`` is small so that ZeRO-1/2 cut the flat buffer
+    into several buckets: stage 2 then reduce-scatters bucket by bucket *during* backward.
+
+    * ``step_s[stage]``: median over ``rounds`` interleaved rounds (``common.race``: every stage
+      once per round, max over ranks); 0 rounds skips timing;
+    * ``peak[stage][phase]``: the largest bytes held during forward / backward / step, split into
+      model states, transient (stage-2 staging, stage-3 gathered weights) and live activations
+      (:class:`_Sampler`); ``after_backward`` / ``after_step``: the same split at those moments;
+    * ``calls[stage][phase]``: collectives issued per phase, e.g. ``{"reduce_scatter": 4}``;
+    * ``activation_bytes[stage]``: bytes saved for backward, held at the end of forward (weights
+      excluded: they are model states, or stage 3's transient gathered units).
+    """
+    from .common import median_times, race
+
+    config = config or zero_config()
+    world, dev = dist.get_world_size(), device()
+    built = {s: _build_stage(s, config, dev, bucket_cap_mb) for s in stages}
+    x, y = step_batch(0, config, micro_batch * world, dev)
+    xl, yl = (t.clone() for t in shard_batch(x, y))  # the rank's own micro-batch, as a data loader delivers it
+
+    def one_step(s):
+        _model, wrapped, opt = built[s]
+        opt.zero_grad(set_to_none=True)
+        wrapped(xl, yl)[1].backward()
+        opt.step()
+
+    for s in stages:  # AdamW's state exists after the first step
+        one_step(s)
+    step_s = median_times(race({s: (lambda s=s: one_step(s)) for s in stages}, rounds)) if rounds else {}
+    peak, calls, acts = {}, {}, {}
+    for s in stages:
+        model, wrapped, opt = built[s]
+        sampler = _Sampler(s, model, wrapped, opt)
+        calls[s] = {}
+        opt.zero_grad(set_to_none=True)
+        with comm.CommLog() as log_f, torch.autograd.graph.saved_tensors_hooks(sampler._pack, lambda t: t):
+            _, loss = wrapped(xl, yl)
+        sampler.sample()
+        acts[s] = sampler.last["activations"]  # saved for backward, still held at the end of forward
+        sampler.phase = "backward"
+        with comm.CommLog() as log_b:
+            loss.backward()
+        sampler.sample()
+        sampler.phase = "after backward"
+        sampler.sample()
+        sampler.phase = "step"
+        with comm.CommLog() as log_s:
+            opt.step()
+        sampler.sample()
+        sampler.phase = "after step"
+        sampler.sample()
+        sampler.remove()
+        for phase, log in (("forward", log_f), ("backward", log_b), ("step", log_s)):
+            calls[s][phase] = {}
+            for rec in log.records:
+                if rec.tag in ("grad", "param"):
+                    calls[s][phase][rec.op] = calls[s][phase].get(rec.op, 0) + 1
+        peak[s] = sampler.peak
+    out = {"world_size": world, "micro_batch": micro_batch, "step_s": step_s, "peak": peak, "calls": calls,
+           "activation_bytes": acts, "psi": built[stages[0]][0].num_params()}
+    if 3 in built:
+        out["units"] = built[3][1].unit_table()
+    for s in (1, 2):
+        if s in built:
+            out[f"buckets_stage{s}"] = len(built[s][2].buckets)
+    return out
+
+
+__all__ += ["zero_stage_profile"]
