@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .checks import ch00_collectives, ch01_memory, ch02_ddp, ch03_zero, ch04_fsdp, ch05_pipeline
+from .checks import ch06_tensor_parallel
 from .launch import RankError, RankTimeout, spawn
 
 __all__ = ["check", "CheckResult", "EXERCISES", "Exercise"]
@@ -79,6 +80,12 @@ EXERCISES: dict[str, Exercise] = {
     "one_f_one_b_schedule": Exercise("ch05_pipeline", "one_f_one_b_schedule",
                                      "ch05: the 1F1B action order of one pipeline stage (compared, then run)",
                                      ch05_pipeline.check_one_f_one_b_schedule, world_sizes=(2,)),
+    "column_parallel_linear": Exercise("ch06_tensor_parallel", "column_parallel_linear",
+                                       "ch06: y_i = x W_iᵀ + b_i, all-reduce of ∂L/∂x in backward (f)",
+                                       ch06_tensor_parallel.check_column_parallel_linear, world_sizes=(2, 4)),
+    "row_parallel_linear": Exercise("ch06_tensor_parallel", "row_parallel_linear",
+                                    "ch06: y = Σ_i x_i W_iᵀ by all-reduce (g), bias once; no backward communication",
+                                    ch06_tensor_parallel.check_row_parallel_linear, world_sizes=(2, 4)),
 }
 
 
