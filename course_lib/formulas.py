@@ -237,3 +237,62 @@ def checkpointed_block_activation_bytes(n_layer: int, batch_size: int, seq_len: 
 
 
 __all__ += ["checkpointed_block_activation_bytes"]
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def training_flops_per_token(num_params: float, n_layer: int, seq_len: int, d_model: int) -> float:
+    """FLOPs to train on one token: ``6Ψ + 12·L·s·d`` (forward 2, backward 4 per multiply-add).
+
+    ``6Ψ``: every parameter is one multiply-add per token in the forward pass (2 FLOPs) and two
+    in the backward pass (input and weight gradient, 4 FLOPs). ``12·L·s·d``: attention's two
+    matmuls that involve no parameter, ``q·kᵀ`` and ``softmax·v`` — per token and layer 2·s·d
+    multiply-adds forward, so 2·2·s·d FLOPs forward and 3× that for training (PaLM's accounting,
+    Chowdhery et al. 2022, appendix B; no causal halving). Negligible when ``s ≪ d``, not when
+    ``s ≈ d``.
+    """
+    if min(num_params, n_layer, seq_len, d_model) <= 0:
+        raise ValueError("training_flops_per_token: num_params, n_layer, seq_len and d_model must be > 0")
+    return 6 * num_params + 12 * n_layer * seq_len * d_model
+
+
+__all__ += ["training_flops_per_token"]
+
+
+# --------------------------------------------------------------------------- tensor parallelism (chapter 06)
+
+
+def tp_allreduce_bytes_per_layer(batch_size: int, seq_len: int, d_model: int, dtype_bytes: int = 4) -> dict:
+    """Megatron TP's all-reduces in one transformer layer and step: 2 forward (g) + 2 backward (f), each of b·s·h.
+
+    Returns ``{"calls": 4, "tensor_bytes": 4·b·s·h·bytes}``; one rank sends ``2(t−1)/t`` of that in a
+    ring. With sequence parallelism each becomes a reduce-scatter + an all-gather: same volume.
+    """
+    if min(batch_size, seq_len, d_model, dtype_bytes) <= 0:
+        raise ValueError("tp_allreduce_bytes_per_layer: batch_size, seq_len, d_model and dtype_bytes must be > 0")
+    return {"calls": 4, "tensor_bytes": 4 * batch_size * seq_len * d_model * dtype_bytes}
+
+
+def tp_ring_bytes_per_token(n_layer: int, d_model: int, tp_size: int, dtype_bytes: int = 4) -> float:
+    """Bytes one rank sends per token for TP's block all-reduces: ``L · 4 · h · bytes · 2(t−1)/t``.
+
+    It grows with depth and width and does **not** shrink with a bigger batch: every token's
+    activations cross the TP group in every layer, forward and backward.
+    """
+    if min(n_layer, d_model, tp_size) < 1:
+        raise ValueError("tp_ring_bytes_per_token: n_layer, d_model and tp_size must be >= 1")
+    return n_layer * 4 * d_model * dtype_bytes * 2 * (tp_size - 1) / tp_size
+
+
+def dp_ring_bytes_per_token(num_params: float, world_size: int, tokens_per_rank: int, dtype_bytes: int = 4) -> float:
+    """Bytes one DP rank sends per token it trains on: ``2(N−1)/N · Ψ · bytes / tokens per rank per step``.
+
+    Once per step, whatever the batch: a larger batch makes it cheaper per token (TP's is not).
+    """
+    if num_params <= 0 or world_size < 1 or tokens_per_rank < 1:
+        raise ValueError("dp_ring_bytes_per_token: num_params > 0, world_size >= 1, tokens_per_rank >= 1")
+    return 2 * (world_size - 1) / world_size * num_params * dtype_bytes / tokens_per_rank
+
+
+__all__ += ["tp_allreduce_bytes_per_layer", "tp_ring_bytes_per_token", "dp_ring_bytes_per_token"]

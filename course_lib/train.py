@@ -39,3 +39,36 @@ def train_single_device(config: GPTConfig, steps: int = 200, batch_size: int = 3
     seconds = time.perf_counter() - t0
     return {"model": model, "optimizer": opt, "loss": losses, "seconds": seconds,
             "tokens_per_s": steps * batch_size * config.block_size / seconds}
+
+
+def matmul_peak_flops(n: int = 512, repeats: int = 5, threads: int | None = None) -> dict:
+    """This CPU's measured fp32 matmul throughput: an ``n × n`` by ``n × n`` matmul, median of repeats.
+
+    The peak that model FLOPs utilisation (MFU) is measured against: ``achieved FLOP/s / peak``.
+    Each repeat times enough matmuls to take ≥ 50 ms after one warm-up. Returns
+    ``{"flops_per_s" (median), "lo", "hi", "n", "threads"}``; ``threads`` defaults to torch's current
+    setting (the one the training run used).
+    """
+    if n < 1 or repeats < 1:
+        raise ValueError(f"matmul_peak_flops: n={n} and repeats={repeats} must be ≥ 1")
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        rates = []
+        for _ in range(repeats):
+            k, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 0.05:
+                a @ b
+                k += 1
+            rates.append(2 * n**3 * k / (time.perf_counter() - t0))
+        rates.sort()
+        return {"flops_per_s": rates[len(rates) // 2], "lo": rates[0], "hi": rates[-1], "n": n,
+                "threads": torch.get_num_threads()}
+    finally:
+        torch.set_num_threads(old)
+
+
+__all__ += ["matmul_peak_flops"]

@@ -269,3 +269,19 @@ def test_a_new_storage_at_a_freed_storages_address_is_still_counted():
         y2 = x @ w2
     assert meter.bytes == 3 * 64 * 64 * 4, "x, w1 and w2 are three different storages"
     del y1, y2
+
+
+def test_training_flops_per_token_and_matmul_peak():
+    from course_lib.formulas import training_flops_per_token
+    from course_lib.train import matmul_peak_flops
+
+    cfg = tiny_config()
+    psi = GPT(cfg).num_params()
+    assert training_flops_per_token(psi, cfg.n_layer, cfg.block_size, cfg.d_model) == \
+        6 * psi + 12 * cfg.n_layer * cfg.block_size * cfg.d_model
+    with pytest.raises(ValueError, match="must be > 0"):
+        training_flops_per_token(0, 2, 32, 64)
+    peak = matmul_peak_flops(n=128, repeats=3)
+    assert peak["lo"] <= peak["flops_per_s"] <= peak["hi"] and peak["flops_per_s"] > 1e6
+    with pytest.raises(ValueError, match="must be ≥ 1"):
+        matmul_peak_flops(n=0)

@@ -170,3 +170,30 @@ def test_calculator_widget_text_is_the_table_and_resets_k_with_precision():
     precision = next(w for w in calc.children[2].children if getattr(w, "options", None) == ("mixed", "fp32"))
     precision.value = "fp32"
     assert "K = 8" in calc.table() and "fp32" in calc.table()
+
+
+def test_zero_stage_profile_time_peak_and_when_each_stage_communicates():
+    """One spawn at N = 2: every stage timed; stage 2 reduce-scatters in backward bucket by bucket, stage 1 in
+    step; stage 3 gathers each unit in forward and backward and holds at most one block + the root at once;
+    activations are the same at every stage; the peak is above what is held after the step."""
+    from course_lib.experiments import ch03_zero
+
+    r = spawn(ch03_zero.zero_stage_profile, 2, kwargs=dict(micro_batch=2, rounds=1))[0]
+    assert set(r["step_s"]) == {0, 1, 2, 3} and all(t > 0 for t in r["step_s"].values())
+    nb = r["buckets_stage2"]
+    assert nb > 1
+    assert r["calls"][1]["backward"] == {} and r["calls"][1]["step"]["reduce_scatter"] == r["buckets_stage1"]
+    assert r["calls"][2]["backward"] == {"reduce_scatter": nb} and "reduce_scatter" not in r["calls"][2]["step"]
+    assert r["calls"][3]["forward"] == {"all_gather": len(r["units"])}
+    assert r["calls"][0]["backward"].get("all_reduce", 0) > 0
+    units = {u["name"]: u["gathered_bytes"] for u in r["units"]}
+    g3 = max(r["peak"][3][ph]["transient"] for ph in ("forward", "backward"))
+    k, rest = divmod(g3 - units["(root)"], units["blocks.0"])  # blocks gathered at once: in use (+ prefetched)
+    assert rest == 0 and 1 <= k <= 2
+    assert r["peak"][2]["backward"]["transient"] > 0 and r["peak"][2]["after step"]["transient"] == 0
+    assert len(set(r["activation_bytes"].values())) == 1 and r["activation_bytes"][0] > 0
+    for st in range(4):
+        top = max(r["peak"][st][ph]["total"] for ph in ("forward", "backward", "step"))
+        assert top > r["peak"][st]["after step"]["model states"]
+    psi = r["psi"]  # stage 0 after the step holds 16Ψ (+ Adam's 4-byte step counters)
+    assert 16 * psi <= r["peak"][0]["after step"]["model states"] <= 16 * psi + 4 * 64

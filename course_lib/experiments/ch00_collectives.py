@@ -241,3 +241,59 @@ def toy_data_parallel_step(d_model: int = 512, global_batch: int = 64, steps: in
     comp, comm_t = times.tolist()
     return {"world_size": n, "compute_s": comp, "comm_s": comm_t, "step_s": comp + comm_t,
             "grad_bytes": 4 * d_model * d_model, "rows_per_rank": global_batch // n}
+
+
+def scaling_race(cases: dict[str, tuple[int, int]], rounds: int = 5, steps: int = 3, warmup: int = 1) -> dict:
+    """Rank function: 1 rank vs all N ranks on the same linear-layer step, interleaved in rounds.
+
+    ``cases[name] = (d_model, global_batch)``. Each round runs, per case, the 1-rank step (rank 0
+    alone on the whole batch, no communication; the other ranks wait in a barrier) and then the
+    N-rank data-parallel step (``global_batch / N`` rows each + the gradient all-reduce), so a
+    background load hits both alike. Returns ``{name: {"1": {...}, "N": {...}, "ratio": [...]}}``
+    with per-variant median step / compute / all-reduce seconds (max over ranks) and the per-round
+    ratio N-rank / 1-rank step time.
+    """
+    n, rank = dist.get_world_size(), dist.get_rank()
+    dev = device()
+    out = {}
+    for name, (d_model, global_batch) in cases.items():
+        if global_batch % n:
+            raise ValueError(f"scaling_race: case {name!r}: global_batch={global_batch} not divisible by {n}")
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(d_model, d_model, generator=gen).to(dev).requires_grad_()
+        x = torch.randn(global_batch, d_model, generator=gen).to(dev)
+        local = x.chunk(n)[rank]
+
+        def step(rows, communicate):
+            t0 = time.perf_counter()
+            (rows @ w).square().mean().backward()
+            _sync(dev)
+            t1 = time.perf_counter()
+            if communicate:
+                dist.all_reduce(w.grad)
+                _sync(dev)
+            t2 = time.perf_counter()
+            w.grad = None
+            return t1 - t0, t2 - t1
+
+        samples = {"1": [], "N": []}
+        for r in range(warmup + rounds):
+            for variant in ("1", "N"):
+                dist.barrier()
+                comp = comm_t = 0.0
+                if variant == "N" or rank == 0:
+                    for _ in range(steps):
+                        c, m = step(local if variant == "N" else x, variant == "N" and n > 1)
+                        comp, comm_t = comp + c / steps, comm_t + m / steps
+                t = torch.tensor([comp, comm_t, comp + comm_t], dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                if r >= warmup:
+                    samples[variant].append(t.tolist())
+        med = {v: {k: statistics.median(s[i] for s in samples[v]) for i, k in
+                   enumerate(("compute_s", "comm_s", "step_s"))} for v in samples}
+        out[name] = {**med, "ratio": [b[2] / a[2] for a, b in zip(samples["1"], samples["N"])],
+                     "world_size": n, "grad_bytes": 4 * d_model * d_model}
+    return out
+
+
+__all__ += ["scaling_race"]

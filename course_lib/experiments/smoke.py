@@ -51,6 +51,8 @@ SMOKE: list[tuple[str, str, dict]] = [
     ("00", f"{E00}:bandwidth_benchmark",
      dict(sizes_bytes=(2**10, 2**14), ops=("all_reduce", "all_gather", "reduce_scatter"), iters=2, warmup=1)),
     ("00", f"{E00}:toy_data_parallel_step", dict(d_model=32, global_batch=8, steps=2, warmup=1)),
+    ("00", f"{E00}:scaling_race", dict(cases={"tiny": (32, 8)}, rounds=1, steps=1, warmup=0)),
+    ("00", f"{E00}:bandwidth_benchmark", dict(sizes_bytes=(2**10,), ops=("send_recv",), iters=1, warmup=1, repeats=2)),
     ("02", f"{E02}:equality_with_single_device", dict(variant="own_bucketed", steps=2, global_batch=8, config=_tiny())),
     ("02", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
     ("02", f"{E02}:accumulation_with_no_sync", dict(micro_batches=2, global_batch=8, config=_tiny())),
@@ -63,6 +65,7 @@ SMOKE: list[tuple[str, str, dict]] = [
     ("03", f"{E03}:zero_stage_report", dict(stage=2, steps=2, config=_zero_tiny())),
     ("03", f"{E03}:zero_stage_report", dict(stage=3, steps=2, config=_zero_tiny())),
     ("03", f"{E03}:zero_clip_and_resume", dict(stage=2, steps=3, resume_at=1, config=_zero_tiny())),
+    ("03", f"{E03}:zero_stage_profile", dict(micro_batch=2, rounds=1, config=_zero_tiny())),
     ("03", "course_lib.experiments.ch03_libraries:torch_zero1_memory", dict(config=_tiny(), steps=1)),
     ("04", f"{E04}:fsdp2_vs_single_device", dict(steps=2, config=_zero_tiny(), global_batch=4)),
     ("04", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
@@ -87,6 +90,17 @@ SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need
     ("04", f"{_P04}:meta_device_init", dict(config=_zero_tiny())),
     ("04", f"{_P04}:checkpoint_save", dict(tmp_dir=TMP, steps=1, global_batch=4, config=_zero_tiny())),
     ("04", f"{_P04}:flat_vs_per_parameter", dict(config=_zero_tiny())),
+]
+
+_E06 = "course_lib.experiments.ch06_tensor_parallel"
+SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here; (2, 2) in the tests)
+    ("06", f"{_E06}:linear_layers", dict(in_features=8, out_features=8, batch=2)),
+    ("06", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4)),
+    ("06", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4, sequence_parallel=True)),
+    ("06", f"{_E06}:tp_training", dict(steps=2, batch_size=4, config=_pipe_tiny())),
+    ("06", f"{_E06}:dtensor_step", dict(config=_pipe_tiny(), batch_size=4)),
+    ("06", f"{_E06}:dp_tp_training", dict(steps=1, global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
+    ("06", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
 ]
 
 
