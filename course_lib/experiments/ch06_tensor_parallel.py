@@ -203,8 +203,14 @@ def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bo
 # =========================================================================== 2-D: DP × TP
 
 
+def _auto_mesh() -> tuple[int, int]:
+    """(world/2, 2) on an even world, else (world, 1): what ``mesh_shape=None`` means."""
+    w = dist.get_world_size()
+    return (w // 2, 2) if w % 2 == 0 else (w, 1)
+
+
 def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int = 8, config: GPTConfig | None = None,
-                   mesh_shape: tuple[int, int] = (2, 2)) -> dict:
+                   mesh_shape: tuple[int, int] | None = (2, 2)) -> dict:
     """Rank function: ranks on a (dp, tp) mesh; our TP inside each "tp" group, gradients averaged over "dp".
 
     Each TP group gets ``global_batch / dp`` sequences (its dp rank's shard); after backward every
@@ -213,6 +219,7 @@ def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int =
     """
     config = config or parallel_config()
     dev = device()
+    mesh_shape = mesh_shape or _auto_mesh()
     check_mesh(mesh_shape, dist.get_world_size())
     dp, tp = mesh_shape
     mesh = init_device_mesh(dev.type, mesh_shape, mesh_dim_names=("dp", "tp"))
@@ -243,7 +250,8 @@ def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int =
             "state": {n: _cpu(p) for n, p in model.named_parameters()}, "collectives_step0": per_group}
 
 
-def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8, mesh_shape: tuple[int, int] = (2, 2)) -> dict:
+def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8,
+                 mesh_shape: tuple[int, int] | None = (2, 2)) -> dict:
     """Rank function: DTensor TP over "tp", then FSDP2 ``fully_shard`` over the "dp" sub-mesh (torchtitan's order).
 
     One forward + backward; returns the full gradients (``full_tensor()`` over both dimensions) and
@@ -256,6 +264,7 @@ def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8, mesh_sh
 
     config = config or parallel_config()
     dev = device()
+    mesh_shape = mesh_shape or _auto_mesh()
     check_mesh(mesh_shape, dist.get_world_size())
     mesh = init_device_mesh(dev.type, mesh_shape, mesh_dim_names=("dp", "tp"))
     model = parallelize_gpt(GPT(config, seed=0).to(dev), mesh["tp"])

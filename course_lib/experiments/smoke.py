@@ -92,6 +92,17 @@ SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need
     ("04", f"{_P04}:flat_vs_per_parameter", dict(config=_zero_tiny())),
 ]
 
+_E06 = "course_lib.experiments.ch06_tensor_parallel"
+SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here; (2, 2) in the tests)
+    ("06", f"{_E06}:linear_layers", dict(in_features=8, out_features=8, batch=2)),
+    ("06", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4)),
+    ("06", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4, sequence_parallel=True)),
+    ("06", f"{_E06}:tp_training", dict(steps=2, batch_size=4, config=_pipe_tiny())),
+    ("06", f"{_E06}:dtensor_step", dict(config=_pipe_tiny(), batch_size=4)),
+    ("06", f"{_E06}:dp_tp_training", dict(steps=1, global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
+    ("06", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
+]
+
 
 @dataclass
 class SmokeRow:
