@@ -339,8 +339,10 @@ def stacked_bars(bars: dict, ax=None, title: str | None = None, unit: str = "MB"
     (ax.set_xlim if horizontal else ax.set_ylim)(0, max(base + [0]) * 1.15 or 1)
     if horizontal:
         ax.invert_yaxis()
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18 if not horizontal else -0.35),
-              ncol=min(4, len(parts)), frameon=False)
+    if horizontal:
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    else:
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=min(4, len(parts)), frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return ax
@@ -411,3 +413,34 @@ def alpha_beta_plot(rows: list[dict], fit, ax=None, title: str | None = None):
 
 
 __all__ += ["stacked_bars", "scaling_curves", "alpha_beta_plot"]
+
+
+# --------------------------------------------------------------------------- DDP (chapter 02)
+
+_GANTT_COLORS.setdefault("AR", "#dd8452")  # all-reduce in flight
+
+
+def ddp_timeline(timelines: dict, ax=None, title: str | None = None, unit: str = "ms"):
+    """DDP compute vs all-reduces, two rows per variant, drawn with :func:`gantt`.
+
+    ``timelines[label] = [(kind, name, start_s, end_s)]`` as ``ch02_ddp.ddp_timelines`` returns
+    them: kind "compute" (name "forward" / "backward"), "comm" (one all-reduce, launch → done),
+    "wait" (the training thread blocked). Forward and backward get their own colours, so the
+    forward/backward boundary is where blue turns green.
+    """
+    from matplotlib.patches import Patch
+
+    rows, names = [], []
+    for label, evs in timelines.items():
+        rows.append([("F" if n == "forward" else "B", "", 0, a, b) for k, n, a, b in evs if k == "compute"])
+        rows.append([("AR" if k == "comm" else "wait", "", 0, a, b) for k, n, a, b in evs if k != "compute"])
+        names += [f"{label}: compute", f"{label}: comm"]
+    ax = gantt(rows, ax=ax, title=title, unit=unit, row_names=names, label_microbatches=False)
+    legend = {"F": "forward", "B": "backward", "AR": "all-reduce (launch → done)",
+              "wait": "wait (training thread blocked)"}
+    ax.legend(handles=[Patch(color=_GANTT_COLORS[k], label=v) for k, v in legend.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False, fontsize=8)
+    return ax
+
+
+__all__ += ["ddp_timeline"]
