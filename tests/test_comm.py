@@ -198,10 +198,15 @@ def test_ring_factors():
 
 def test_bandwidth_benchmark_rows():
     rows = spawn(ch00_collectives.bandwidth_benchmark, 2,
-                 kwargs=dict(sizes_bytes=(4096, 65536), ops=("all_reduce", "all_gather"), iters=3))[0]
+                 kwargs=dict(sizes_bytes=(4096, 65536), ops=("all_reduce", "all_gather", "send_recv"), iters=3,
+                             repeats=5))[0]
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_reduce", 4096), ("all_reduce", 65536),
-                                                     ("all_gather", 4096), ("all_gather", 65536)]
-    for r in rows:
-        assert r["time_s"] > 0
-        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * comm.ring_factor(r["op"], 2))
+                                                     ("all_gather", 4096), ("all_gather", 65536),
+                                                     ("send_recv", 4096), ("send_recv", 65536)]
+    for r in rows:  # time_s is the median of 5 repeats, with their min and max as the spread
+        assert len(r["times_s"]) == 5 and r["time_lo_s"] <= r["time_s"] <= r["time_hi_s"] and r["time_s"] > 0
+        factor = 1.0 if r["op"] == "send_recv" else comm.ring_factor(r["op"], 2)  # point-to-point: sent once
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
+    with pytest.raises(RankError, match="unsupported op 'gather'"):
+        spawn(ch00_collectives.bandwidth_benchmark, 2, kwargs=dict(ops=("gather",)))
     assert "busbw GB/s" in ch00_collectives.busbw_table(rows)

@@ -154,8 +154,9 @@ def fit_alpha_beta(rows: list[dict], min_bytes: int = 2**20, latency_bytes: int 
     repeats) and ``world_size``. Output: an :class:`AlphaBeta` with ``alpha_s`` and
     ``beta_bytes_per_s`` per op and ``predict(op, nbytes, world_size)``.
 
-    α is the median time of the latency regime (rows with ``bytes ≤ latency_bytes``; the
-    smallest size if none); β is fitted on the **bandwidth regime** only (``bytes ≥ min_bytes``):
+    α is the smallest time of the latency regime (rows with ``bytes ≤ latency_bytes``, each
+    already a median of repeats; the smallest size if none) — a busy machine only ever adds
+    time, so the minimum is the robust estimate of the fixed cost; β is fitted on the **bandwidth regime** only (``bytes ≥ min_bytes``):
     the slope of ``time − α`` against ``ring_factor · bytes``, least squares in relative error.
     Why two regimes: gloo switches algorithm with the message size, so one straight line
     through all sizes fits neither end. Needs ≥ 1 bandwidth-regime row per op; all rows of
@@ -177,7 +178,7 @@ def fit_alpha_beta(rows: list[dict], min_bytes: int = 2**20, latency_bytes: int 
         if not big:
             raise ValueError(f"fit_alpha_beta: op {op!r} has no row with bytes ≥ min_bytes={min_bytes}; "
                              f"sweep larger messages (largest measured: {mine[-1]['bytes']})")
-        a = statistics.median(small)
+        a = min(small)
         xs = [_factor(op, n) * r["bytes"] for r in big]
         ys = [max(r["time_s"] - a, 1e-12) for r in big]
         ts = [r["time_s"] for r in big]
