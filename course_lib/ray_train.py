@@ -3,10 +3,12 @@
 The notebooks call the real Ray API (``@ray.remote``, ``ray.get``, ``TorchTrainer``, ``ScalingConfig``,
 ``ray.train.report``); this module only does what every Ray cell would otherwise repeat:
 
-* :func:`start` — ``ray.init`` on **localhost only**, with the settings this course needs on a laptop:
-  ``num_cpus`` fixed (a known-size local cluster), ``log_to_driver=False`` (workers never print into the
-  notebook), no dashboard, and a *short* temp dir of its own (Ray puts Unix sockets there, and rejects
-  socket paths longer than 107 bytes);
+* :func:`start` — ``ray.init`` of a **local, single-machine** cluster (it never joins another one), with the
+  settings this course needs on a laptop: ``num_cpus`` fixed (a known-size local cluster),
+  ``log_to_driver=False`` (workers never print into the notebook), no dashboard, and a *short* temp dir of its
+  own (Ray puts Unix sockets there, and rejects socket paths longer than 107 bytes). Note: Ray's internal gRPC
+  servers listen on all interfaces and Ray maps 127.0.0.1 to the machine's address on purpose (so other nodes
+  could join); on an untrusted network keep the machine's firewall closed to incoming connections;
 * :func:`run_config_kwargs` — a fresh ``RunConfig(name=..., storage_path=...)`` per run: a reused name
   silently *resumes* the old run from its last checkpoint;
 * :func:`check_resources` — Ray waits forever for resources it does not have; on a fixed-size local
@@ -62,7 +64,7 @@ def start(num_cpus: int = 2, **init_kwargs):
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
     warnings.filterwarnings("ignore", module="ray")
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-             configure_logging=True, logging_level="ERROR", _node_ip_address="127.0.0.1",
+             configure_logging=True, logging_level="ERROR",
              runtime_env={"env_vars": dict(ENV)}, **init_kwargs)
     _state.update(temp_dir=temp_dir, storage=tempfile.mkdtemp(prefix="course_ray_runs_"), runs=0)
     return ray
@@ -153,31 +155,33 @@ class ReportLog(_user_callback_base()):
         return ray.get(self._store.get.remote())[1]
 
     def fit(self, trainer, total: int | None = None, key: str = "loss", every: float = 0.5):
-        """``trainer.fit()`` while one text line shows the reports so far (reported metrics, not worker logs)."""
+        """``trainer.fit()`` while one text line shows the reports so far (reported metrics, not worker logs).
+
+        ``fit`` stays in the calling thread (Ray Train installs a SIGINT handler, which only the main
+        thread may do); a background thread polls the reports.
+        """
         import threading
 
-        out: dict = {}
-        thread = threading.Thread(target=lambda: out.update(result=_call(trainer.fit)), daemon=True)
+        done = threading.Event()
+
+        def show():
+            shown = 0
+            while not done.wait(every):
+                hist = self.history()
+                if len(hist) > shown:
+                    n = shown = len(hist)
+                    bar = "#" * int(20 * min(n, total) / total) if total else ""
+                    print(f"\rreport {n}{'/' + str(total) if total else ''} [{bar:<20}] "
+                          f"{key}={hist[-1].get(key, 0):.4f}", end="", flush=True)
+
+        thread = threading.Thread(target=show, daemon=True)
         thread.start()
-        while thread.is_alive():
-            thread.join(every)
-            hist = self.history()
-            if hist:
-                n = len(hist)
-                bar = "#" * int(20 * min(n, total) / total) if total else ""
-                print(f"\rreport {n}{'/' + str(total) if total else ''} [{bar:<20}] {key}={hist[-1].get(key, 0):.4f}",
-                      end="", flush=True)
-        print()
-        if "error" in out["result"]:
-            raise out["result"]["error"]
-        return out["result"]["value"]
-
-
-def _call(fn) -> dict:
-    try:
-        return {"value": fn()}
-    except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-        return {"error": exc}
+        try:
+            return trainer.fit()
+        finally:
+            done.set()
+            thread.join()
+            print()
 
 
 class _Reports:

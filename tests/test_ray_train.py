@@ -4,6 +4,8 @@ Each ``TorchTrainer.fit`` costs ≈ 25–60 s on 2 CPUs (actor start-up), so the
 several things: equality with one device, resume after a failure, the callback's reports.
 """
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -111,3 +113,24 @@ def test_a_raising_training_function_shows_the_worker_traceback(local_ray, tmp_p
     text = str(info.value)
     assert "injected failure on rank 1 in epoch 0, step 0" in text
     assert "fail_once" in text, "the worker's traceback reaches the driver"
+
+
+def test_a_chapter02_rank_function_runs_unchanged_under_spawn_torchrun_and_ray(local_ray):
+    """The README's promise: one rank function, three launchers (Ray creates the process group itself)."""
+    from course_lib.experiments.ch02_ddp import equality_with_single_device
+    from course_lib.launch import spawn
+
+    args = ("torch_ddp", "adamw", 3)
+    by_spawn = spawn(equality_with_single_device, 2, args=args, backend="gloo")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "course_lib.launch", "course_lib.experiments.ch02_ddp:equality_with_single_device", "--backend", "gloo",
+         *[a for v in args for a in ("--arg", repr(v))]],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = _trainer(ex.rank_function_loop, {"fn": equality_with_single_device, "args": args}).fit()
+    by_ray = ex.rank_results(result, 2)
+    for r in range(2):
+        assert by_spawn[r].max_abs_diff <= by_spawn[r].tolerance
+        assert by_ray[r] == by_spawn[r], f"rank {r}: Ray {by_ray[r]} vs spawn {by_spawn[r]}"
+        assert f"rank {r}: {by_spawn[r]!r}" in proc.stdout, proc.stdout

@@ -163,7 +163,8 @@ def ddp_loop(cfg: dict) -> None:
                 torch.save({"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
                            os.path.join(d, "state.pt"))
                 checkpoint = Checkpoint.from_directory(d)
-            ray.train.report({"epoch": epoch, "loss": loss, "node": ray.util.get_node_ip_address()},
+            ray.train.report({"epoch": epoch, "loss": loss, "node": ray.util.get_node_ip_address(),
+                              "model": type(model).__name__, "sampler": type(loader.sampler).__name__},
                              checkpoint=checkpoint)            # 4: a checkpoint
 
 
