@@ -6,7 +6,9 @@ the call in every active :class:`CommLog`. Two byte counts per call:
 * ``tensor_bytes`` — the size nccl-tests reports: the all_reduce buffer, the
   reduce_scatter *input* (the full tensor), the all_gather *output* (the full tensor),
   the broadcast buffer, the sent/received tensor.
-* ``ring_bytes`` — what one rank sends with a ring algorithm (N ranks):
+* ``ring_bytes`` — what one rank sends with a ring algorithm (N ranks); ring-model accounting,
+  computed from the tensor size, not bytes counted on the wire (gloo and nccl pick their own
+  algorithms — chapter 00 measures the time instead and fits the α–β model to it):
 
   ====================  =====================================
   all_reduce            tensor_bytes · 2(N−1)/N
