@@ -25,7 +25,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, allreduc
 from .common import make_optimizer, parallel_config, shard_batch, step_batch
 
 __all__ = ["parallel_config", "linear_layers", "tp_step", "tp_training", "merge_shards", "dtensor_plan",
-           "parallelize_gpt", "dtensor_step", "dp_tp_training", "fsdp_tp_step", "notebook_suite"]
+           "parallelize_gpt", "dtensor_step", "dp_tp_training", "fsdp_tp_step", "notebook_suite", "mesh_suite"]
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -227,7 +227,7 @@ def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int =
     dp_rank = mesh.get_local_rank("dp")
     model = tensor_parallel_gpt(GPT(config, seed=0).to(dev), process_group=tp_group)
     opt = make_optimizer(optimizer, model.parameters())
-    losses, per_group = [], {}
+    losses, per_group, ring = [], {}, {}
     for step in range(steps):
         x, y = shard_batch(*step_batch(step, config, global_batch, dev), dp_rank, dp)
         with comm.CommLog() as log:
@@ -245,9 +245,11 @@ def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int =
             for r in log.records:
                 key = f"{r.op}@{r.group}"
                 per_group[key] = per_group.get(key, 0) + 1
+                ring[r.group] = ring.get(r.group, 0.0) + r.ring_bytes
         losses.append(loss.item())
     return {"rank": dist.get_rank(), "dp_rank": dp_rank, "tp_rank": mesh.get_local_rank("tp"), "losses": losses,
-            "state": {n: _cpu(p) for n, p in model.named_parameters()}, "collectives_step0": per_group}
+            "state": {n: _cpu(p) for n, p in model.named_parameters()}, "collectives_step0": per_group,
+            "ring_bytes_step0": ring, "tokens_per_rank": x.numel()}
 
 
 def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8,
@@ -284,9 +286,24 @@ def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8,
 # =========================================================================== one spawn for the notebook
 
 
-def notebook_suite(config: GPTConfig | None = None, batch_size: int = 8, steps: int = 10) -> dict:
-    """Rank function: what notebook 06 runs at one world size, in one spawn (each spawn costs seconds)."""
+def notebook_suite(config: GPTConfig | None = None, batch_size: int = 8, steps: int = 10,
+                   alpha_beta_sizes: tuple = (2**10, 2**12, 2**20, 2**22)) -> dict:
+    """Rank function: what notebook 06 runs on the TP group, in one spawn (each spawn costs seconds).
+
+    Also sweeps all-reduce sizes with chapter 00's benchmark (fit α and β in the parent).
+    """
+    from .ch00_collectives import bandwidth_benchmark
+
     config = config or parallel_config()
     return {"layers": linear_layers(), "tp": tp_step(config, batch_size),
             "sp": tp_step(config, batch_size, sequence_parallel=True),
-            "train": tp_training(steps, "adamw", batch_size, config), "dtensor": dtensor_step(config, batch_size)}
+            "train": tp_training(steps, "adamw", batch_size, config), "dtensor": dtensor_step(config, batch_size),
+            "alpha_beta_rows": bandwidth_benchmark(sizes_bytes=alpha_beta_sizes, ops=("all_reduce",), iters=2,
+                                                   warmup=1, repeats=3)}
+
+
+def mesh_suite(config: GPTConfig | None = None, global_batch: int = 8, steps: int = 5) -> dict:
+    """Rank function: the 2-D mesh cases of notebook 06 in one spawn (4 ranks): DP×TP (ours), FSDP2×TP."""
+    config = config or parallel_config()
+    return {"dp_tp": dp_tp_training(steps, "adamw", global_batch, config),
+            "fsdp_tp": fsdp_tp_step(config, global_batch)}

@@ -1,0 +1,392 @@
+# %% [markdown]
+# # 06 · Tensor parallelism: Megatron's column and row layers, DTensor, and a 2-D mesh
+#
+# **What you will learn**
+# - how one matrix multiply is split across ranks **by columns** (no communication in forward) or **by rows**
+#   (partial sums, one all-reduce) — and why Megatron's MLP and attention put the two back to back;
+# - Megatron's **f** and **g** operators, and why a transformer layer needs exactly **2 all-reduces forward and 2
+#   backward** — counted on real ranks;
+# - that the tensor-parallel GPT *is* the one-device GPT (outputs, gradients, 10 AdamW steps), and what each rank
+#   stores (1/t of the block weights, not of the LayerNorms);
+# - why tensor parallelism stays inside a node: its traffic per token, against data parallelism's, with chapter 00's
+#   α–β model;
+# - sequence parallelism (all-reduce → reduce-scatter + all-gather) and the activation bytes it saves;
+# - PyTorch's DTensor version (`parallelize_module`, `ColwiseParallel`, `RowwiseParallel`, `loss_parallel`) and
+#   its traps; DP × TP on a 2-D `DeviceMesh`, with FSDP2 on the data-parallel dimension.
+#
+# **What you need**: chapters 00 (collectives, α–β), 02 (DDP) and 05 (model vs data parallelism). 2 CPU cores are
+# enough: ranks are processes with the gloo backend. **Expected runtime**: about 1–2 minutes.
+#
+# Read along: `course_lib/tensor_parallel.py` (the algorithm, top to bottom) and
+# `course_lib/experiments/ch06_tensor_parallel.py` (what this notebook runs on ranks).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import time
+
+_t_notebook = time.perf_counter()
+import os
+
+import torch
+import torch.nn.functional as F
+
+from course_lib.experiments import ch06_tensor_parallel as E
+from course_lib.experiments.ch00_collectives import AlphaBeta, fit_alpha_beta
+from course_lib.experiments.common import parallel_config, reference_run, step_batch
+from course_lib.formulas import dp_ring_bytes_per_token, tp_allreduce_bytes_per_layer, tp_ring_bytes_per_token
+from course_lib.launch import spawn
+from course_lib.memory import SavedTensorMeter
+from course_lib.models import GPT
+from course_lib.tensor_parallel import qkv_rows
+
+print(f"cores: {os.cpu_count()}")
+
+# %% [markdown]
+# ## 1. Tensor parallelism: split the operations inside a layer
+# <a id="tensor-parallelism"></a>
+#
+# Chapter 05 split the model **between** layers: each pipeline stage holds some layers (inter-layer, "model" or
+# pipeline parallelism). **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019) splits the work **inside**
+# every layer: each weight matrix is cut into t pieces, every rank computes its piece of *every* layer, and
+# collectives combine the pieces. So the exam statement "tensor parallelism divides the model layer by layer" is
+# false — that is pipeline parallelism; "tensor parallelism splits one operation across devices" is true.
+#
+# The t ranks of a tensor-parallel group work on **the same batch** (different batches is the data-parallel
+# dimension, section 9), and the result is not an approximation: splitting a matrix product into blocks and adding
+# the partial sums is exact arithmetic; only the floating-point summation order changes (equal to 1e-5 below).
+#
+# Notation (Megatron): b batch, s sequence, h hidden size, a heads, L layers, V vocabulary, t TP ranks.
+# `nn.Linear` computes $Y = XA$ with $A = W^\top$ of shape (in, out).
+
+# %% [markdown]
+# ## 2. Column-parallel: split A by output columns
+# <a id="column-parallel"></a>
+#
+# $$A = [A_1, A_2, \dots, A_t] \quad\Rightarrow\quad XA = [XA_1, XA_2, \dots, XA_t].$$
+# Rank i holds $A_i$ (out/t columns) and the **full** input X, and computes its output columns $Y_i = XA_i$ with
+# **no communication in forward**. If the full Y is needed, all-gather the blocks; if a row-parallel layer follows,
+# pass $Y_i$ on as it is. In backward every rank holds only a *part* of $\partial L/\partial X = \sum_i
+# \partial L/\partial Y_i \, A_i^\top$: those parts must be summed (all-reduced) — that is Megatron's **f**.
+
+# %%
+torch.manual_seed(0)
+X, A = torch.randn(4, 8), torch.randn(8, 6)
+blocks = [X @ Ai for Ai in A.chunk(2, dim=1)]  # rank 0 and rank 1, each with the full X
+print("column-parallel: concatenating the blocks gives XA:", torch.allclose(torch.cat(blocks, 1), X @ A))
+
+# %% [markdown]
+# ## 3. Row-parallel: split A by input rows
+# <a id="row-parallel"></a>
+#
+# $$A = \begin{bmatrix} A_1 \\ \vdots \\ A_t \end{bmatrix},\quad X = [X_1, \dots, X_t] \quad\Rightarrow\quad
+# XA = \sum_i X_i A_i.$$
+# Rank i holds rows $A_i$ and the matching input block $X_i$; its product $X_iA_i$ already has the **full output
+# shape** but is only a partial sum: the ranks' results are **added** with an all-reduce (Megatron's **g**),
+# not concatenated. A bias is added once, after the sum (before it, the all-reduce would add it t times). In
+# backward, $\partial L/\partial X_i = \partial L/\partial Y \, A_i^\top$ is exactly rank i's block: no
+# communication.
+
+# %%
+partials = [Xi @ Ai for Xi, Ai in zip(X.chunk(2, dim=1), A.chunk(2, dim=0))]
+print("row-parallel partial shape", tuple(partials[0].shape), "= full output shape", tuple((X @ A).shape))
+print("row-parallel: summing the partials gives XA:", torch.allclose(partials[0] + partials[1], X @ A))
+print("row-parallel: concatenating them does not:", tuple(torch.cat(partials, 1).shape) != tuple((X @ A).shape))
+
+# %% [markdown]
+# ## 4. The Megatron MLP: column, then row — and f, g
+# <a id="megatron-mlp"></a>
+#
+# The MLP is $\text{GELU}(XA)\,B$. Split **A by columns**: each rank has $Y_i = \text{GELU}(XA_i)$ — GELU is
+# element-wise, so it applies to each column block with no communication. That block is exactly the input block a
+# **row-parallel B** needs: $Z = \sum_i Y_i B_i$, one all-reduce at the end. Had A been split by rows, each rank
+# would hold a partial sum, and GELU is nonlinear — $\text{GELU}(a + b) \ne \text{GELU}(a) + \text{GELU}(b)$ —
+# so the sum would have to be all-reduced *before* GELU: a second synchronisation.
+#
+# Megatron wraps the parallel region in two operators, each a tiny `torch.autograd.Function` in
+# `course_lib/tensor_parallel.py`:
+#
+# | operator | where | forward | backward |
+# |---|---|---|---|
+# | **f** (`copy_to_tp`) | entry, before the column layer | identity | all-reduce of ∂L/∂X |
+# | **g** (`reduce_from_tp`) | exit, after the row layer | all-reduce of the partial sums | identity |
+
+# %%
+a, b = torch.tensor(1.0), torch.tensor(-0.7)
+print(f"GELU(a + b) = {F.gelu(a + b):.4f}, GELU(a) + GELU(b) = {F.gelu(a) + F.gelu(b):.4f}: equal? "
+      f"{torch.allclose(F.gelu(a + b), F.gelu(a) + F.gelu(b))}")
+
+# %% [markdown]
+# ## 5. Attention: split by heads
+# <a id="attention"></a>
+#
+# Heads are independent, so the q, k, v projections are column-parallel **by heads**: each rank computes the
+# attention of its a/t heads entirely, with no communication, and the output projection is row-parallel (one g).
+# So the attention block, like the MLP, has one f and one g. The head count must be divisible by t.
+#
+# Our GPT fuses q, k, v into one `c_attn` (h → 3h). Which output rows belong to which head matters: with a
+# `[q | k | v]` layout a contiguous block of rows would give rank 0 all of q and part of k. Our model lays the rows
+# out head by head, `[q_0 k_0 v_0 | q_1 k_1 v_1 | …]` (Megatron's layout), so rank i's contiguous block is the q, k
+# and v of whole heads — `qkv_rows` lists them, and `parallelize_attention` slices exactly those rows (the same
+# `Shard(0)` holds for DTensor's `ColwiseParallel` in section 8).
+
+# %%
+cfg = parallel_config()
+hd = cfg.d_model // cfg.n_head
+for r in range(2):
+    rows = qkv_rows(cfg.n_head, hd, 2, r)
+    block = sorted(rows["q"] + rows["k"] + rows["v"])
+    print(f"t=2, rank {r}: heads {r * cfg.n_head // 2}–{(r + 1) * cfg.n_head // 2 - 1}, c_attn rows "
+          f"{block[0]}–{block[-1]} (contiguous: {block == list(range(block[0], block[-1] + 1))}); "
+          f"q rows start {rows['q'][0]}, k {rows['k'][0]}, v {rows['v'][0]}")
+
+# %% [markdown]
+# ## 6. Real ranks: the TP GPT equals one device
+#
+# `tensor_parallel_gpt` turns the tiny GPT (`parallel_config()`: untied, bias-free, 4 blocks, everything divisible
+# by 4) into its TP form on a process group, sliced from the same full weights: every block's `c_attn`/`c_fc`
+# column-parallel and `c_proj` row-parallel; the token embedding **vocab-parallel** (rank i holds rows
+# [i·V/t, (i+1)·V/t); a token outside gives zeros, then g sums); the output head column-parallel over V, and the
+# loss computed **without gathering the logits** (max, Σexp and the target logit each all-reduced: 3 small
+# all-reduces of b·s numbers). LayerNorms and the position embedding are replicated. Embedding and head are untied
+# here; a tied pair would also work in our version (both split the same V rows of one table, so the tie survives as
+# one shard), but not with `parallelize_module` (section 8).
+#
+# One spawn of 2 ranks runs everything of sections 6–9 (`E.notebook_suite`); the one-device references are
+# computed here, in the notebook's process.
+
+# %%
+runs = spawn(E.notebook_suite, 2, kwargs=dict(batch_size=8, steps=10), timeout=240)
+one = GPT(cfg, seed=0)
+x, y = step_batch(0, cfg, 8)
+with SavedTensorMeter(exclude=one) as meter:
+    ref_logits, ref_loss = one(x, y)
+ref_loss.backward()
+one_device_activation = meter.bytes
+ref_grads = {n: p.grad for n, p in one.named_parameters()}
+trained = reference_run(cfg, 10, 8, "adamw")[0].state_dict()
+
+
+def max_diff(got: dict, want: dict) -> float:
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+tp = [r["tp"] for r in runs]
+print("layers: ColumnParallelLinear / RowParallelLinear (bias=True) equal nn.Linear — see tests; here the GPT:")
+print("TP logits (V/t columns per rank, concatenated) equal one device (≤ 1e-5):",
+      (torch.cat([r["logits"] for r in tp], -1) - ref_logits).abs().max().item() <= 1e-5)
+print("TP loss equals one device (≤ 1e-5):", abs(tp[0]["loss"] - ref_loss.item()) <= 1e-5)
+print("TP gradients (shards merged) equal one device (≤ 1e-5):", max_diff(E.merge_shards(tp), ref_grads) <= 1e-5)
+print("after 10 AdamW steps (lr 1e-3) the TP weights equal one device's (≤ 1e-5):",
+      max_diff(E.merge_shards([r["train"] for r in runs], "state"), trained) <= 1e-5)
+
+# %% [markdown]
+# ## 7. Communication: 2 all-reduces forward and 2 backward per layer
+# <a id="tp-communication"></a>
+#
+# Each block has two parallel regions (attention, MLP), each with one f and one g. In forward the two g's
+# all-reduce, in backward the two f's do: **2 + 2 per transformer layer**, each of a (b, s, h) activation. The
+# embedding (one g), the head (one f) and the loss (3 tiny all-reduces) come on top, once per model. Counted with
+# `CommLog` (tag `tp` = inside the blocks):
+
+# %%
+L = cfg.n_layer
+print("forward :", tp[0]["forward"])
+print("backward:", tp[0]["backward"])
+print(f"blocks: {tp[0]['forward']['all_reduce:tp'] // L} all-reduces forward and "
+      f"{tp[0]['backward']['all_reduce:tp'] // L} backward per layer:",
+      tp[0]["forward"]["all_reduce:tp"] == 2 * L and tp[0]["backward"]["all_reduce:tp"] == 2 * L)
+print("backward communicates too (the f's all-reduce ∂L/∂X):", tp[0]["backward"]["all_reduce:tp"] > 0)
+want = tp_allreduce_bytes_per_layer(8, cfg.block_size, cfg.d_model)["tensor_bytes"] * L * 2 * (2 - 1) / 2
+print(f"block all-reduce ring bytes per rank and step: measured {tp[0]['block_tp_ring_bytes']:,.0f} = "
+      f"L·4·b·s·h·4 B·2(t−1)/t {want:,.0f}: {tp[0]['block_tp_ring_bytes'] == want}")
+
+# %% [markdown]
+# **Memory.** Each rank stores 1/t of every block Linear. The embeddings' and head's split depends on V; LayerNorms
+# and the position embedding are replicated on every rank:
+
+# %%
+full_block = sum(p.numel() * 4 for n, p in one.named_parameters() if n.startswith("blocks.") and ".ln_" not in n)
+print(f"block Linears: {tp[0]['block_linear_bytes']:,} B per rank × t=2 = whole model's {full_block:,} B:",
+      tp[0]["block_linear_bytes"] * 2 == full_block)
+print(f"everything else per rank: {tp[0]['other_param_bytes']:,} B (embeddings split over V, LayerNorms and "
+      f"position embedding whole)")
+
+# %% [markdown]
+# **Why tensor parallelism stays inside a node.** TP sends every token's activations through the group in every
+# layer, forward and backward: per token and rank, $L \cdot 4 \cdot h \cdot \text{bytes} \cdot 2(t-1)/t$, whatever
+# the batch size. Data parallelism sends the gradients once per step, $2(N-1)/N \cdot \Psi \cdot \text{bytes}$,
+# spread over all tokens of the step: a bigger batch makes it cheaper per token, and it overlaps with backward
+# (chapter 02), while TP's all-reduces sit on the critical path between layers. Measured vs formula here, then
+# predicted with chapter 00's α–β model for one layer of a GPT-3-sized model (L=96, h=12288, bf16, s=2048,
+# micro-batch 1, t=8). The link numbers are *assumptions* for illustration: NVLink inside a node β ≈ 400 GB/s,
+# InfiniBand between nodes β ≈ 50 GB/s per GPU (a 400 Gb/s NIC), α = 10 µs; compute at 300 TFLOP/s per GPU.
+
+# %%
+tokens = 8 * cfg.block_size
+tp_per_token = tp[0]["block_tp_ring_bytes"] / tokens
+print(f"TP, measured: {tp_per_token:,.0f} B per token per rank = formula {tp_ring_bytes_per_token(L, cfg.d_model, 2):,.0f}:",
+      tp_per_token == tp_ring_bytes_per_token(L, cfg.d_model, 2))
+psi = one.num_params()
+for batch in (8, 64, 512):
+    print(f"  batch {batch:>3} × s={cfg.block_size}: TP {tp_ring_bytes_per_token(L, cfg.d_model, 2):>7,.0f} B/token, "
+          f"DP (N=2) {dp_ring_bytes_per_token(psi, 2, batch * cfg.block_size // 2):>9,.1f} B/token")
+
+big_L, big_h, s, t = 96, 12288, 2048, 8
+layer = tp_allreduce_bytes_per_layer(1, s, big_h, dtype_bytes=2)
+flops = 3 * 24 * s * big_h**2 / t  # forward 24·s·h² per layer (b = 1), ×3 for training, split over t
+compute_s = flops / 300e12
+for link, beta in (("NVLink, inside a node", 400e9), ("InfiniBand, across nodes", 50e9)):
+    ab = AlphaBeta({"all_reduce": 10e-6}, {"all_reduce": beta}, t, 0)
+    comm_s = layer["calls"] * ab.predict("all_reduce", layer["tensor_bytes"] / layer["calls"])
+    print(f"one layer at t={t} over {link:<25}: TP comm {comm_s * 1e3:5.2f} ms vs compute {compute_s * 1e3:4.1f} ms "
+          f"per micro-batch → {comm_s / compute_s:4.0%} of compute")
+
+# %% [markdown]
+# On this machine (gloo over shared memory), chapter 00's fit from a short all-reduce sweep run in the same spawn:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fit = fit_alpha_beta(runs[0]["alpha_beta_rows"], min_bytes=2**20)
+print(fit.table())
+per_call = cfg.block_size * 8 * cfg.d_model * 4
+print(f"predicted here: TP's {4 * L} block all-reduces of {per_call:,} B per step ≈ "
+      f"{4 * L * fit.predict('all_reduce', per_call, 2) * 1e3:.2f} ms; DP's one gradient all-reduce of "
+      f"{psi * 4:,} B ≈ {fit.predict('all_reduce', psi * 4, 2) * 1e3:.2f} ms")
+
+# %% [markdown]
+# ## 8. Sequence parallelism: the all-reduce becomes reduce-scatter + all-gather
+# <a id="sequence-parallel"></a>
+#
+# TP divides the activations *inside* the parallel regions by t, but not the ones between them: LayerNorm inputs,
+# the residual stream, dropout masks stay whole on every rank. Korthikanti et al. (2022) write the activations of a
+# layer as $s b h (10 + 24/t + 5as/(ht))$ with TP: the 10·sbh part does not shrink. **Sequence parallelism** splits
+# those regions along the sequence: each rank keeps s/t positions. Since all-reduce = reduce-scatter + all-gather,
+# g becomes a **reduce-scatter** along s (each rank gets the summed output for its positions) and f an
+# **all-gather** along s: the same bytes, but the activations in between are 1/t. LayerNorm weights (and here the
+# position embedding) now see only s/t positions per rank: their gradients are **partial** and must be all-reduced
+# over the TP group (`allreduce_sequence_parallel_grads`; the tests check the partial ones are wrong alone).
+#
+# *Context parallelism* goes further for long sequences: it splits the sequence *through attention* too (ring
+# attention passes K/V blocks around the group); torchtitan gives it its own mesh dimension, `cp`, next to `tp`.
+
+# %%
+sp = [r["sp"] for r in runs]
+print("forward :", sp[0]["forward"])
+print("backward:", sp[0]["backward"])
+print("SP gradients (after the LayerNorm all-reduce) equal one device (≤ 1e-5):",
+      max_diff(E.merge_shards(sp), ref_grads) <= 1e-5)
+print("no all-reduce left in the blocks; same ring bytes as TP's all-reduces:",
+      "all_reduce:tp" not in sp[0]["forward"] and sp[0]["block_tp_ring_bytes"] == tp[0]["block_tp_ring_bytes"])
+print(f"activation bytes saved for backward per rank: one device {one_device_activation:,}, "
+      f"TP t=2 {tp[0]['activation_bytes']:,}, TP+SP {sp[0]['activation_bytes']:,}")
+print(f"SP saves {1 - sp[0]['activation_bytes'] / tp[0]['activation_bytes']:.0%} of TP's activation bytes per rank:",
+      sp[0]["activation_bytes"] < tp[0]["activation_bytes"] < one_device_activation)
+
+# %% [markdown]
+# The saving is modest here: in this fp32 model without dropout the replicated part is mostly the LayerNorm inputs,
+# and our column layers keep the all-gathered (full-sequence) input for their weight gradient. Megatron also
+# re-gathers that input in backward instead of keeping it, which is how its layer reaches $sbh(34/t + 5as/(ht))$.
+
+# %% [markdown]
+# ## 9. The DTensor version: `parallelize_module`
+# <a id="dtensor"></a>
+#
+# PyTorch expresses the same plan declaratively. A `DeviceMesh` names the ranks; `parallelize_module` takes a plan
+# `{submodule name: style}` and turns the weights into DTensors (`Shard(0)` for `ColwiseParallel`, `Shard(1)` for
+# `RowwiseParallel`) with the collectives inserted by the styles' input/output layouts:
+#
+# ```python
+# mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+# plan = {"wte": RowwiseParallel(input_layouts=Replicate()),          # vocab-parallel embedding
+#         "blocks.0.attn.c_attn": ColwiseParallel(), "blocks.0.attn.c_proj": RowwiseParallel(),
+#         "blocks.0.mlp.c_fc": ColwiseParallel(),    "blocks.0.mlp.c_proj": RowwiseParallel(), ...,
+#         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+# model = parallelize_module(GPT(cfg), mesh, plan)
+# with loss_parallel():                     # cross-entropy on logits sharded over V, never gathered
+#     logits, loss = model(x, y); loss.backward()
+# ```
+# (`E.dtensor_plan`, `E.parallelize_gpt`.) Two traps, both run below:
+# - **`loss_parallel()` needs the head's output as a DTensor** `Shard(-1)` (`use_local_output=False`). With the
+#   default `ColwiseParallel()` the GPT receives plain local logits of V/t columns and its cross-entropy fails (or,
+#   with luckier targets, computes a wrong loss).
+# - **Tied weights.** Parallelizing the second of two modules that share a parameter re-wraps it as a new DTensor
+#   parameter: the tie is silently gone. Use the untied config (as here) or re-tie after parallelizing.
+
+# %%
+dt = runs[0]["dtensor"]
+print("DTensor logits and loss equal one device (≤ 1e-5):",
+      (dt["logits"] - ref_logits).abs().max().item() <= 1e-5 and abs(dt["loss"] - ref_loss.item()) <= 1e-5)
+print("DTensor gradients (full_tensor) equal one device (≤ 1e-5):", max_diff(dt["grads"], ref_grads) <= 1e-5)
+print("DTensor collectives:", dt["collectives"], "— the same counts as ours:",
+      dt["collectives"]["all_reduce:forward"] == sum(tp[0]["forward"].values())
+      and dt["collectives"]["all_reduce:backward"] == sum(tp[0]["backward"].values()))
+print("trap 1, default ColwiseParallel head under the GPT's loss:", dt["local_logits_error"])
+print("trap 2, a tied GPT still tied after parallelize_module:", dt["tied_after_parallelize"])
+
+# %% [markdown]
+# ## 10. Two dimensions: DP × TP on a `DeviceMesh`
+# <a id="dp-tp"></a>
+#
+# 4 ranks as a (dp=2, tp=2) mesh: ranks {0, 1} and {2, 3} are TP groups (same batch shard, each half of every
+# layer); ranks {0, 2} and {1, 3} are DP groups (replicas of the same weight shards, different halves of the
+# batch). The TP all-reduces run in the **tp** groups, the gradient all-reduce in the **dp** groups — counted per
+# mesh dimension (`CommRecord.group`). Then the torchtitan composition: DTensor TP over `mesh["tp"]`, and FSDP2
+# `fully_shard` over `mesh["dp"]` (parameters sharded over dp: all-gather and reduce-scatter on dp, all-reduce on tp).
+
+# %%
+mesh_runs = spawn(E.mesh_suite, 4, kwargs=dict(global_batch=8, steps=5), timeout=240)
+dp0 = sorted((r["dp_tp"] for r in mesh_runs if r["dp_tp"]["dp_rank"] == 0), key=lambda r: r["tp_rank"])
+print("DP×TP (ours), 5 AdamW steps, equal one device (≤ 1e-5):",
+      max_diff(E.merge_shards(dp0, "state"), reference_run(cfg, 5, 8, "adamw")[0].state_dict()) <= 1e-5)
+print("collectives per step and mesh dimension:", mesh_runs[0]["dp_tp"]["collectives_step0"])
+ring = mesh_runs[0]["dp_tp"]["ring_bytes_step0"]
+print(f"ring bytes per rank and step: tp {ring['tp']:,.0f}, dp {ring['dp']:,.0f}")
+print("FSDP2 (dp) × DTensor TP (tp): gradients equal one device (≤ 1e-5):",
+      max_diff(mesh_runs[0]["fsdp_tp"]["grads"], ref_grads) <= 1e-5)
+print("FSDP2 × TP collectives per mesh dimension:", mesh_runs[0]["fsdp_tp"]["collectives"])
+
+# %% [markdown]
+# **3-D placement on a cluster (DP × PP × TP).** Put the dimension that talks most on the fastest links: **TP
+# innermost**, within a node (NVLink; t ≤ GPUs per node, often 8) — its per-layer, per-token all-reduces would
+# cost a large share of the compute time over InfiniBand (predicted in section 7); **PP** across nodes (only boundary activations, point to point,
+# chapter 05); **DP** outermost (once per step, overlapped with backward, amortized over the batch). torchtitan
+# orders its mesh `(pp, dp_replicate, dp_shard, cp, tp)` — the last dimension varies fastest, so TP ranks are
+# neighbours on one node. Rank = ((pp·DP + dp)·TP + tp).
+
+# %% [markdown]
+# ## 11. Exercise
+# `exercises/ch06_tensor_parallel.py` — write `column_parallel_linear` and `row_parallel_linear` as
+# `torch.autograd.Function`s, forward **and** backward by hand: where does each need its all-reduce? Check them on
+# 2 and 4 real ranks against `nn.Linear` (outputs, gradients, and the number of all-reduces in each direction):
+#
+# ```python
+# from course_lib.check import check
+# check("column_parallel_linear"); check("row_parallel_linear")      # or: course-lib check column_parallel_linear
+# ```
+
+# %% [markdown]
+# ## 12. O/X quiz
+
+# %%
+from course_lib.quiz import quiz
+
+quiz(6)
+
+# %% [markdown]
+# ## Summary
+# - Column-parallel Linear: rank i computes its output columns from the full input, no forward communication;
+#   row-parallel: partial sums of the full shape, added by one all-reduce (bias once). Column then row (MLP,
+#   attention by heads) needs one f and one g per block: **2 all-reduces forward + 2 backward per layer**, counted
+#   above (8 + 8 for 4 layers, plus 1 for the embedding, 1 for the head and 3 for the vocab-parallel loss).
+# - The TP GPT equals one device: logits, loss, gradients and 10 AdamW steps within 1e-5 (printed above); so do
+#   TP + sequence parallelism, DTensor's `parallelize_module` (the same collective counts), DP × TP on a 2 × 2 mesh
+#   and FSDP2 × TP.
+# - Each rank stores 1/t of the block Linears; LayerNorms and the position embedding stay whole.
+# - TP's traffic is per token and per layer (measured = formula), DP's per step: TP belongs on NVLink inside a node,
+#   PP and DP across nodes.
+# - Sequence parallelism turns each all-reduce into reduce-scatter + all-gather (same bytes) and cuts the activation
+#   bytes saved per rank (printed above); its LayerNorm gradients must be all-reduced over the TP group.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
