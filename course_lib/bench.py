@@ -1,7 +1,9 @@
 """Benchmarks from the command line: ``python -m course_lib.bench ddp|zero3 [--world 2]``.
 
-``ddp`` races, in one run, the four ways of averaging gradients on the same model (naive, own
-per-parameter, own bucketed, torch DDP) and prints tokens/s and each ratio to torch DDP.
+``ddp`` races, in one run, the ways of averaging gradients on the same model (naive, own per-parameter,
+own bucketed with and without ``gradient_as_bucket_view`` / ``find_unused_parameters``, torch DDP with and
+without ``gradient_as_bucket_view``, and the fp16/bf16-compressed variants of both) and prints tokens/s,
+each ratio to torch DDP, and own fp16 / torch ``fp16_compress_hook`` with both against fp32.
 ``zero3`` races our ``Zero3`` per parameter, per unit and per unit + prefetch against FSDP2
 (``fully_shard`` per block + root) with AdamW, and prints step times, each ratio to FSDP2 and the
 all-gathers per forward pass. Interleaved rounds, each round the max over ranks, the median over rounds.
@@ -19,14 +21,20 @@ def main(argv=None) -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     parser.add_argument("--bucket-cap-mb", type=float, default=4.0, help="ddp only")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (ddp: 7, zero3: 9)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (ddp: 9, zero3: 9)")
     parser.add_argument("--d-model", type=int, default=128, help="zero3 only")
     parser.add_argument("--n-layer", type=int, default=4, help="zero3 only")
     ns = parser.parse_args(argv)
     if ns.what == "ddp":
-        res = ddp_benchmark(ns.world, batch_size=ns.batch_size, bucket_cap_mb=ns.bucket_cap_mb, rounds=ns.rounds or 7)
+        res = ddp_benchmark(ns.world, batch_size=ns.batch_size, bucket_cap_mb=ns.bucket_cap_mb, rounds=ns.rounds or 9)
         print(format_throughput(res))
-        print(f"own bucketed / torch DDP tokens/s: {res['ratios_vs_torch']['own_bucketed']:.2f}")
+        tps = {v: res[v]["tokens_per_s"] for v in res["ratios_vs_torch"]}
+        print(f"own bucketed / torch DDP tokens/s: {res['ratios_vs_torch']['own_bucketed']:.2f} "
+              f"(+ gradient_as_bucket_view: {res['ratios_vs_torch']['own_bucket_view']:.2f}, torch with it: "
+              f"{res['ratios_vs_torch']['torch_bucket_view']:.2f})")
+        print(f"own fp16 hook / torch fp16_compress_hook: {tps['own_fp16'] / tps['torch_fp16']:.2f} "
+              f"(own fp16 / own fp32 {tps['own_fp16'] / tps['own_bucketed']:.2f}, "
+              f"torch fp16 / torch fp32 {tps['torch_fp16'] / tps['torch_ddp']:.2f})")
         return
     from .experiments.common import zero_config
     from .launch import spawn

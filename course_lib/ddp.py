@@ -40,7 +40,8 @@ from . import comm
 from .grad_buckets import GradBuckets, make_buckets
 from .sharding import mark_reduced_by
 
-__all__ = ["DDP", "naive_allreduce_gradients", "torch_ddp", "trainable_parameters", "make_buckets"]
+__all__ = ["DDP", "naive_allreduce_gradients", "torch_ddp", "trainable_parameters", "make_buckets",
+           "fp16_compress_hook", "bf16_compress_hook", "COMM_HOOKS"]
 
 
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -56,7 +57,8 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 class DDP(nn.Module):
     """Data-parallel wrapper: after ``loss.backward()`` returns, every ``.grad`` is the average over ranks.
 
-    ``DDP(module, bucket_cap_mb=25.0, process_group=None, record_timeline=False)``
+    ``DDP(module, bucket_cap_mb=25.0, process_group=None, record_timeline=False,
+    gradient_as_bucket_view=False, find_unused_parameters=False, comm_hook=None)``
 
     * At wrap time every parameter and buffer is broadcast from rank 0, so all ranks start
       identical even if they were initialised differently. (Buffers are broadcast only here;
@@ -75,6 +77,19 @@ class DDP(nn.Module):
       +4 bytes per trainable fp32 parameter of memory (what torch DDP does by default,
       ``gradient_as_bucket_view=False``). ``.buckets`` lists the parameter names per bucket;
       ``.bucket_bytes`` is the memory the flat buffers hold (0 with ``bucket_cap_mb=None``).
+    * ``gradient_as_bucket_view=True`` (as in torch): the first time a gradient arrives it is copied
+      into its bucket and ``.grad`` is then **replaced by the view into the bucket**; the bucket is
+      reduced in place, so nothing is copied back, and the separate gradient tensor is freed. With
+      ``zero_grad(set_to_none=False)`` autograd accumulates straight into the view on later steps:
+      no copy at all.
+    * ``find_unused_parameters=False`` (the default, like torch): every trainable parameter must get
+      a gradient in every synced backward; one that does not raises a clear error at the end of that
+      backward. ``True``: the "used" flag all-reduce of ``grad_buckets.py`` (one-device semantics for
+      parameters unused on some or all ranks) at one extra small all-reduce per step.
+    * ``comm_hook``: ``None`` (fp32 all-reduce), ``"fp16"`` / ``"bf16"`` (:func:`fp16_compress_hook`:
+      cast each bucket, all-reduce the half-size copy, cast back — half the bytes, a rounding error),
+      or any ``hook(bucket, process_group) -> (work, finish)``: ``work`` an async Work, ``finish()``
+      called after ``work.wait()`` to write the result into ``bucket`` (or None).
     * The gradient is divided by N *before* the sum-all-reduce (like torch DDP): the
       average, with less risk of overflow in low precision.
     * ``no_sync()``: backward passes inside it only accumulate local gradients; the next
@@ -86,16 +101,24 @@ class DDP(nn.Module):
       thread; the end is taken from the Work's future), and ``"wait"`` for the time the
       training thread sat blocked at the end of backward (waiting, then copying back).
 
-    Unused parameters never hang a step and keep optimizer semantics; see ``grad_buckets.py``
-    for the rule. Cost: one extra all-reduce of one byte per parameter per step.
+    See ``grad_buckets.py`` for the rule that keeps the ranks' collectives matched.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0, process_group=None,
-                 record_timeline: bool = False):
+                 record_timeline: bool = False, gradient_as_bucket_view: bool = False,
+                 find_unused_parameters: bool = False, comm_hook=None):
         super().__init__()
         if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
             raise ValueError(f"bucket_cap_mb must be None (one all-reduce per parameter) or a size >= 0 in MiB, "
                              f"got {bucket_cap_mb!r}")
+        if isinstance(comm_hook, str):
+            if comm_hook not in COMM_HOOKS:
+                raise ValueError(f"comm_hook must be None, one of {sorted(COMM_HOOKS)} or a callable "
+                                 f"hook(bucket, process_group) -> (work, finish), got {comm_hook!r}")
+            comm_hook = COMM_HOOKS[comm_hook]
+        self.comm_hook = comm_hook
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -125,9 +148,10 @@ class DDP(nn.Module):
                 for p in params:
                     self._slot[p] = flat[offset:offset + p.numel()].view_as(p)
                     offset += p.numel()
-        self._inflight: list[tuple[int, object, torch.Tensor, list]] = []  # (bucket, work, buffer, event)
+        self._inflight: list[tuple] = []  # (bucket, work, buffer, event, finish)
         self._grad_buckets = GradBuckets(groups, self._copy_in, self._launch, self._finish_backward,
-                                         process_group=process_group, armed=lambda: self._armed)
+                                         process_group=process_group, armed=lambda: self._armed,
+                                         find_unused=find_unused_parameters, names=names)
         mark_reduced_by([p for _, p in named], "course_lib.ddp.DDP")
 
     @property
@@ -180,17 +204,21 @@ class DDP(nn.Module):
     # ------------------------------------------------------------------ during backward (called by GradBuckets)
 
     def _copy_in(self, i: int, p: nn.Parameter) -> None:
-        if p in self._slot:
-            self._slot[p].copy_(p.grad)  # into the bucket's flat buffer
+        slot = self._slot.get(p)
+        if slot is None or p.grad.data_ptr() == slot.data_ptr():
+            return  # per-parameter mode, or .grad already is the bucket view (accumulated in place)
+        slot.copy_(p.grad)  # into the bucket's flat buffer
+        if self.gradient_as_bucket_view:
+            p.grad = slot  # from now on .grad *is* the bucket: no copy back, one gradient copy in memory
 
     def _launch(self, i: int, missing: list) -> None:
         """All-reduce bucket i asynchronously; ``missing`` params contribute an accumulated .grad or zeros."""
         for p in missing:
             if p in self._slot:
-                if p.grad is not None:
-                    self._slot[p].copy_(p.grad)
-                else:
+                if p.grad is None:
                     self._slot[p].zero_()
+                elif p.grad.data_ptr() != self._slot[p].data_ptr():
+                    self._slot[p].copy_(p.grad)
         if self._flat[i] is not None:
             buf = self._flat[i]
         else:  # per-parameter mode reduces .grad in place (zeros if this rank has no gradient)
@@ -198,23 +226,31 @@ class DDP(nn.Module):
             buf = p.grad if p.grad is not None else torch.zeros_like(p)
         buf.div_(self.world_size)  # sum of grad/N over ranks = the average
         event = ["comm", f"bucket {i}", time.perf_counter(), None]
-        work = comm.all_reduce(buf, group=self.process_group, async_op=True, tag="grad")
+        if self.comm_hook is None:
+            work, finish = comm.all_reduce(buf, group=self.process_group, async_op=True, tag="grad"), None
+        else:
+            work, finish = self.comm_hook(buf, self.process_group)
         if self.record_timeline:
             work.get_future().add_done_callback(lambda _fut, ev=event: ev.__setitem__(3, time.perf_counter()))
-        self._inflight.append((i, work, buf, event))
+        self._inflight.append((i, work, buf, event, finish))
 
     def _finish_backward(self, used_anywhere: dict, t_end_compute: float) -> None:
         """End of backward: wait for every bucket and write the averages back into ``.grad``."""
         t_wait = time.perf_counter()
-        for i, work, buf, event in self._inflight:
+        for i, work, buf, event, finish in self._inflight:
             work.wait()
+            if finish is not None:
+                finish()
             if event[3] is None:
                 event[3] = time.perf_counter()
             for p in self._bucket_params[i]:
                 if not used_anywhere[p]:
                     p.grad = None  # no rank has a gradient: the optimizer must skip it, as on one device
                 elif self._flat[i] is not None:
-                    if p.grad is None:
+                    if self.gradient_as_bucket_view:
+                        if p.grad is None or p.grad.data_ptr() != self._slot[p].data_ptr():
+                            p.grad = self._slot[p]
+                    elif p.grad is None:
                         p.grad = self._slot[p].clone()
                     else:
                         p.grad.copy_(self._slot[p])
@@ -225,9 +261,31 @@ class DDP(nn.Module):
             start = self._grad_buckets.backward_start
             self.timeline.append(("compute", "backward", start if start is not None else t_end_compute,
                                   t_end_compute))
-            self.timeline.extend(tuple(ev) for _, _, _, ev in self._inflight)
+            self.timeline.extend(tuple(ev) for _, _, _, ev, _ in self._inflight)
             self.timeline.append(("wait", "wait + copy back", t_wait, now))
         self._inflight = []
+
+
+# --------------------------------------------------------------------------- gradient compression
+
+
+def _cast_hook(bucket: torch.Tensor, process_group, dtype: torch.dtype):
+    low = bucket.to(dtype)  # bucket already holds grad / N: the sum cannot overflow where the grads did not
+    work = comm.all_reduce(low, group=process_group, async_op=True, tag="grad")
+    return work, lambda: bucket.copy_(low)  # cast back into the fp32 bucket
+
+
+def fp16_compress_hook(bucket: torch.Tensor, process_group=None):
+    """Cast the bucket to float16, all-reduce it (half the bytes), cast back (torch's ``fp16_compress_hook``)."""
+    return _cast_hook(bucket, process_group, torch.float16)
+
+
+def bf16_compress_hook(bucket: torch.Tensor, process_group=None):
+    """As :func:`fp16_compress_hook` with bfloat16: fp32's range, 8 bits of mantissa (on gloo too)."""
+    return _cast_hook(bucket, process_group, torch.bfloat16)
+
+
+COMM_HOOKS = {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
 
 
 # --------------------------------------------------------------------------- for contrast

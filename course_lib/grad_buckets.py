@@ -26,7 +26,11 @@ identical: ``bucket 0, …, bucket K−1, used-flags``. A parameter with no grad
 
 The price: a parameter unused on one rank holds back its bucket *and every later one* until backward
 ends (less overlap), and the flag all-reduce costs one small message per step. Torch DDP makes the
-same trade only when asked (``find_unused_parameters=True``).
+same trade only when asked (``find_unused_parameters=True``), and so does :class:`GradBuckets` with
+``find_unused=False``: no flag all-reduce; every parameter is taken as used somewhere, and a parameter
+whose hook did not fire on this rank raises a clear error at the end of backward (after every bucket
+was still launched and waited for, so the collectives stay matched in this step). ZeRO-2 keeps the
+flags (``find_unused=True``, the default here).
 """
 from __future__ import annotations
 
@@ -75,14 +79,19 @@ class GradBuckets:
       for the collectives and write the results. ``used_anywhere[p]`` is True when some rank had a
       gradient for ``p``.
     * ``armed()`` — False skips the hooks for this backward (DDP's ``no_sync``).
+    * ``find_unused`` — True: the "used" flag all-reduce (one-device semantics for unused parameters);
+      False: skip it, and raise when a parameter got no gradient in this backward (``names`` maps
+      parameters to the names the error message shows).
 
     One instance per wrapper; hooks stay registered for the parameters' lifetime.
     """
 
     def __init__(self, buckets: list[list[nn.Parameter]], copy_in: Callable, launch: Callable, finish: Callable,
-                 process_group=None, armed: Callable[[], bool] = lambda: True):
+                 process_group=None, armed: Callable[[], bool] = lambda: True, find_unused: bool = True,
+                 names: dict | None = None):
         self.buckets = buckets
         self.process_group = process_group
+        self.find_unused, self._names = find_unused, names or {}
         self._copy_in, self._launch, self._finish, self._armed = copy_in, launch, finish, armed
         self._bucket_of = {p: i for i, ps in enumerate(buckets) for p in ps}
         self.reset()
@@ -124,6 +133,18 @@ class GradBuckets:
         while self.next < len(self.buckets):
             self._launch_next([p for p in self.buckets[self.next] if p not in self.fired])
         order = [p for ps in self.buckets for p in ps]
+        if not self.find_unused:  # like torch DDP's default: every parameter is used in every forward
+            unused = [p for p in order if p not in self.fired]
+            self._finish(dict.fromkeys(order, True), t_end_compute)
+            self.reset()
+            if unused:
+                shown = [self._names.get(p, f"tensor of shape {tuple(p.shape)}") for p in unused[:5]]
+                raise RuntimeError(f"{len(unused)} trainable parameter(s) got no gradient in this backward "
+                                   f"({', '.join(shown)}{', …' if len(unused) > 5 else ''}): with "
+                                   f"find_unused_parameters=False every trainable parameter must take part in "
+                                   f"every forward, as in torch DDP. Pass find_unused_parameters=True (one "
+                                   f"extra all-reduce of a byte per parameter per step) or freeze the parameter.")
+            return
         dev = order[0].device if order else torch.device("cpu")
         used = torch.tensor([p.grad is not None or p in self.fired for p in order], dtype=torch.uint8, device=dev)
         comm.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, tag="used")

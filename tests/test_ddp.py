@@ -29,6 +29,9 @@ BUCKETS = {"per_param": None, "one_bucket": 100.0, "several": 0.03, "bucket_per_
 MODELS = ["tied", "untied_frozen"]
 OPTS = {"sgd": SGD_STEPS, "adamw": ADAMW_STEPS}
 NO_SYNC_BATCH = 24  # 3 equal micro-batches per rank at world 2 and 4
+# own DDP's options per wrapper name ("own" = the defaults, like torch: copies, no unused-parameter search)
+OWN = {"own": {}, "own_view": dict(gradient_as_bucket_view=True), "own_find_unused": dict(find_unused_parameters=True),
+       "own_fp16": dict(comm_hook="fp16"), "own_bf16": dict(comm_hook="bf16")}
 
 
 # --------------------------------------------------------------------------- models and references
@@ -119,9 +122,9 @@ def max_diff(a: dict, b: dict) -> float:
 def _train_case(model_kind, bucket_cap_mb, opt, steps, wrapper):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_kind)
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb) if wrapper == "own" else torch_ddp(model)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, **OWN[wrapper]) if wrapper in OWN else torch_ddp(model)
     optimizer = make_optimizer(opt, ddp.parameters())
-    grad_bytes, grad_calls, used_calls = [], [], []
+    grad_bytes, grad_calls, used_calls, grad_is_view = [], [], [], []
     for step in range(steps):
         x, y = batch(step)
         optimizer.zero_grad(set_to_none=True)
@@ -131,19 +134,22 @@ def _train_case(model_kind, bucket_cap_mb, opt, steps, wrapper):
         grad_bytes.append(log.total("tensor_bytes", tag="grad"))
         grad_calls.append(log.count(tag="grad"))
         used_calls.append(log.count(tag="used"))
+        if wrapper in OWN:
+            grad_is_view.append([p.grad.data_ptr() == ddp._slot[p].data_ptr() for p in model.parameters()
+                                 if p in ddp._slot])
         optimizer.step()
     out = {"params": params_of(model), "grad_bytes": grad_bytes, "grad_calls": grad_calls,
            "used_calls": used_calls, "frozen_grad_is_none": [p.grad is None for p in model.parameters()
                                                              if not p.requires_grad]}
-    if wrapper == "own":
-        out["buckets"] = ddp.buckets
+    if wrapper in OWN:
+        out["buckets"], out["grad_is_view"] = ddp.buckets, grad_is_view
     return out
 
 
 def _unused_case(bucket_cap_mb, steps):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = WithUnused()
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
     optimizer = make_optimizer("adamw", ddp.parameters())
     dead_none, extra_none = [], []
     for step in range(steps):
@@ -155,6 +161,20 @@ def _unused_case(bucket_cap_mb, steps):
         optimizer.step()
     return {"params": params_of(model), "dead_grad_is_none": dead_none, "extra_grad_is_none": extra_none,
             "buckets": ddp.buckets}
+
+
+def _unused_default_case(bucket_cap_mb):
+    """find_unused_parameters=False (the default): ``extras.dead`` gets no gradient on any rank → a clear error."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = DDP(WithUnused(), bucket_cap_mb=bucket_cap_mb)
+    x, y = batch(0)
+    with comm.CommLog() as log:
+        try:
+            ddp(shard(x, rank, world), shard(y, rank, world), True).backward()
+            error = ""
+        except RuntimeError as e:
+            error = str(e)
+    return {"error": error, "grad_calls": log.count(tag="grad"), "n_buckets": len(ddp.buckets)}
 
 
 def _no_sync_case(bucket_cap_mb, micro):
@@ -213,7 +233,8 @@ def _timeline_case():
 
 
 def _suite(world_cases: dict) -> dict:
-    runners = {"train": _train_case, "unused": _unused_case, "no_sync": _no_sync_case,
+    runners = {"train": _train_case, "unused": _unused_case, "unused_default": _unused_default_case,
+               "no_sync": _no_sync_case,
                "broadcast": _broadcast_case, "naive": _naive_case, "timeline": _timeline_case}
     return {key: runners[key[0]](*key[1:]) for key in world_cases}
 
@@ -222,7 +243,11 @@ def all_cases() -> list[tuple]:
     cases = [("train", m, cap, opt, steps, "own") for m in MODELS for cap in BUCKETS.values()
              for opt, steps in OPTS.items()]
     cases += [("train", m, 25.0, opt, steps, "torch") for m in MODELS for opt, steps in OPTS.items()]
+    cases += [("train", m, 0.03, opt, steps, "own_view") for m in MODELS for opt, steps in OPTS.items()]
+    cases += [("train", "tied", 100.0, "sgd", SGD_STEPS, "own_view")]
+    cases += [("train", "tied", 0.03, "sgd", SGD_STEPS, w) for w in ("own_find_unused", "own_fp16", "own_bf16")]
     cases += [("unused", cap, 5) for cap in (None, 0.03, 100.0)]
+    cases += [("unused_default", cap) for cap in (None, 0.03)]
     cases += [("no_sync", cap, 3) for cap in (None, 0.03)]
     cases += [("broadcast",), ("naive", SGD_STEPS), ("timeline",)]
     return cases
@@ -301,7 +326,56 @@ def test_grad_bytes_per_step_equal_unique_trainable_param_bytes(world, cap, mode
     for out in suite(world)[("train", model_kind, cap, "sgd", SGD_STEPS, "own")]:
         assert out["grad_bytes"] == [want] * SGD_STEPS
         assert out["grad_calls"] == [len(out["buckets"])] * SGD_STEPS, "one all-reduce per bucket"
-        assert out["used_calls"] == [1] * SGD_STEPS, "one used-flag all-reduce per step"
+        assert out["used_calls"] == [0] * SGD_STEPS, "find_unused_parameters=False: no used-flag all-reduce"
+
+
+@pytest.mark.parametrize("world", world_ids)
+def test_find_unused_parameters_costs_one_flag_allreduce_and_keeps_the_result(world):
+    ref = reference("tied", "sgd", SGD_STEPS)
+    for out in suite(world)[("train", "tied", 0.03, "sgd", SGD_STEPS, "own_find_unused")]:
+        assert out["used_calls"] == [1] * SGD_STEPS
+        assert max_diff(out["params"], ref) <= 1e-6
+
+
+# --------------------------------------------------------------------------- tests: gradient_as_bucket_view
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("model_kind", model_ids)
+@pytest.mark.parametrize("world", world_ids)
+def test_gradient_as_bucket_view_matches_single_device_and_grads_are_bucket_views(world, model_kind, opt):
+    ref = reference(model_kind, opt, OPTS[opt])
+    for out in suite(world)[("train", model_kind, 0.03, opt, OPTS[opt], "own_view")]:
+        torch.testing.assert_close(out["params"], ref, rtol=1e-5, atol=1e-6 if opt == "sgd" else 1e-5)
+        assert all(all(step) and step for step in out["grad_is_view"]), ".grad is the view into its bucket"
+    for out in suite(world)[("train", model_kind, 0.03, opt, OPTS[opt], "own")]:
+        assert not any(any(step) for step in out["grad_is_view"]), "default: .grad is its own tensor (copy back)"
+
+
+@pytest.mark.parametrize("world", world_ids)
+def test_gradient_as_bucket_view_in_one_bucket(world):
+    ref = reference("tied", "sgd", SGD_STEPS)
+    for out in suite(world)[("train", "tied", 100.0, "sgd", SGD_STEPS, "own_view")]:
+        assert max_diff(out["params"], ref) <= 1e-6
+
+
+# --------------------------------------------------------------------------- tests: gradient compression
+
+
+@pytest.mark.parametrize("hook", ["own_fp16", "own_bf16"])
+@pytest.mark.parametrize("world", world_ids)
+def test_compress_hook_halves_the_bytes_and_stays_close_to_fp32(world, hook):
+    ref = reference("tied", "sgd", SGD_STEPS)
+    want = unique_trainable_bytes(build_model("tied"))
+    for out in suite(world)[("train", "tied", 0.03, "sgd", SGD_STEPS, hook)]:
+        assert out["grad_bytes"] == [want // 2] * SGD_STEPS, "16-bit all-reduce: half the bytes"
+        diff = max_diff(out["params"], ref)
+        assert 0 < diff <= (1e-3 if hook == "own_fp16" else 1e-2), diff  # rounded, not wrong
+
+
+def test_comm_hook_rejects_unknown_names():
+    with pytest.raises(ValueError, match="comm_hook"):
+        DDP(nn.Linear(2, 2), comm_hook="int8")
 
 
 @pytest.mark.parametrize("world", world_ids)
@@ -376,6 +450,14 @@ def test_param_unused_on_one_rank_does_not_hang_and_matches_single_device(world,
         first = [n for b in out["buckets"] for n in b][:2]
         assert set(first) == {"extras.dead", "extras.extra"}, "registered last, reduced first: they block the rest"
         torch.testing.assert_close(out["params"], ref["params"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", world_ids)
+def test_unused_parameter_without_find_unused_raises_a_clear_error_and_does_not_hang(world):
+    for cap in (None, 0.03):
+        for out in suite(world)[("unused_default", cap)]:
+            assert "extras.dead" in out["error"] and "find_unused_parameters=True" in out["error"]
+            assert out["grad_calls"] == out["n_buckets"], "every bucket still launched: no rank hangs"
 
 
 # --------------------------------------------------------------------------- tests: timeline

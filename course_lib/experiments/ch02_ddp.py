@@ -19,18 +19,22 @@ import torch.distributed as dist
 
 from .. import comm
 from ..data import make_batch
-from ..ddp import DDP, naive_allreduce_gradients, torch_ddp
+from ..ddp import DDP, make_buckets, naive_allreduce_gradients, torch_ddp, trainable_parameters
 from ..launch import device
 from ..models import GPT, GPTConfig
 from .common import (Result, bench_config, check_global_batch, make_optimizer, race, shard_batch, small_config,
                      step_batch)
 
-__all__ = ["bench_config", "VARIANTS", "EQUALITY_OPTIMIZERS", "EqualityResult", "AccumulationResult",
+__all__ = ["bench_config", "VARIANTS", "RACE_VARIANTS", "EQUALITY_OPTIMIZERS", "EqualityResult", "AccumulationResult",
            "equality_with_single_device",
            "accumulation_with_no_sync", "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines",
            "ddp_benchmark", "scaling", "format_throughput"]
 
 VARIANTS = ("naive", "own_per_param", "own_bucketed", "torch_ddp")
+# The race: what each of our DDP's options costs or saves, and gradient compression on both sides.
+# own_bucketed = our defaults, like torch's (copy in/out, no unused-parameter search).
+RACE_VARIANTS = ("naive", "own_per_param", "own_find_unused", "own_bucketed", "own_bucket_view", "torch_ddp",
+                 "torch_bucket_view", "own_fp16", "torch_fp16", "own_bf16")
 
 # Chapter 02's equality runs: plain SGD with a big step (differences would show) and AdamW with
 # torch's default eps (this chapter's small model has no ~0 gradients that eps=1e-8 would amplify).
@@ -81,11 +85,18 @@ def _wrap(variant: str, model, bucket_cap_mb: float | None):
         return model, lambda: naive_allreduce_gradients(model)
     if variant == "own_per_param":
         return DDP(model, bucket_cap_mb=None), None
-    if variant == "own_bucketed":
-        return DDP(model, bucket_cap_mb=bucket_cap_mb), None
-    if variant == "torch_ddp":
-        return torch_ddp(model, bucket_cap_mb=bucket_cap_mb), None
-    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    own = {"own_bucketed": {}, "own_find_unused": dict(find_unused_parameters=True),
+           "own_bucket_view": dict(gradient_as_bucket_view=True), "own_fp16": dict(comm_hook="fp16"),
+           "own_bf16": dict(comm_hook="bf16")}
+    if variant in own:
+        return DDP(model, bucket_cap_mb=bucket_cap_mb, **own[variant]), None
+    if variant in ("torch_ddp", "torch_bucket_view", "torch_fp16"):
+        wrapped = torch_ddp(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=variant == "torch_bucket_view")
+        if variant == "torch_fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+            wrapped.register_comm_hook(None, fp16_compress_hook)
+        return wrapped, None
+    raise ValueError(f"unknown variant {variant!r}; choose from {RACE_VARIANTS}")
 
 
 def equality_with_single_device(variant: str = "own_bucketed", optimizer: str = "sgd", steps: int = 5,
@@ -175,8 +186,8 @@ def _race_steps(entries: dict, config: GPTConfig, batch_size: int, optimizer_lr:
 
 
 def ddp_throughput(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 4.0,
-                   variants=VARIANTS, rounds: int = 7, steps_per_round: int = 3, warmup: int = 2) -> dict:
-    """Rank function: tokens/s of each variant (naive, own per-parameter, own bucketed, torch DDP).
+                   variants=RACE_VARIANTS, rounds: int = 7, steps_per_round: int = 3, warmup: int = 2) -> dict:
+    """Rank function: tokens/s of each variant of :data:`RACE_VARIANTS` (or the ones named).
 
     ``batch_size`` is per rank; tokens per step = world · batch_size · block_size. Both bucketed
     variants use the same ``bucket_cap_mb`` (torch additionally caps its first bucket at 1 MiB).
@@ -248,35 +259,53 @@ def ddp_step_time(config: GPTConfig | None = None, global_batch: int = 8, bucket
     return result
 
 
+def _blocking_bucketed(model, bucket_cap_mb: float, events: list) -> None:
+    """After backward: one *blocking* all-reduce per bucket (flatten, reduce, copy back): bucketing, no overlap."""
+    world = dist.get_world_size()
+    for i, bucket in enumerate(make_buckets([p for _, p in trainable_parameters(model)], bucket_cap_mb * 2**20)):
+        t0 = time.perf_counter()
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket]).div_(world)
+        comm.all_reduce(flat, tag="grad")
+        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+            p.grad.copy_(g.view_as(p))
+        events.append(("comm", f"bucket {i}", t0, time.perf_counter()))
+
+
 def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 2.0,
                   steps: int = 3) -> dict:
-    """Rank function: one step's compute/communication timeline, naive vs overlapped (own DDP).
+    """Rank function: one step's compute/communication timeline for the four ways to average gradients.
 
-    Returns ``{"naive": events, "overlapped": events, "per_param": events}`` where events are
-    ``(kind, name, t_start, t_end)`` in seconds from the start of that step's forward (the last
-    of ``steps`` steps, after warm-up). Kinds: ``compute``, ``comm``, ``wait`` (see ``DDP``).
+    Overlap and bucketing, each alone and together: ``"naive"`` (per parameter, blocking, after
+    backward), ``"blocking_bucketed"`` (buckets, blocking, after backward), ``"per_param"`` (our DDP
+    per parameter: async during backward), ``"overlapped"`` (our DDP with buckets: async during
+    backward). Events are ``(kind, name, t_start, t_end)`` in seconds from the start of that
+    step's forward (the last of ``steps`` steps, after warm-up). Kinds: ``compute`` (forward,
+    backward), ``comm`` (one collective, launch to completion), ``wait`` (training thread blocked).
     """
     config = config or bench_config()
     rank, dev = dist.get_rank(), device()
     x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=rank)
     x, y = x.to(dev), y.to(dev)
     out = {}
+    for key in ("naive", "blocking_bucketed"):  # backward first, then communicate, one blocking call at a time
+        model = GPT(config, seed=0).to(dev)
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            events = []
+            dist.barrier()
+            t0 = time.perf_counter()
+            _, loss = model(x, y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if key == "naive":
+                naive_allreduce_gradients(model, timeline=events)
+            else:
+                _blocking_bucketed(model, bucket_cap_mb, events)
+            events = [("compute", "forward", t0, t1), ("compute", "backward", t1, t2)] + events
+        out[key] = [(k, n, a - t0, b - t0) for k, n, a, b in events]
 
-    model = GPT(config, seed=0).to(dev)  # naive: backward, then every gradient, one blocking all-reduce each
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        events = []
-        dist.barrier()
-        t0 = time.perf_counter()
-        _, loss = model(x, y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        naive_allreduce_gradients(model, timeline=events)
-        events = [("compute", "forward", t0, t1), ("compute", "backward", t1, t2)] + events
-    out["naive"] = [(k, n, a - t0, b - t0) for k, n, a, b in events]
-
-    for key, cap in (("overlapped", bucket_cap_mb), ("per_param", None)):
+    for key, cap in (("per_param", None), ("overlapped", bucket_cap_mb)):
         ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=cap, record_timeline=True)
         for _ in range(steps):
             ddp.module.zero_grad(set_to_none=True)
@@ -296,7 +325,7 @@ def ddp_benchmark(world_size: int = 2, timeout: float = 600, **kwargs) -> dict:
     from ..launch import spawn
 
     res = spawn(ddp_throughput, world_size, kwargs=kwargs, timeout=timeout)[0]
-    variants = [v for v in VARIANTS if v in res]
+    variants = [v for v in RACE_VARIANTS if v in res]
     if "torch_ddp" in res:
         res["ratios_vs_torch"] = {v: res[v]["tokens_per_s"] / res["torch_ddp"]["tokens_per_s"] for v in variants}
     return res
@@ -319,7 +348,7 @@ def format_throughput(res: dict) -> str:
     lines = [f"world {res['world_size']}, {res['params'] / 1e6:.2f}M params, {res['tokens_per_step']} tokens/step, "
              f"bucket_cap_mb={res['bucket_cap_mb']}",
              f"{'variant':<16}{'step (ms)':>11}{'tokens/s':>11}{'vs torch':>10}"]
-    for v in VARIANTS:
+    for v in RACE_VARIANTS:
         if v in res:
             ratio = res.get("ratios_vs_torch", {}).get(v, float("nan"))
             lines.append(f"{v:<16}{res[v]['step_s'] * 1e3:>11.1f}{res[v]['tokens_per_s']:>11.0f}{ratio:>10.2f}")

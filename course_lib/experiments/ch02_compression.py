@@ -1,0 +1,137 @@
+"""Chapter 02's gradient compression and cost-model prediction.
+
+Rank functions (run them with ``launch.spawn``): :func:`compression_accuracy` (the loss after N steps
+with fp32, fp16 and bf16 gradient all-reduces on our DDP and torch's, PowerSGD once through torch's
+hook, and the bytes each of ours sends per step) and :func:`gradient_allreduce_time` (the measured
+time of the gradient all-reduce, to compare with the α–β prediction). Parent side:
+:func:`predict_gradient_allreduce` fits α–β (``ch00_collectives.measure_alpha_beta``) and predicts.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..ddp import DDP, make_buckets, torch_ddp, trainable_parameters
+from ..launch import device
+from ..models import GPT, GPTConfig
+from .common import bench_config, make_optimizer, shard_batch, small_config, step_batch
+
+__all__ = ["COMPRESSION_VARIANTS", "compression_accuracy", "gradient_allreduce_time", "predict_gradient_allreduce"]
+
+COMPRESSION_VARIANTS = ("own_fp32", "own_fp16", "own_bf16", "torch_fp32", "torch_fp16", "torch_powersgd")
+
+
+def _wrap(variant: str, model, bucket_cap_mb: float):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if variant.startswith("own_"):
+        hook = None if variant == "own_fp32" else variant[4:]
+        return DDP(model, bucket_cap_mb=bucket_cap_mb, comm_hook=hook)
+    wrapped = torch_ddp(model, bucket_cap_mb=bucket_cap_mb)
+    if variant == "torch_fp16":
+        wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif variant == "torch_powersgd":  # rank-1 low-rank approximation of each gradient matrix, after 2 plain steps
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif variant != "torch_fp32":
+        raise ValueError(f"unknown variant {variant!r}; choose from {COMPRESSION_VARIANTS}")
+    return wrapped
+
+
+def _try_torch_bf16_hook(config: GPTConfig, bucket_cap_mb: float) -> str:
+    """One step of torch DDP with ``bf16_compress_hook`` here: ``"ran"`` or the error it raised."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = torch_ddp(GPT(config, seed=0).to(device()), bucket_cap_mb=bucket_cap_mb)
+    try:
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        x, y = shard_batch(*step_batch(0, config, 2 * dist.get_world_size(), device()))
+        model(x, y)[1].backward()
+        return "ran"
+    except Exception as e:  # noqa: BLE001 — we report whatever torch says, verbatim
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def compression_accuracy(steps: int = 40, global_batch: int = 16, bucket_cap_mb: float = 25.0,
+                         variants=COMPRESSION_VARIANTS, config: GPTConfig | None = None) -> dict:
+    """Rank function: train each variant ``steps`` AdamW steps from the same init on the same data.
+
+    Returns ``{"loss": {variant: loss on a held-out batch after training}, "grad_bytes_per_step":
+    {own variant: CommLog bytes of the gradient all-reduces in one step}, "torch_bf16_hook": "ran" or
+    the error torch raised}``. The weights are equal on every rank, so each rank's loss is the loss.
+    One bucket by default (this model is small): torch's PowerSGD hook with many small buckets on gloo
+    crashed here with a collective size mismatch (torch 2.13), one bucket runs.
+    """
+    config = config or small_config()
+    dev = device()
+    x_eval, y_eval = step_batch(10_000, config, global_batch, dev)
+    loss, grad_bytes = {}, {}
+    for variant in variants:
+        model = _wrap(variant, GPT(config, seed=0).to(dev), bucket_cap_mb)
+        opt = make_optimizer("adamw", model.parameters(), lr=3e-3)
+        for step in range(steps):
+            x, y = shard_batch(*step_batch(step, config, global_batch, dev))
+            opt.zero_grad(set_to_none=True)
+            with comm.CommLog() as log:
+                model(x, y)[1].backward()
+            if step == steps - 1 and variant.startswith("own_"):
+                grad_bytes[variant] = log.total("tensor_bytes", tag="grad")
+            opt.step()
+        with torch.no_grad():
+            loss[variant] = model(x_eval, y_eval)[1].item()
+    return {"loss": loss, "grad_bytes_per_step": grad_bytes, "steps": steps,
+            "torch_bf16_hook": _try_torch_bf16_hook(config, bucket_cap_mb)}
+
+
+def gradient_allreduce_time(config: GPTConfig | None = None, bucket_cap_mb: float = 25.0, repeats: int = 7,
+                            warmup: int = 2) -> dict:
+    """Rank function: seconds for the gradient all-reduce of ``config``'s model alone, bucket by bucket.
+
+    Real gradients (one backward) packed into DDP's buckets, then the buckets all-reduced back to
+    back, blocking (no backward running beside them). Median over ``repeats`` of the max over ranks.
+    Returns ``{"bucket_bytes": [...], "measured_s", "rounds_s"}``.
+    """
+    config = config or bench_config()
+    dev = device()
+    model = GPT(config, seed=0).to(dev)
+    x, y = step_batch(0, config, 8, dev)
+    model(x, y)[1].backward()
+    flats = [torch.cat([p.grad.reshape(-1) for p in b])
+             for b in make_buckets([p for _, p in trainable_parameters(model)], bucket_cap_mb * 2**20)]
+    rounds = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for flat in flats:
+            comm.all_reduce(flat, tag="grad")
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            rounds.append(t.item())
+    return {"bucket_bytes": [f.numel() * f.element_size() for f in flats], "measured_s": statistics.median(rounds),
+            "rounds_s": rounds}
+
+
+def predict_gradient_allreduce(world_size: int = 2, bucket_cap_mb: float = 25.0,
+                               config: GPTConfig | None = None) -> dict:
+    """Parent side: fit α–β to a short all-reduce sweep, predict the gradient all-reduce, then measure it.
+
+    Returns ``{"alpha_s", "beta_bytes_per_s", "bucket_bytes", "predicted_s", "measured_s", "ratio"}``
+    (ratio = measured / predicted). The prediction is made before the measurement runs.
+    """
+    from ..launch import spawn
+    from .ch00_collectives import measure_alpha_beta
+
+    fit, _ = measure_alpha_beta(world_size, ops=("all_reduce",))
+    config = config or bench_config()
+    sizes = [sum(p.numel() * p.element_size() for p in b)
+             for b in make_buckets([p for _, p in trainable_parameters(GPT(config))], bucket_cap_mb * 2**20)]
+    predicted = sum(fit.predict("all_reduce", b, world_size) for b in sizes)
+    got = spawn(gradient_allreduce_time, world_size, kwargs=dict(config=config, bucket_cap_mb=bucket_cap_mb))[0]
+    return {"alpha_s": fit.alpha_s["all_reduce"], "beta_bytes_per_s": fit.beta_bytes_per_s["all_reduce"],
+            "bucket_bytes": sizes, "predicted_s": predicted, "measured_s": got["measured_s"],
+            "ratio": got["measured_s"] / predicted}
