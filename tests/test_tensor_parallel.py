@@ -81,7 +81,8 @@ def _suite(world: int) -> dict:
            "modules": _modules(config), "tp": E.tp_step(config, BATCH),
            "sp": E.tp_step(config, BATCH, sequence_parallel=True),
            "train": E.tp_training(STEPS, "adamw", BATCH, config),
-           "dtensor": E.dtensor_step(config, BATCH), "bad": _bad_inputs()}
+           "dtensor": E.dtensor_step(config, BATCH), "dtensor_sp": E.dtensor_sequence_parallel_blocks(config),
+           "bad": _bad_inputs()}
     # sequence parallelism without the LayerNorm-gradient all-reduce: the partial gradients
     from course_lib.launch import device
     from course_lib.tensor_parallel import tensor_parallel_gpt
@@ -268,6 +269,27 @@ def test_dtensor_parallelize_module_equals_single_device_and_ours(world):
         assert abs(d["loss"] - loss) < 1e-5
         _assert_all_close(d["grads"], grads)
         assert d["collectives"] == {"all_reduce:forward": 2 * L + 1 + 3, "all_reduce:backward": 2 * L + 1}
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"tp={w}" for w in WORLDS])
+def test_dtensor_sequence_parallel_layernorm_grads_are_partial_and_sum_to_one_device(world):
+    config = parallel_config()
+    blocks = GPT(config, seed=0).blocks
+    x = torch.randn(2, config.block_size, config.d_model, generator=torch.Generator().manual_seed(1))
+    x.requires_grad_(True)
+    h = x
+    for block in blocks:
+        h = block(h)
+    h.pow(2).sum().backward()
+    results = [r["dtensor_sp"] for r in suite(world)]
+    want = {n: p.grad for n, p in blocks.named_parameters()}
+    for rank, r in enumerate(results):
+        _assert_all_close(r["grads"], want)  # full_tensor() sums the Partial LayerNorm grads over TP
+        torch.testing.assert_close(r["x_grad"], x.grad.chunk(world, 1)[rank], **TOL)
+        assert set(r["ln_placements"].values()) == {"Partial"} and len(r["ln_placements"]) == 2 * config.n_layer
+    for name in results[0]["ln_local"]:
+        torch.testing.assert_close(sum(r["ln_local"][name] for r in results), want[name], **TOL)
+        assert not torch.allclose(results[0]["ln_local"][name], want[name], **TOL)
 
 
 def test_dtensor_traps_tied_weights_untie_and_local_logits_break_the_loss():

@@ -25,7 +25,8 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, allreduc
 from .common import make_optimizer, parallel_config, shard_batch, step_batch
 
 __all__ = ["parallel_config", "linear_layers", "tp_step", "tp_training", "merge_shards", "dtensor_plan",
-           "parallelize_gpt", "dtensor_step", "dp_tp_training", "fsdp_tp_step", "notebook_suite", "mesh_suite"]
+           "parallelize_gpt", "dtensor_step", "dtensor_sequence_parallel_blocks",
+           "dp_tp_training", "fsdp_tp_step", "notebook_suite", "mesh_suite"]
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -198,6 +199,42 @@ def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bo
             out["local_logits_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         dist.barrier()
     return out
+
+
+def dtensor_sequence_parallel_blocks(config: GPTConfig | None = None, batch_size: int = 2, seed: int = 1) -> dict:
+    """Rank function: the GPT's blocks with DTensor sequence parallelism (torchtitan's plan), loss Σ out².
+
+    The input ``x`` (``randn(b, s, h)`` from ``seed``) arrives as this rank's s/t positions; LayerNorms
+    are ``SequenceParallel()``, attention and MLP gather the sequence (``PrepareModuleInput``) and the
+    row-parallel outputs are ``Shard(1)``. Returns the full gradients, the LayerNorm weight gradients'
+    placements (``Partial``: DTensor defers their all-reduce over TP), their local (partial) values,
+    and ``x``'s gradient block.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    config = config or parallel_config()
+    dev, t, r = device(), dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh(dev.type, (t,), mesh_dim_names=("tp",))
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {}
+    for i in range(config.n_layer):
+        plan.update({f"{i}.ln_1": SequenceParallel(), f"{i}.ln_2": SequenceParallel(), f"{i}.attn": gather,
+                     f"{i}.mlp": gather, f"{i}.attn.c_attn": ColwiseParallel(), f"{i}.mlp.c_fc": ColwiseParallel(),
+                     f"{i}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+                     f"{i}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))})
+    blocks = parallelize_module(GPT(config, seed=0).blocks.to(dev), mesh, plan)
+    x = torch.randn(batch_size, config.block_size, config.d_model, generator=torch.Generator().manual_seed(seed))
+    h = x.to(dev).chunk(t, 1)[r].contiguous().requires_grad_(True)
+    xs = h
+    for block in blocks:
+        h = block(h)
+    h.pow(2).sum().backward()
+    ln = {n: p.grad for n, p in blocks.named_parameters() if ".ln_" in f".{n}"}
+    return {"grads": {n: _full(p.grad) for n, p in blocks.named_parameters()}, "x_grad": _cpu(xs.grad),
+            "ln_placements": {n: type(g.placements[0]).__name__ for n, g in ln.items()},
+            "ln_local": {n: _cpu(g.to_local()) for n, g in ln.items()}}
 
 
 # =========================================================================== 2-D: DP × TP

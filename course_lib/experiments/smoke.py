@@ -103,6 +103,7 @@ SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here;
     ("06", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4, sequence_parallel=True)),
     ("06", f"{_E06}:tp_training", dict(steps=2, batch_size=4, config=_pipe_tiny())),
     ("06", f"{_E06}:dtensor_step", dict(config=_pipe_tiny(), batch_size=4)),
+    ("06", f"{_E06}:dtensor_sequence_parallel_blocks", dict(config=_pipe_tiny())),
     ("06", f"{_E06}:dp_tp_training", dict(steps=1, global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
     ("06", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
 ]
