@@ -335,6 +335,7 @@ def notebook_suite(config: GPTConfig | None = None, batch_size: int = 8, steps: 
     return {"layers": linear_layers(), "tp": tp_step(config, batch_size),
             "sp": tp_step(config, batch_size, sequence_parallel=True),
             "train": tp_training(steps, "adamw", batch_size, config), "dtensor": dtensor_step(config, batch_size),
+            "dtensor_sp": dtensor_sequence_parallel_blocks(config),
             "alpha_beta_rows": bandwidth_benchmark(sizes_bytes=alpha_beta_sizes, ops=("all_reduce",), iters=2,
                                                    warmup=1, repeats=3)}
 

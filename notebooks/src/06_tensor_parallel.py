@@ -27,6 +27,7 @@ import time
 _t_notebook = time.perf_counter()
 import os
 
+import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
@@ -231,6 +232,20 @@ for batch in (8, 64, 512):
     print(f"  batch {batch:>3} × s={cfg.block_size}: TP {tp_ring_bytes_per_token(L, cfg.d_model, 2):>7,.0f} B/token, "
           f"DP (N=2) {dp_ring_bytes_per_token(psi, 2, batch * cfg.block_size // 2):>9,.1f} B/token")
 
+# %%
+# NBVAL_IGNORE_OUTPUT
+batches = [8, 16, 32, 64, 128, 256, 512]
+fig, ax = plt.subplots(figsize=(6, 3.2))
+ax.loglog(batches, [tp_ring_bytes_per_token(L, cfg.d_model, 2)] * len(batches), "o-", label="TP (t=2): every layer")
+ax.loglog(batches, [dp_ring_bytes_per_token(psi, 2, b * cfg.block_size // 2) for b in batches], "s-",
+          label="DP (N=2): gradients once per step")
+ax.plot([8], [tp_per_token], "k*", markersize=12, label="TP measured (CommLog)")
+ax.set(xlabel="sequences per step", ylabel="bytes sent per token per rank", title="tiny GPT: traffic per token")
+ax.legend(fontsize=8, frameon=False)
+plt.tight_layout()
+plt.show()
+
+# %%
 big_L, big_h, s, t = 96, 12288, 2048, 8
 layer = tp_allreduce_bytes_per_layer(1, s, big_h, dtype_bytes=2)
 flops = 3 * 24 * s * big_h**2 / t  # forward 24·s·h² per layer (b = 1), ×3 for training, split over t
@@ -265,6 +280,7 @@ print(f"predicted here: TP's {4 * L} block all-reduces of {per_call:,} B per ste
 # **all-gather** along s: the same bytes, but the activations in between are 1/t. LayerNorm weights (and here the
 # position embedding) now see only s/t positions per rank: their gradients are **partial** and must be all-reduced
 # over the TP group (`allreduce_sequence_parallel_grads`; the tests check the partial ones are wrong alone).
+# DTensor's `SequenceParallel` style gets the same rule right by marking those gradients `Partial(sum)` (below).
 #
 # *Context parallelism* goes further for long sequences: it splits the sequence *through attention* too (ring
 # attention passes K/V blocks around the group); torchtitan gives it its own mesh dimension, `cp`, next to `tp`.
@@ -281,6 +297,22 @@ print(f"activation bytes saved for backward per rank: one device {one_device_act
       f"TP t=2 {tp[0]['activation_bytes']:,}, TP+SP {sp[0]['activation_bytes']:,}")
 print(f"SP saves {1 - sp[0]['activation_bytes'] / tp[0]['activation_bytes']:.0%} of TP's activation bytes per rank:",
       sp[0]["activation_bytes"] < tp[0]["activation_bytes"] < one_device_activation)
+
+dsp = runs[0]["dtensor_sp"]
+blocks_ref = GPT(cfg, seed=0).blocks
+xb = torch.randn(2, cfg.block_size, cfg.d_model, generator=torch.Generator().manual_seed(1))
+hb = xb
+for block in blocks_ref:
+    hb = block(hb)
+hb.pow(2).sum().backward()
+ln_names = list(dsp["ln_placements"])
+print("DTensor SequenceParallel: LayerNorm weight grads are", set(dsp["ln_placements"].values()),
+      "DTensors — the all-reduce over TP is deferred until they are redistributed")
+print("  one rank's local (partial) LayerNorm grads differ from one device's:",
+      all(not torch.allclose(dsp["ln_local"][n], dict(blocks_ref.named_parameters())[n].grad, atol=1e-5)
+          for n in ln_names))
+print("  full_tensor() of every block gradient equals one device (≤ 1e-5):",
+      max((dsp["grads"][n] - p.grad).abs().max().item() for n, p in blocks_ref.named_parameters()) <= 1e-5)
 
 # %% [markdown]
 # The saving is modest here: in this fp32 model without dropout the replicated part is mostly the LayerNorm inputs,
