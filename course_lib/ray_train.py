@@ -19,6 +19,7 @@ The notebooks call the real Ray API (``@ray.remote``, ``ray.get``, ``TorchTraine
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -34,7 +35,6 @@ ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",   # notice a dead worker within a fraction of a second
     "RAY_TRAIN_V2_ENABLED": "1",                  # Train v2 (the default in 2.60; v1 hangs on 2 CPUs here)
     "RAY_DEDUP_LOGS": "0",
-    "RAY_agent_register_timeout_ms": "180000",    # a busy laptop starts Ray's agents slowly (default 30 s: fatal)
     "OMP_NUM_THREADS": "1",                       # one thread per worker: 2 workers × 2 threads on 2 cores is slow
     "PYTHONWARNINGS": "ignore",
 }
@@ -61,11 +61,22 @@ def start(num_cpus: int = 2, **init_kwargs):
         return ray
     if not isinstance(num_cpus, int) or num_cpus < 1:
         raise ValueError(f"num_cpus must be an integer >= 1, got {num_cpus!r}")
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
     warnings.filterwarnings("ignore", module="ray")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-             configure_logging=True, logging_level="ERROR",
-             runtime_env={"env_vars": dict(ENV)}, **init_kwargs)
+    for attempt in range(3):
+        temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
+                     configure_logging=True, logging_level="ERROR", runtime_env={"env_vars": dict(ENV)},
+                     **init_kwargs)
+            break
+        except Exception as exc:  # noqa: BLE001
+            # On a busy machine Ray's agents can miss the raylet's fixed 15 s start-up wait (ray-project/ray#65983):
+            # the node "timed out during startup". A second try usually starts (files are in the page cache).
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+    atexit.register(stop)  # a notebook that stops half-way still removes Ray's temp dir at exit
     _state.update(temp_dir=temp_dir, storage=tempfile.mkdtemp(prefix="course_ray_runs_"), runs=0)
     return ray
 
@@ -140,7 +151,7 @@ class ReportLog(_user_callback_base()):
         self._store.add.remote(dict(metrics[0]), checkpoint is not None)
 
     def after_exception(self, run_context, worker_exceptions):
-        self._store.failed.remote({r: type(e).__name__ for r, e in worker_exceptions.items()})
+        self._store.failed.remote({r: str(e) for r, e in worker_exceptions.items()})
 
     def history(self) -> list[dict]:
         """Rank 0's reported metrics in order, each with ``"checkpoint": bool`` added."""
@@ -149,7 +160,7 @@ class ReportLog(_user_callback_base()):
         return ray.get(self._store.get.remote())[0]
 
     def failures(self) -> list[dict]:
-        """One ``{rank: exception type name}`` per failure the controller saw."""
+        """One ``{rank: the worker's error with its traceback, as text}`` per failure the controller saw."""
         import ray
 
         return ray.get(self._store.get.remote())[1]

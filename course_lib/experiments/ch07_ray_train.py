@@ -35,7 +35,8 @@ from ..models import GPT
 from .common import check_global_batch, make_optimizer, small_config, train_step
 
 __all__ = ["busy", "nap", "checksum", "ParameterServer", "shard_gradient", "train_config", "ddp_loop", "fsdp_loop",
-           "rank_function_loop", "reference_params", "final_state", "rank_results", "fail_once", "PLAIN_LOOP"]
+           "rank_function_loop", "node_and_equality", "reference_params", "final_state", "rank_results", "fail_once",
+           "PLAIN_LOOP"]
 
 
 # =========================================================================== Ray Core
@@ -236,6 +237,16 @@ def rank_function_loop(cfg: dict) -> None:
         with open(os.path.join(d, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(value, f)
         ray.train.report({"done": 1}, checkpoint=Checkpoint.from_directory(d))
+
+
+def node_and_equality(steps: int = 3) -> dict:
+    """Rank function for the multi-node run: this worker's node IP and chapter 02's DDP equality on it."""
+    import ray
+
+    from .ch02_ddp import equality_with_single_device
+
+    res = equality_with_single_device("torch_ddp", "adamw", steps)
+    return {"node": ray.util.get_node_ip_address(), "max_abs_diff": res.max_abs_diff, "ok": all(res.claims().values())}
 
 
 # =========================================================================== parent side
