@@ -80,6 +80,7 @@ def _suite(world: int) -> dict:
     out = {"layers": E.linear_layers(bias=True), "layers_nobias": E.linear_layers(bias=False),
            "modules": _modules(config), "tp": E.tp_step(config, BATCH),
            "sp": E.tp_step(config, BATCH, sequence_parallel=True),
+           "tied": E.tp_step(parallel_config(tie_weights=True), BATCH),
            "train": E.tp_training(STEPS, "adamw", BATCH, config),
            "dtensor": E.dtensor_step(config, BATCH), "dtensor_sp": E.dtensor_sequence_parallel_blocks(config),
            "bad": _bad_inputs()}
@@ -205,6 +206,18 @@ def test_tp_gpt_forward_and_grads_equal_single_device(world, sp):
     torch.testing.assert_close(torch.cat([r["logits"] for r in results], -1), logits, **TOL)  # V/t columns each
     assert all(abs(r["loss"] - loss) < 1e-5 for r in results)
     _assert_all_close(E.merge_shards(results), grads)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"tp={w}" for w in WORLDS])
+def test_tied_embedding_and_head_stay_tied_as_one_vocab_shard_and_equal_single_device(world):
+    config = parallel_config(tie_weights=True)
+    model = GPT(config, seed=0)
+    logits, loss = model(*step_batch(0, config, BATCH))
+    loss.backward()
+    results = [r["tied"] for r in suite(world)]
+    assert "lm_head.weight" not in results[0]["grads"]  # one parameter (wte.weight), used twice
+    torch.testing.assert_close(torch.cat([r["logits"] for r in results], -1), logits.detach(), **TOL)
+    _assert_all_close(E.merge_shards(results), {n: p.grad for n, p in model.named_parameters()})
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"tp={w}" for w in WORLDS])
