@@ -144,6 +144,20 @@ def test_qkv_rows_give_each_rank_whole_heads_of_q_k_and_v(t):
     assert sorted(seen) == list(range(3 * a * hd))
 
 
+def test_tp_and_dp_traffic_formulas():
+    from course_lib.formulas import dp_ring_bytes_per_token, tp_allreduce_bytes_per_layer, tp_ring_bytes_per_token
+
+    assert tp_allreduce_bytes_per_layer(2, 16, 64) == {"calls": 4, "tensor_bytes": 4 * 2 * 16 * 64 * 4}
+    assert tp_ring_bytes_per_token(4, 64, 2) == 4 * 4 * 64 * 4 * 1.0  # 2(t−1)/t = 1 at t = 2
+    assert tp_ring_bytes_per_token(4, 64, 4) == pytest.approx(4 * 4 * 64 * 4 * 1.5)
+    assert dp_ring_bytes_per_token(1000, 2, 10) == 1000 * 4 / 10
+    assert dp_ring_bytes_per_token(1000, 2, 20) == dp_ring_bytes_per_token(1000, 2, 10) / 2  # falls with the batch
+    for bad in (lambda: tp_ring_bytes_per_token(0, 64, 2), lambda: dp_ring_bytes_per_token(1000, 2, 0),
+                lambda: tp_allreduce_bytes_per_layer(0, 16, 64)):
+        with pytest.raises(ValueError, match="must be"):
+            bad()
+
+
 def test_mesh_whose_product_is_not_the_world_size_is_refused():
     with pytest.raises(ValueError, match="product of the mesh dimensions must equal the number of ranks"):
         check_mesh((2, 3), 4)
