@@ -8,7 +8,12 @@
 # - what it costs in communication (≈2Ψ for stages 1–2, like DDP; ≈3Ψ for stage 3);
 # - that ZeRO shards **model states, not activations**;
 # - that every stage is still exactly one-device training (with clipping and checkpoint/resume);
-# - how the libraries do it: torch's `ZeroRedundancyOptimizer` and DeepSpeed, on the same model.
+# - how the libraries do it: torch's `ZeroRedundancyOptimizer` and DeepSpeed, on the same model;
+# - what each stage costs in **time** and in **peak** memory (not only what is held after the step), and how the α–β
+#   model of chapter 00 predicts stage 3's extra all-gathers.
+#
+# **What you need**: chapters 00 (collectives, α–β model) and 01 (16Ψ, activations); chapter 02's DDP helps.
+# **Expected runtime**: about 2 minutes on a 2-core laptop (DeepSpeed's first run compiles a C++ op: +30 s once).
 #
 # Read along: `course_lib/zero.py` (our ZeRO), `course_lib/experiments/ch03_libraries.py` (the libraries, measured).
 
@@ -75,19 +80,16 @@ print("every rank, every stage: measured / formula within 1.00 ± 0.01:", ok)
 print("(the tiny excess: AdamW's 4-byte step counter per parameter tensor, which the formula ignores)")
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+from course_lib import viz
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
 for ax, (world, per_rank) in zip(axes, reports.items()):
     rows = per_rank[0]
-    bottom = [0.0] * len(rows)
-    for part in ("params", "grads", "optimizer"):
-        vals = [r["measured"][part] / 1e6 for r in rows]
-        ax.bar([f"stage {r['stage']}" for r in rows], vals, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+    viz.stacked_bars({f"stage {r['stage']}": {k: r["measured"][k] for k in ("params", "grads", "optimizer")}
+                      for r in rows}, ax=ax, unit="MB", title=f"N = {world} ranks: model states per rank, after a step")
     ax.plot([f"stage {r['stage']}" for r in rows], [r["formula"] / 1e6 for r in rows], "k_", markersize=30,
             label="formula")
-    ax.set_title(f"N = {world} ranks (per rank)")
-    ax.set_ylabel("MB of model states")
-axes[0].legend()
+    ax.set_ylabel("MB per rank")
 plt.tight_layout()
 plt.show()
 
@@ -103,6 +105,25 @@ for world, per_rank in reports.items():
     for r in per_rank[0]:
         ops = ", ".join(f"{row['op']}[{row['tag']}]×{row['calls']}" for row in r["comm"] if row["tag"] in ("grad", "param"))
         print(f"N={world} stage {r['stage']}: sent / predicted = {r['comm_ratio']:.4f}   ({ops})")
+
+# %% [markdown]
+# Stages 1 and 2 send the same bytes; they differ in **when**. Below, one more step per stage at N = 2 with small
+# buckets (`bucket_cap_mb=0.05`, so the flat buffer is cut into several buckets), its collectives counted per
+# phase of the step (`ch03_zero.zero_stage_profile`, which also times the stages and tracks the peak memory, §3b):
+
+# %%
+prof = spawn(ch03_zero.zero_stage_profile, 2, kwargs=dict(micro_batch=2, rounds=5))[0]
+print(f"{'stage':>5} | {'forward':<22}| {'backward':<32}| {'step':<30}")
+for st in range(4):
+    c = prof["calls"][st]
+    cell = {ph: ", ".join(f"{op} ×{k}" for op, k in c[ph].items()) or "—" for ph in ("forward", "backward", "step")}
+    print(f"{st:>5} | {cell['forward']:<22}| {cell['backward']:<32}| {cell['step']:<30}")
+nb2 = prof["buckets_stage2"]
+print(f"stage 1 reduce-scatters after backward, in step(): {prof['calls'][1]['backward'] == {}}")
+print(f"stage 2 reduce-scatters during backward, bucket by bucket ({nb2} buckets → {nb2} reduce-scatters): "
+      f"{prof['calls'][2]['backward'] == {'reduce_scatter': nb2} and nb2 > 1}")
+print(f"stage 3 all-gathers each unit in forward and again in backward ({len(prof['units'])} units): "
+      f"{prof['calls'][3]['forward'].get('all_gather') == prof['calls'][3]['backward'].get('all_gather') == 3}")
 
 # %% [markdown]
 # Every stage hits its prediction, stage 3 included. That takes care with the tied embedding/output matrix, which the
@@ -123,16 +144,95 @@ print("every stage (per-unit Zero3 at stage 3) within 1.00 ± 0.01:",
       all(abs(r["comm_ratio"] - 1) <= 0.01 for pr in reports.values() for r in pr[0]))
 
 # %% [markdown]
+# <a id="time-and-peak"></a>
+# ## 3b. Time and peak memory per stage
+#
+# After the step is not the worst moment. `zero_stage_profile` samples what a rank holds after every module's
+# forward and as every gradient is accumulated, split into **model states**, **transient** communication memory
+# (stage 2's gradient staging buckets, filling or in flight in a reduce-scatter; stage 3's gathered full weights)
+# and **activations** still held; the bars are each stage's peak (N = 2, micro-batch 2 per rank).
+
+# %%
+peak = {f"stage {st}": max((prof["peak"][st][ph] for ph in ("forward", "backward", "step")), key=lambda d: d["total"])
+        for st in range(4)}
+after = {f"stage {st}": prof["peak"][st]["after step"]["model states"] for st in range(4)}
+ax = viz.stacked_bars({k: {c: v[c] for c in ("model states", "transient", "activations")} for k, v in peak.items()},
+                      unit="MB", title="N = 2: peak bytes per rank during one step (model states after the step: ×)")
+ax.plot(list(after), [v / 1e6 for v in after.values()], "kx", markersize=10, label="model states after the step")
+ax.set_ylabel("MB per rank")
+plt.tight_layout()
+plt.show()
+units = {u["name"]: u["gathered_bytes"] for u in prof["units"]}
+g3 = max(prof["peak"][3][ph]["transient"] for ph in ("forward", "backward"))
+print(f"{'stage':>5} {'peak':>10} {'model states':>13} {'transient':>10} {'activations':>12} {'after step':>11}")
+for k, v in peak.items():
+    print(f"{k[-1]:>5} {v['total']:>10,} {v['model states']:>13,} {v['transient']:>10,} {v['activations']:>12,} "
+          f"{after[k]:>11,}")
+print(f"stage 2: the staging buckets appear only during backward: "
+      f"{prof['peak'][2]['backward']['transient'] > 0 and prof['peak'][2]['after step']['transient'] == 0}")
+k3, rest3 = divmod(g3 - units["(root)"], units["blocks.0"])
+print(f"stage 3: gathered at most the root unit ({units['(root)']:,} bytes) + one block in use + one prefetched "
+      f"({units['blocks.0']:,} bytes each): {rest3 == 0 and 1 <= k3 <= 2}")
+
+# %% [markdown]
+# Stage 2's transient bar is its staging: as each gradient is ready it is copied into its bucket's staging buffer
+# and the full `.grad` is dropped; when a bucket is complete its reduce-scatter starts. Our `ZeroOptimizer` waits
+# for all of them at the end of backward, so the staging buffers of every bucket are alive together just before
+# that wait — on this tiny model, where activations are mostly freed by then, stage 2's peak is about as high as
+# stage 1's. Stage 3's transient is the root unit (embeddings and final LayerNorm, used at both ends of the
+# forward) plus the block in use and, with prefetch, the next one already being gathered: at most two blocks at
+# once, however many blocks the model has (this tiny one has only two).
+#
+# **Time.** Each stage's step, every stage once per round, 5 interleaved rounds (median, max over ranks):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from course_lib.experiments import ch00_collectives
+
+for st in range(4):
+    print(f"stage {st}: {prof['step_s'][st] * 1e3:6.1f} ms per step ({prof['step_s'][st] / prof['step_s'][0]:.2f}× DDP)")
+unit_sizes = sorted(set(units.values()))
+rows = spawn(ch00_collectives.bandwidth_benchmark, 2, kwargs=dict(
+    sizes_bytes=(2**10, 2**12, *unit_sizes, 2**20, 2**22), ops=("all_gather",), iters=2, warmup=1))[0]
+fit = ch00_collectives.fit_alpha_beta([r for r in rows if r["bytes"] not in unit_sizes])  # the units held out
+timed = {r["bytes"]: r["time_s"] for r in rows}
+extra = sum(fit.predict("all_gather", b, 2) for b in units.values())
+measured_extra = sum(timed[b] for b in units.values())
+print(f"α–β (all-gather on 2 ranks, fitted without the unit sizes): α = {fit.alpha_s['all_gather'] * 1e6:.0f} µs, "
+      f"β = {fit.beta_bytes_per_s['all_gather'] / 1e9:.2f} GB/s")
+print(f"stage 3's extra all-gathers (one per unit in backward, {len(units)} units): predicted {extra * 1e3:.2f} ms, "
+      f"the same all-gathers timed alone {measured_extra * 1e3:.2f} ms (ratio {extra / measured_extra:.2f})")
+print(f"for context, stage 3 − DDP step time: {(prof['step_s'][3] - prof['step_s'][0]) * 1e3:.2f} ms")
+
+# %% [markdown]
+# The prediction is for the three all-gathers stage 3 adds in backward (one per unit); they were timed alone, at
+# exactly those sizes, in the same sweep the fit left them out of. The step times themselves mix more than that:
+# here stages 1 and 2 use 10 small buckets (so that §3 shows bucket-by-bucket reduce-scatters), and each of their
+# 20 collectives pays α; stage 3 issues 9 collectives per step, DDP 15 per-parameter all-reduces. On a model this
+# small almost every collective is α, not bytes/β — the step time counts calls more than bytes.
+#
 # ## 4. Activations are not sharded
 #
 # ZeRO partitions *model states*. Each rank still runs forward and backward on its own micro-batch, so it holds that
-# micro-batch's activations in full, at every stage (bytes saved for backward and still held at the end of forward):
+# micro-batch's activations in full, at every stage (bytes saved for backward and still held at the end of forward).
+# With the global batch fixed at 8, the micro-batch is 8/N: 4 sequences per rank at N = 2, 2 at N = 4 — that, not
+# ZeRO, is why the N = 4 row is half the N = 2 row.
 
 # %%
 for world, per_rank in reports.items():
     acts = [r["activation_bytes"] for r in per_rank[0]]
-    print(f"N={world}: activation bytes per rank at stages 0/1/2/3: {', '.join(f'{a:,}' for a in acts)}; "
-          f"all equal to DDP's: {len(set(acts)) == 1}")
+    print(f"N={world} (micro-batch {8 // world}): activation bytes per rank at stages 0/1/2/3: "
+          f"{', '.join(f'{a:,}' for a in acts)}; all equal to DDP's: {len(set(acts)) == 1}")
+
+# %% [markdown]
+# At an **equal per-rank micro-batch** (2 sequences) the activations are the same at N = 2 and N = 4 (the N = 2 run is
+# the profile above; weights excluded, each rank's micro-batch its own tensor):
+
+# %%
+prof4 = spawn(ch03_zero.zero_stage_profile, 4, kwargs=dict(micro_batch=2, rounds=0))[0]
+a2, a4 = prof["activation_bytes"], prof4["activation_bytes"]
+print(f"micro-batch 2: N=2 {a2[0]:,} bytes, N=4 {a4[0]:,} bytes; equal at every stage: "
+      f"{all(a2[st] == a4[st] for st in range(4))}")
 
 # %% [markdown]
 # (Stage 3 saves its freshly gathered weights for backward too, but frees them right after each layer and gathers them
@@ -183,9 +283,16 @@ print(f"parameter-granular partition is imbalanced (max/mean > 1.05): {z1['imbal
 #
 # DeepSpeed (`deepspeed.initialize` with `zero_optimization.stage`) runs here on CPU with gloo, reusing the process
 # group `spawn` created. Its first use compiles a small C++ op (cached in `.cache/torch_extensions`). We count the same
-# bytes as for our ZeRO. The table decomposes DeepSpeed's per-rank bytes: the course formula, plus an **fp32 master
-# partition** it keeps even for an fp32 model (4Ψ_pad/N, the "master weights" of mixed precision), plus gradients
-# waiting in buckets at the moment measured (the peak of backward), the Adam step counter, and the remainder.
+# bytes as for our ZeRO, at the peak of a backward pass. The table's columns, per rank:
+# - **formula**: the course's fp32 formula on DeepSpeed's padded count Ψ_pad; **measured**: model-state bytes held at
+#   the peak (buffers excluded); **ratio** = measured / formula;
+# - **fp32 master**: the fp32 copy of this rank's weight slice DeepSpeed keeps even for an fp32 model (4Ψ_pad/N —
+#   the "master weights" of mixed precision);
+# - **overhang** (stage 2): DeepSpeed's gradient partition buffer spans whole tensors at both ends of this rank's
+#   slice, so it holds a little more than Ψ/N gradients;
+# - **in-flight**: full gradients waiting in a bucket to be reduced at that moment (stages 2/3);
+# - **step**: Adam's 4-byte step counters; **rest**: whatever none of the above explains (0 here);
+# - **buffers**: working memory that is not a model state — the reduction bucket, stage 3's gathered weights.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -202,12 +309,37 @@ if ds_ok:
               f"{r['fp32_master'] == 4 * r['psi_pad'] // r['world_size']}; "
               f"nothing unexplained (|rest| ≤ 32 B): {abs(r['rest']) <= 32}")
     print(f"stage 0 holds 16Ψ (+ Adam step counters): {ds[0]['measured']['total'] - 16 * ds[0]['psi'] == ds[0]['adam_step']}")
+    h3 = ds[3]["held"]
+    held3 = sum(h3[k] for k in ("params", "grads", "master", "optimizer"))
+    print(f"stage 3 between backward and step holds 20Ψ_pad/N = {20 * ds[3]['psi_pad'] // 2:,} bytes (16Ψ/N + the "
+          f"4Ψ/N fp32 master): measured {held3:,} within 1.00 ± 0.01: {abs(held3 / (20 * ds[3]['psi_pad'] / 2) - 1) <= 0.01}")
 else:
     print("DeepSpeed cells skipped:", ds_reason)
 
 # %% [markdown]
+# **Ours and DeepSpeed's at the same moment.** The same model at N = 2, both measured after backward and before the
+# optimizer step (DeepSpeed's `held` snapshot; ours from the profile above), model states only:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if ds_ok:
+    print(f"{'stage':>5} {'ours':>10} {'DeepSpeed':>10} {'DS − ours':>10} {'4Ψ_pad/N':>9}")
+    for r in ds:
+        st, h = r["stage"], r["held"]
+        theirs = sum(h[k] for k in ("params", "grads", "master", "optimizer"))
+        ours = prof["peak"][st]["after backward"]["model states"]
+        print(f"{st:>5} {ours:>10,} {theirs:>10,} {theirs - ours:>10,} {4 * r['psi_pad'] // 2 if st else 0:>9,}")
+
+# %% [markdown]
+# Stage 0 is identical. In stages 2 and 3 DeepSpeed holds ours + its fp32 master partition (4Ψ_pad/N; stage 2 adds
+# its few-KB gradient overhang). Stage 1 differs in *when* gradients shrink: DeepSpeed's ZeRO-1 reduces them at the
+# end of `engine.backward` and keeps only its partition (4Ψ/N), while ours keeps the full flat gradient (4Ψ) until
+# `step()` — at N = 2 that saving (2Ψ) happens to equal the master copy it adds (4Ψ/N = 2Ψ), so the totals match.
+
+# %% [markdown]
 # So DeepSpeed stages 1/2 hold ≈ formula + 4Ψ/N (its fp32 master partition; for a 16-bit model that copy *is* the
-# formula's master weights) and pad partitions for alignment; stage 3 likewise holds 20Ψ/N once backward is done.
+# formula's master weights) and pad partitions for alignment; stage 3 likewise holds 20Ψ/N once backward is done
+# (printed above). At the same moment the difference to our ZeRO is that master copy plus padding (the table above).
 # DeepSpeed's answer to "the model does not fit even sharded" is **ZeRO-Offload**: `"offload_optimizer":
 # {"device": "cpu"}` keeps the optimizer state in CPU memory and runs the Adam step there (a fused C++ `cpu_adam`), and
 # `"offload_param"` (stage 3) parks the parameters there too, trading PCIe traffic for GPU memory.
@@ -255,11 +387,17 @@ quiz(3)
 # ## Summary
 # - Per-rank model states measured on real ranks match 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N within 1 % at N = 2 and 4.
 # - Communication: stages 0–2 send exactly one all-reduce's worth (2Ψ); stage 3 one all-gather more (3Ψ) when it
-#   gathers by unit; a per-use, per-parameter gather pays the tied weight's second use on top.
-# - Activations are not sharded.
+#   gathers by unit; a per-use, per-parameter gather pays the tied weight's second use on top. Stage 2 reduce-scatters
+#   during backward, bucket by bucket; stage 1 after it.
+# - Peaks are above the after-step numbers: stage 2 by its staging buckets, stage 3 by one gathered block + root.
+# - Activations are not sharded: equal at an equal per-rank micro-batch, whatever N.
 # - Every stage trains exactly like one device, with clipping and checkpoint/resume.
 # - The paper's 7.5B / 64-GPU example: 120 / 31.4 / 16.6 / 1.9 GB per GPU.
+# - This run's numbers:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+print("peak bytes per rank (N=2, micro-batch 2): " + ", ".join(f"{k} {v['total']:,}" for k, v in peak.items()))
+print("step time (ms): " + ", ".join(f"stage {st} {prof['step_s'][st] * 1e3:.1f}" for st in range(4)))
+print(f"stage 3's extra all-gathers: α–β predicts {extra * 1e3:.2f} ms, timed alone {measured_extra * 1e3:.2f} ms")
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
