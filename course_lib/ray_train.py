@@ -151,7 +151,9 @@ class ReportLog(_user_callback_base()):
         self._store.add.remote(dict(metrics[0]), checkpoint is not None)
 
     def after_exception(self, run_context, worker_exceptions):
-        self._store.failed.remote({r: str(e) for r, e in worker_exceptions.items()})
+        # Ray hands callbacks the worker's exception *without* its traceback (only fit()'s TrainingFailedError
+        # carries the traceback text), so keep its type and message.
+        self._store.failed.remote({r: f"{type(e).__name__}: {e}" for r, e in worker_exceptions.items()})
 
     def history(self) -> list[dict]:
         """Rank 0's reported metrics in order, each with ``"checkpoint": bool`` added."""
@@ -160,7 +162,7 @@ class ReportLog(_user_callback_base()):
         return ray.get(self._store.get.remote())[0]
 
     def failures(self) -> list[dict]:
-        """One ``{rank: the worker's error with its traceback, as text}`` per failure the controller saw."""
+        """One ``{rank: "ExceptionType: message"}`` per failure the controller saw."""
         import ray
 
         return ray.get(self._store.get.remote())[1]

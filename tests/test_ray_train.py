@@ -88,6 +88,8 @@ def test_ddp_fit_survives_a_raising_worker_and_equals_one_device(local_ray, tmp_
     steps = [(h["epoch"], h["step"]) for h in hist if "step" in h]
     assert steps.count((1, 0)) == 2, "epoch 1's first step ran, was lost with the failure, and was redone"
     assert steps[-1] == (2, 2) and len(log.failures()) == 1
+    text = log.failures()[0][1]
+    assert text == "RuntimeError: injected failure on rank 1 in epoch 1, step 1", text
     assert result.metrics["epoch"] == 2 and result.error is None
 
 
