@@ -42,11 +42,14 @@ ENV = {
 _state: dict = {}
 
 
-def auto_use_gpu() -> bool:
-    """``use_gpu`` for ``ScalingConfig``: True when this machine has a CUDA GPU, else False (gloo on CPU)."""
+def auto_use_gpu(num_workers: int = 2) -> bool:
+    """``use_gpu`` for ``ScalingConfig``: True when this machine has a CUDA GPU per worker, else False (gloo on CPU).
+
+    (With fewer GPUs than workers, ``use_gpu=True`` would leave workers pending forever on a local cluster.)
+    """
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.is_available() and torch.cuda.device_count() >= num_workers
 
 
 def start(num_cpus: int = 2, **init_kwargs):
