@@ -27,6 +27,7 @@ import time
 
 _t_notebook = time.perf_counter()
 import os
+import shutil
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -354,6 +355,7 @@ quiz(7)
 # NBVAL_IGNORE_OUTPUT
 print(f"speed-up {speedup:.2f}×; DDP fit with a failure {t_ddp_fit:.0f} s; FSDP2 fit with a kill {t_fsdp_fit:.0f} s")
 print(f"max|Δ| vs one device: DDP {diff:.1e}, FSDP2 {diff_fsdp:.1e}")
-ray_train.stop()
+ray_train.stop()                                     # ray.shutdown() + remove Ray's temp dir and run storage
+shutil.rmtree(os.path.dirname(marker), ignore_errors=True)   # the failure markers
 print("Ray stopped:", not ray.is_initialized())
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
