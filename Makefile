@@ -12,13 +12,14 @@ export PYTHONHASHSEED := 0
 # Jupyter refuses to run as root (containers) without this flag; normal users never get it.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help setup lab test unit exercises nbval nbval-busy course doctor smoke gpu-smoke clean
+.PHONY: help setup lab test unit exercises nbval nbval-busy test-multinode course doctor smoke gpu-smoke clean
 
 help:
 	@echo "make lab    - set up and open the course in JupyterLab (notebooks/)"
 	@echo "make test   - set up and run every test (unit, exercises vs solutions, strict nbval)"
 	@echo "make course - execute every notebook headless and print each one's runtime"
 	@echo "make nbval-busy - strict nbval with one core kept busy by a spinning process (before storing notebooks)"
+	@echo "make test-multinode - (root) a two-node Ray cluster in two network namespaces; not part of make test"
 	@echo "make doctor - check the environment"
 	@echo "make smoke  - run every chapter's rank functions once (gloo on CPU, nccl on GPUs)"
 
@@ -52,6 +53,10 @@ nbval-busy: $(STAMP)
 	echo "busy process $$busy (while True: pass, nice 0) running beside nbval"; \
 	$(PY) -m pytest --nbval $(NB) --sanitize-with notebooks/sanitize.cfg -q -p no:cacheprovider; rc=$$?; \
 	kill $$busy; exit $$rc
+
+# Chapter 07's two-node Ray cluster (network namespaces + veth, needs root); opt-in, outside make test.
+test-multinode: $(STAMP)
+	COURSE_MULTINODE=1 $(PY) -m pytest tests/test_ray_multinode.py -q -p no:cacheprovider
 
 test: $(STAMP)
 	$(VENV)/bin/course-lib doctor

@@ -5,6 +5,9 @@ in one, ``ray start --address=<head>`` in the other, each with ``GLOO_SOCKET_IFN
 otherwise connects to 127.0.0.1 and fails between namespaces). A driver inside the head namespace runs a
 ``TorchTrainer`` with ``placement_strategy="STRICT_SPREAD"``. Needs root (``ip netns``); skips with the reason
 otherwise. Every process is ended by PID (``ip netns pids``): nothing else on the machine is touched.
+
+Opt-in (``make test-multinode``, which sets ``COURSE_MULTINODE=1``): it changes the machine's network set-up
+(namespaces, a veth pair) and takes minutes, so ``make test`` and CI skip it.
 """
 import json
 import os
@@ -69,6 +72,8 @@ def _kill_namespace(ns):
 
 @pytest.fixture(scope="module")
 def two_hosts():
+    if os.environ.get("COURSE_MULTINODE") != "1":
+        pytest.skip("opt-in: run `make test-multinode` (COURSE_MULTINODE=1)")
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2 (ip netns)")
     (hns, hveth, hip), (wns, wveth, wip) = HOSTS["head"], HOSTS["worker"]
