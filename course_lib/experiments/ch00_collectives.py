@@ -156,8 +156,9 @@ def fit_alpha_beta(rows: list[dict], min_bytes: int = 2**20, latency_bytes: int 
 
     α is the smallest time of the latency regime (rows with ``bytes ≤ latency_bytes``, each
     already a median of repeats; the smallest size if none) — a busy machine only ever adds
-    time, so the minimum is the robust estimate of the fixed cost; β is fitted on the **bandwidth regime** only (``bytes ≥ min_bytes``):
-    the slope of ``time − α`` against ``ring_factor · bytes``, least squares in relative error.
+    time, so the minimum is the robust estimate of the fixed cost; β is fitted on the
+    **bandwidth regime** only (``bytes ≥ min_bytes``): the slope of ``time − α`` against
+    ``ring_factor · bytes``, least squares in relative error.
     Why two regimes: gloo switches algorithm with the message size, so one straight line
     through all sizes fits neither end. Needs ≥ 1 bandwidth-regime row per op; all rows of
     one fit must share one world size.
