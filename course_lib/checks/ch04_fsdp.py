@@ -11,9 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from ..comm import CollectiveCounter
-from ..fsdp import full_training_state
-from ..experiments.common import shard_batch, step_batch, zero_config
-from ..fsdp import fsdp2_wrap, full_state_dict
+from ..experiments.common import shard_batch, state_diff, step_batch, zero_config
+from ..fsdp import fsdp2_wrap, full_state_dict, full_training_state
 from ..launch import device
 from ..models import GPT
 
@@ -62,8 +61,7 @@ def check_fsdp2_wrap_blocks(fn) -> list[str]:
                             f"reshard_after_forward to every fully_shard call, the root's too)")
         if scatters != units:
             problems.append(f"{where}: {scatters} reduce-scatter(s), expected {units} (one per unit)")
-        full, ref = full_state_dict(model), reference.state_dict()
-        err = max((full[k] - ref[k]).abs().max().item() for k in ref)
+        err = state_diff(full_state_dict(model), reference)
         if not err <= 1e-6:
             problems.append(f"{where}: after one SGD step the weights differ from one device's (full batch) by "
                             f"max |error| {err:.3g}")

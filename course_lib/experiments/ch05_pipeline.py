@@ -138,6 +138,18 @@ class BubbleResult(Result):
         return out
 
 
+def _timed_step(runner, chunks, x, y):
+    """One pipeline step after a barrier, its p2p counted: ``(stats, CommLog, every rank's timeline events)``."""
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    dist.barrier()
+    with comm.CommLog() as log:
+        stats = runner.step(x, y)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, stats.events)
+    return stats, log, gathered
+
+
 def sleep_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: float = 0.02, t_b: float = 0.04,
                   steps: int = 3, warmup: int = 1, width: int = 8, micro_batch: int = 2, num_chunks: int = 2) -> dict:
     """Rank function: every stage one :class:`SleepLayer` (``t_f`` forward, ``t_b`` backward); measure bubbles.
@@ -161,13 +173,7 @@ def sleep_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: f
             x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(dev)
             per_step = []
             for i in range(warmup + steps):
-                for c in chunks:
-                    c.zero_grad(set_to_none=True)
-                dist.barrier()
-                with comm.CommLog() as log:
-                    stats = runner.step(x, x)
-                gathered = [None] * p
-                dist.all_gather_object(gathered, stats.events)
+                stats, log, gathered = _timed_step(runner, chunks, x, x)
                 if i >= warmup:
                     per_step.append(bubble_fractions(gathered))
             per_rank = [statistics.median(s[r] for s in per_step) for r in range(p)]
@@ -203,13 +209,7 @@ def gpt_timelines(schedules=("gpipe", "1f1b"), num_microbatches: int = 8, global
         bubbles = []
         for i in range(steps):
             x, y = step_batch(i, config, global_batch, dev)
-            for c in chunks:
-                c.zero_grad(set_to_none=True)
-            dist.barrier()
-            with comm.CommLog() as log:
-                stats = runner.step(x, y)
-            gathered = [None] * p
-            dist.all_gather_object(gathered, stats.events)
+            stats, log, gathered = _timed_step(runner, chunks, x, y)
             if i > 0:
                 bubbles.append(bubble_fractions(gathered))
         t0 = min(e.start for tl in gathered for e in tl)
