@@ -9,7 +9,9 @@ is reported as *unsolved* (with its hint), never as a crash of the checker.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,7 +20,7 @@ from .checks import ch00_collectives, ch01_memory, ch02_ddp, ch03_zero, ch04_fsd
 from .checks import ch06_tensor_parallel
 from .launch import RankError, RankTimeout, spawn
 
-__all__ = ["check", "CheckResult", "EXERCISES", "Exercise"]
+__all__ = ["check", "CheckResult", "EXERCISES", "Exercise", "worker_error"]
 
 
 @dataclass
@@ -47,6 +49,10 @@ class Exercise:
     summary: str
     runner: Callable  # rank function(fn) -> list of failure strings on this rank (empty = ok), in checks/
     world_sizes: tuple = (2, 3)
+    # "spawn": ``runner`` runs on every rank of ``spawn(world_size)`` for each of ``world_sizes``;
+    # "parent": ``check`` calls ``runner(fn)`` once in this process, and the runner starts its own run
+    # (e.g. a real Ray ``TorchTrainer``) and returns the list of failure strings (empty = ok).
+    launcher: str = "spawn"
 
 
 # --------------------------------------------------------------------------- the registry
@@ -116,10 +122,14 @@ def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckR
     if package not in ("exercises", "solutions"):
         raise ValueError(f"package must be 'exercises' or 'solutions', got {package!r}")
     ex = EXERCISES[name]
+    if ex.launcher not in ("spawn", "parent"):
+        raise ValueError(f"exercise {name!r}: launcher must be 'spawn' or 'parent', got {ex.launcher!r}")
     try:
         fn = _load(package, ex)
     except Exception as exc:  # noqa: BLE001 - a syntax error in the learner's file is a result, not a crash
         return CheckResult(name, "error", f"could not import {package}/{ex.module}.py: {type(exc).__name__}: {exc}")
+    if ex.launcher == "parent":
+        return _check_in_parent(name, ex, fn)
     details = []
     for world in ex.world_sizes:
         try:
@@ -138,3 +148,68 @@ def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckR
             return CheckResult(name, "failed", f"world_size={world}: {problems[0]}", problems)
         details.append(world)
     return CheckResult(name, "passed", f"matches the reference on world sizes {', '.join(map(str, details))}")
+
+
+# --------------------------------------------------------------------------- launcher="parent" (e.g. Ray)
+
+
+def _check_in_parent(name: str, ex: Exercise, fn: Callable) -> CheckResult:
+    """Call ``ex.runner(fn)`` here; the runner starts its own run (a Ray ``TorchTrainer``, a Ray Data pipeline)."""
+    try:
+        problems = list(ex.runner(fn) or [])
+    except Exception as exc:  # noqa: BLE001 - the learner's error (Ray wraps a worker's) is a result
+        kind, message, where = worker_error(exc)
+        if kind == "NotImplementedError":
+            return CheckResult(name, "unsolved", f"not implemented yet — {message or 'still a TODO'}")
+        return CheckResult(name, "error", f"{kind}: {message}" + (f" ({where})" if where else ""))
+    if problems:
+        return CheckResult(name, "failed", problems[0], problems)
+    return CheckResult(name, "passed", "matches the reference in the checker's real run")
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)', re.MULTILINE)
+_NOT_IMPLEMENTED = re.compile(r"^(?:[\w.]*\.)?NotImplementedError: (?P<msg>.*)$", re.MULTILINE)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception inside it: causes, contexts, Ray Train's per-worker failures, Ray's wrappers."""
+    seen, todo, out = set(), [exc], []
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen or not isinstance(e, BaseException):
+            continue
+        seen.add(id(e))
+        out.append(e)
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "_base_exc", None),
+                 getattr(e, "controller_failure", None), *dict(getattr(e, "worker_failures", None) or {}).values()]
+    return out
+
+
+def worker_error(exc: BaseException) -> tuple[str, str, str]:
+    """``(type name, first message line, "at <file>, line N, in <function>")`` of the learner's error in ``exc``.
+
+    Ray hands a worker's exception back wrapped (``TrainingFailedError`` / ``WorkerGroupError`` with
+    ``worker_failures``, ``RayTaskError(...)``) and keeps the worker's traceback only as text in the
+    message: the type is found among the wrapped exceptions (or, failing that, in that text), and the place
+    is the innermost frame in ``exercises/`` or ``solutions/`` (else the innermost frame) of that text.
+    """
+    chain = _chain(exc)
+    text = "\n".join([str(e) for e in chain] + traceback.format_exception(exc))
+    found = next((e for e in chain if isinstance(e, NotImplementedError)), None)
+    if found is not None:
+        kind, message = "NotImplementedError", str(found)
+    elif (m := _NOT_IMPLEMENTED.search(text)) is not None:
+        kind, message = "NotImplementedError", m["msg"]
+    else:
+        workers = [e for e in chain if e is not exc and not type(e).__module__.startswith("ray.")]
+        inner = workers[0] if workers else exc
+        kind, message = type(inner).__name__, str(inner)
+    kind = kind.removeprefix("RayTaskError(").removesuffix(")")
+    frames = list(_FRAME.finditer(text))
+    mine = [f for f in frames if re.search(r"[/\\](exercises|solutions)[/\\]", f["path"])] or frames
+    where = ""
+    if mine:
+        f = mine[-1]
+        short = "/".join(re.split(r"[/\\]", f["path"])[-2:])
+        where = f"at {short}, line {f['line']}, in {f['func']}"
+    return kind, (message.strip().splitlines() or [""])[0], where
