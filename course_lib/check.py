@@ -147,6 +147,13 @@ def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckR
         if problems:
             return CheckResult(name, "failed", f"world_size={world}: {problems[0]}", problems)
         details.append(world)
+    if package == "exercises":  # the learner's own code passed: course-lib progress shows it
+        from .exam import record_exercise
+
+        try:
+            record_exercise(name)
+        except OSError:
+            pass  # an unwritable progress file never turns a pass into a failure
     return CheckResult(name, "passed", f"matches the reference on world sizes {', '.join(map(str, details))}")
 
 

@@ -1,4 +1,4 @@
-"""``course-lib`` command line: doctor | quiz | check | run-notebooks."""
+"""``course-lib`` command line: doctor | quiz | exam | progress | check | smoke | run-notebooks."""
 from __future__ import annotations
 
 import argparse
@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English")
     q.add_argument("-n", type=int, default=None, help="number of statements")
     q.add_argument("--shuffle", action="store_true")
+    e = sub.add_parser("exam", help="the final O/X exam over all chapters, in the terminal")
+    e.add_argument("--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English")
+    e.add_argument("-n", type=int, default=40, help="number of statements (the 14 seed statements always included)")
+    e.add_argument("--seed", type=int, default=0, help="which exam form (same seed, same statements)")
+    p = sub.add_parser("progress", help="which chapter quizzes, exercises and the final exam you have done")
+    p.add_argument("--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English")
     c = sub.add_parser("check", help="check an exercise against its reference on real ranks")
     c.add_argument("name", nargs="?", help="exercise name (omit to list them)")
     c.add_argument("--solutions", action="store_true", help="check the reference solutions instead")
@@ -106,6 +112,19 @@ def main(argv: list[str] | None = None) -> int:
         from .quiz import run_terminal_quiz
 
         run_terminal_quiz(ns.chapter, lang=ns.lang, n=ns.n, shuffle=ns.shuffle)
+        return 0
+    if ns.cmd == "exam":
+        from .exam import run_terminal_exam
+
+        try:
+            run_terminal_exam(lang=ns.lang, n=ns.n, seed=ns.seed)
+        except ValueError as exc:  # e.g. -n below the 14 seed statements
+            parser.error(str(exc))
+        return 0
+    if ns.cmd == "progress":
+        from .exam import progress_report
+
+        print(progress_report(lang=ns.lang))
         return 0
     if ns.cmd == "check":
         from .check import EXERCISES, check

@@ -64,9 +64,11 @@ __all__ = [
     "grade",
     "quiz",
     "run_terminal_quiz",
+    "ask_items",
     "progress",
     "progress_path",
     "record_score",
+    "write_progress",
     "BANK_DIR",
 ]
 
@@ -642,6 +644,12 @@ def record_score(chapter: int, score: int, total: int) -> dict:
         "attempts": int(entry.get("attempts", 0)) + 1,
     }
     data["quiz"][key] = entry
+    write_progress(data)
+    return entry
+
+
+def write_progress(data: Mapping) -> Path:
+    """Write the whole progress file (``progress()``'s dict, other sections such as the exam's kept); return it."""
     path = progress_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write-then-rename so an interrupted write never leaves a half-written file behind.
@@ -654,7 +662,7 @@ def record_score(chapter: int, score: int, total: int) -> dict:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return entry
+    return path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -707,7 +715,7 @@ class QuizWidget:
         import ipywidgets as w
 
         self.chapter, self.items, self.lang, self.record = chapter, list(items), lang, record
-        self._titles = {code: chapter_title(chapter, code, bank_dir=bank_dir) for code in LANGS}
+        self._titles = self._load_titles(bank_dir)
         if title is not None:
             self._titles[lang] = title
         self.answers: dict[str, str] = {}
@@ -742,6 +750,16 @@ class QuizWidget:
     def title(self) -> str:
         return self._titles[self.lang]
 
+    # Hooks a subclass overrides (course_lib.exam's final-exam widget): titles, heading line, where a score goes.
+    def _load_titles(self, bank_dir) -> dict[str, str]:
+        return {code: chapter_title(self.chapter, code, bank_dir=bank_dir) for code in LANGS}
+
+    def _heading(self) -> str:
+        return _UI[self.lang]["title"].format(ch=self.chapter, title=self.title, n=len(self.items))
+
+    def _save(self, result: QuizResult) -> dict:
+        return record_score(self.chapter, result.score, result.total)
+
     def set_lang(self, lang: str) -> None:
         """Show the quiz in ``lang`` (``"ko"`` / ``"en"``): what the toggle does."""
         _check_lang(lang)
@@ -751,9 +769,7 @@ class QuizWidget:
         self._render()
 
     def _render(self) -> None:
-        ui = _UI[self.lang]
-        title = ui["title"].format(ch=self.chapter, title=self.title, n=len(self.items))
-        self.header.value = f"<b>{html.escape(title)}</b>"
+        self.header.value = f"<b>{html.escape(self._heading())}</b>"
         for number, (item, label) in enumerate(zip(self.items, self.statements), 1):
             text = html.escape(statement_text(item, self.lang)).replace("\n", "<br><i>", 1)
             if "<i>" in text:
@@ -828,7 +844,7 @@ class QuizWidget:
         if self.record:
             result = self.result()
             try:
-                self.saved_entry = record_score(self.chapter, result.score, result.total)
+                self.saved_entry = self._save(result)
             except OSError as exc:
                 self._save_error = exc
         self._summarize()
@@ -914,6 +930,28 @@ def run_terminal_quiz(chapter, lang: str | None = None, n: int | None = None, sh
     number, items = _select(chapter, n, shuffle, seed, bank_dir)
     ui = _UI[lang]
     print_fn(ui["title"].format(ch=number, title=chapter_title(number, lang, bank_dir=bank_dir), n=len(items)))
+    given = ask_items(items, lang, input_fn, print_fn)
+    result = _result(number, lang, items, given)
+    print_fn("")
+    if not result.total:
+        print_fn(ui["nothing"])
+        return result
+    print_fn(ui["final"].format(score=result.score, total=result.total))
+    print_fn(f"{ui['missed']}: {', '.join(result.missed_traps) or ui['none']}")
+    if record:
+        try:
+            record_score(number, result.score, result.total)
+            print_fn(ui["saved"].format(path=progress_path()))
+        except OSError as exc:
+            print_fn(ui["not_saved"].format(err=exc))
+    return result
+
+
+def ask_items(items: Sequence[Mapping], lang: str, input_fn: Callable[[str], str] = input,
+              print_fn: Callable[..., None] = print) -> dict[str, str]:
+    """Ask ``items`` one by one on a terminal and return ``{item_id: 'O'/'X'}`` of those answered, printing
+    feedback with the explanation after each; anything but O/X is asked again, ``q`` or end of input stops."""
+    ui = _UI[lang]
     given: dict[str, str] = {}
     stopped = False
     for position, item in enumerate(items, 1):
@@ -940,17 +978,4 @@ def run_terminal_quiz(chapter, lang: str | None = None, n: int | None = None, sh
         else:
             print_fn(f"{ui['wrong']} — {ui['answer_is'].format(answer=item['answer'])}")
         print_fn(f"  {ui['why']}: {item['explanation'][lang]}")
-    result = _result(number, lang, items, given)
-    print_fn("")
-    if not result.total:
-        print_fn(ui["nothing"])
-        return result
-    print_fn(ui["final"].format(score=result.score, total=result.total))
-    print_fn(f"{ui['missed']}: {', '.join(result.missed_traps) or ui['none']}")
-    if record:
-        try:
-            record_score(number, result.score, result.total)
-            print_fn(ui["saved"].format(path=progress_path()))
-        except OSError as exc:
-            print_fn(ui["not_saved"].format(err=exc))
-    return result
+    return given

@@ -15,6 +15,13 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _progress_file_in_tmp(tmp_path_factory, monkeypatch):
+    """Quizzes, the exam and passing check() calls write the learner's progress file: tests write a temporary
+    one (``$COURSE_LIB_HOME``), never the real ``~/.cache/course_lib/progress.json``."""
+    monkeypatch.setenv("COURSE_LIB_HOME", str(tmp_path_factory.getbasetemp() / "course_lib_home"))
+
+
 @pytest.fixture
 def learner_answer(tmp_path, monkeypatch):
     """Install a learner's answer file as ``exercises/<module>.py`` and return ``check`` bound to it.
