@@ -5,6 +5,10 @@ on real gloo/nccl ranks with :func:`course_lib.launch.spawn`, compares every ran
 with the library collective, and returns a :class:`CheckResult` whose text says which rank,
 which tensor and how large the error was. An exercise still raising ``NotImplementedError``
 is reported as *unsolved* (with its hint), never as a crash of the checker.
+
+An exercise registered with ``launcher="parent"`` (chapters 07–08: Ray) is checked by calling its runner
+here, in the caller's process: the runner starts its own run (a real ``TorchTrainer``) and returns the
+problems it found. An exception from that run — Ray wraps a worker's — is reported the same way.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from .checks import ch00_collectives, ch01_memory, ch02_ddp, ch03_zero, ch04_fsdp, ch05_pipeline
-from .checks import ch06_tensor_parallel
+from .checks import ch06_tensor_parallel, ch07_ray_train
 from .launch import RankError, RankTimeout, spawn
 
 __all__ = ["check", "CheckResult", "EXERCISES", "Exercise", "worker_error"]
@@ -92,6 +96,10 @@ EXERCISES: dict[str, Exercise] = {
     "row_parallel_linear": Exercise("ch06_tensor_parallel", "row_parallel_linear",
                                     "ch06: y = Σ_i x_i W_iᵀ by all-reduce (g), bias once; no backward communication",
                                     ch06_tensor_parallel.check_row_parallel_linear, world_sizes=(2, 4)),
+    "ray_train_loop": Exercise("ch07_ray_train", "ray_train_loop",
+                               "ch07: the plain PyTorch loop as a Ray Train train_loop_per_worker (prepare_model, "
+                               "prepare_data_loader, set_epoch, report + checkpoint), run in a real TorchTrainer",
+                               ch07_ray_train.check_ray_train_loop, world_sizes=(2,), launcher="parent"),
 }
 
 
@@ -116,7 +124,10 @@ def _load(package: str, ex: Exercise) -> Callable:
 
 
 def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckResult:
-    """Check exercise ``name`` (from ``exercises/``, or ``package="solutions"``) on real ranks."""
+    """Check exercise ``name`` (from ``exercises/``, or ``package="solutions"``) on real ranks.
+
+    ``timeout`` bounds each ``spawn`` (launcher="spawn"); a launcher="parent" runner bounds its own run.
+    """
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}; available: {', '.join(sorted(EXERCISES))}")
     if package not in ("exercises", "solutions"):

@@ -1,0 +1,75 @@
+"""Chapter 07 exercise (solution): convert a plain PyTorch training loop to Ray Train.
+
+``plain_loop(config)`` trains the course's tiny GPT in one process. Write ``ray_train_loop(config)``: the same
+training as a Ray Train ``train_loop_per_worker``. ``TorchTrainer`` runs it on every worker *after* it has
+created the ``torch.distributed`` process group (gloo on CPU, nccl with GPUs). Four changes (notebook 07, §5):
+
+1. ``model = prepare_model(model)`` — the worker's device, and DDP when there is more than one worker;
+2. ``loader = prepare_data_loader(loader)`` — a ``DistributedSampler`` (each worker its own shard; the
+   loader's ``shuffle=True`` becomes the sampler's, seeded by *seed + epoch*) and batches on the device.
+   The loader's batch size is now the **per-worker** batch: ``config["global_batch"] // world_size``
+   (``ray.train.get_context().get_world_size()``);
+3. ``loader.sampler.set_epoch(epoch)`` at the start of every epoch (with more than one worker), or every
+   epoch repeats the first one's order;
+4. after every epoch ``ray.train.report({"epoch": epoch, "loss": loss}, checkpoint=...)`` on **every**
+   worker: rank 0 passes ``Checkpoint.from_directory(d)`` of a temporary directory ``d`` holding
+   ``model.pt`` = ``torch.save(<the unwrapped model>.state_dict(), ...)`` (DDP's ``model.module``), the
+   other workers ``checkpoint=None``.
+
+Check: ``course-lib check ray_train_loop`` (or ``check("ray_train_loop")`` in notebook 07) runs it in a real
+``TorchTrainer`` with 2 workers and compares the checkpointed weights with one device trained on the same
+global batches (AdamW, max |Δ| ≤ 1e-5).
+"""
+import os
+import tempfile
+
+import ray.train
+import torch
+from ray.train import Checkpoint
+from ray.train.torch import prepare_data_loader, prepare_model
+from torch.utils.data import DataLoader
+
+from course_lib.data import SyntheticDataset
+from course_lib.experiments.common import make_optimizer, small_config, train_step
+from course_lib.models import GPT
+
+
+def make_dataset(config: dict) -> SyntheticDataset:
+    """The training data: ``config["samples"]`` sequences for the tiny GPT (the same in both loops)."""
+    model_config = small_config()
+    return SyntheticDataset(config["samples"], model_config.block_size, model_config.vocab_size, seed=0)
+
+
+def plain_loop(config: dict) -> dict:
+    """One process, one device: the loop to convert. Returns ``{"model": state_dict, "history": [...]}``."""
+    model = GPT(small_config(), seed=0)
+    optimizer = make_optimizer(config["optimizer"], model.parameters())
+    loader = DataLoader(make_dataset(config), batch_size=config["global_batch"], shuffle=True)
+    history = []
+    for epoch in range(config["epochs"]):
+        for x, y in loader:
+            loss = train_step(model, optimizer, x, y)
+        history.append({"epoch": epoch, "loss": loss})  # Ray Train: ray.train.report(...) with a checkpoint
+    return {"model": model.state_dict(), "history": history}
+
+
+def ray_train_loop(config: dict) -> None:
+    """``train_loop_per_worker`` for ``TorchTrainer``: ``plain_loop`` with the four changes above."""
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    model = prepare_model(GPT(small_config(), seed=0))                         # 1: device + DDP
+    optimizer = make_optimizer(config["optimizer"], model.parameters())
+    loader = DataLoader(make_dataset(config), batch_size=config["global_batch"] // world_size, shuffle=True)
+    loader = prepare_data_loader(loader)                                         # 2: DistributedSampler + device
+    for epoch in range(config["epochs"]):
+        if world_size > 1:
+            loader.sampler.set_epoch(epoch)                                      # 3: a new order every epoch
+        for x, y in loader:
+            loss = train_step(model, optimizer, x, y)
+        with tempfile.TemporaryDirectory() as d:                                 # 4: metrics + a checkpoint
+            checkpoint = None
+            if rank == 0:
+                unwrapped = model.module if hasattr(model, "module") else model
+                torch.save(unwrapped.state_dict(), os.path.join(d, "model.pt"))
+                checkpoint = Checkpoint.from_directory(d)
+            ray.train.report({"epoch": epoch, "loss": loss}, checkpoint=checkpoint)
