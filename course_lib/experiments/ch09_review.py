@@ -1,0 +1,200 @@
+"""Chapter 09's runs: every technique once more, side by side, measured; the planner against those measurements.
+
+* :func:`review_suite` — rank function (N = 2): our DDP and ZeRO-1/2/3 (``ch03_zero``: bytes held vs the formula,
+  bytes sent vs 2Ψ/3Ψ, equality with one device; ``zero_stage_profile``: activations and model states at an equal
+  micro-batch), FSDP2 (``ch04_fsdp.fsdp2_vs_zero3``), Megatron TP (``ch06_tensor_parallel.tp_step``: all-reduces per
+  layer, weight bytes per rank) and pipeline bubbles (``ch05_pipeline.sleep_bubbles``).
+* :func:`comparison_rows` / :func:`comparison_table` — parent side: one row per technique.
+* :func:`plan_vs_measured` — ``plan.memory_per_gpu`` (fp32, the course model) against the bytes measured above.
+* :data:`FIXED_CASES` / :func:`fixed_cases` — the planner's fixed cases and what each must give.
+* :func:`deepspeed_mapping` — DeepSpeed's ``zero_optimization`` configs next to the course's own ZeRO.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..models import GPT
+from ..plan import Cluster, Layout, Model, PlanError, memory_per_gpu, recommend
+from .common import parallel_config, zero_config
+
+__all__ = ["review_suite", "comparison_rows", "comparison_table", "plan_vs_measured", "FIXED_CASES", "fixed_cases",
+           "deepspeed_mapping", "MICRO_BATCH"]
+
+MICRO_BATCH = 2  # sequences per rank in the activation measurement
+
+
+def _plain(obj):
+    """Drop tensors (logits, gradients) from a result: only numbers travel back."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items() if not isinstance(v, torch.Tensor)}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj if not isinstance(v, torch.Tensor)]
+    return obj
+
+
+def review_suite(bubble_ms: tuple[float, float] = (30.0, 60.0), microbatches=(1, 4, 8)) -> dict:
+    """Rank function: every technique of chapters 02–06 once, on this rank (run it at N = 2).
+
+    Returns plain numbers: ``zero`` (``zero_stage_report`` for stages 0–3), ``profile``
+    (``zero_stage_profile`` at micro-batch :data:`MICRO_BATCH`, no timing), ``fsdp``
+    (``fsdp2_vs_zero3``, one timed round), ``tp`` (``tp_step`` on ``parallel_config``) and
+    ``bubbles`` (``sleep_bubbles``: each stage sleeps ``bubble_ms`` forward / backward).
+    """
+    from . import ch03_zero, ch04_fsdp, ch05_pipeline, ch06_tensor_parallel
+
+    zero = [ch03_zero.zero_stage_report(stage) for stage in range(4)]
+    profile = ch03_zero.zero_stage_profile(micro_batch=MICRO_BATCH, rounds=0)
+    fsdp = ch04_fsdp.fsdp2_vs_zero3(steps=1)
+    tp = ch06_tensor_parallel.tp_step()
+    t_f, t_b = (v / 1e3 for v in bubble_ms)
+    bubbles = ch05_pipeline.sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=2)
+    bubbles.pop("timelines")
+    profile.pop("peak_trace", None)
+    return _plain({"world_size": dist.get_world_size(), "zero": zero, "profile": profile, "fsdp": fsdp, "tp": tp,
+                   "bubbles": bubbles})
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _tp_expected_block_bytes(t: int) -> int:
+    """Bytes of the block Linears of the TP model on one device, divided by t: what a TP rank should hold."""
+    model = GPT(parallel_config(), seed=0)
+    full = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if n.startswith("blocks.") and ".ln_" not in n)
+    return full // t
+
+
+def comparison_rows(res: dict) -> list[dict]:
+    """One row per technique from a rank's :func:`review_suite` result: what it splits, memory and traffic
+    (formula and measured / formula), and whether it trained exactly like one device."""
+    n = res["world_size"]
+    rows = []
+    splits = ("nothing (replicas)", "optimizer state", "+ gradients", "+ parameters")
+    mem = ("16Ψ", "8Ψ + 8Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N")
+    for r in res["zero"]:
+        s = r["stage"]
+        rows.append({"technique": "DDP (ours)" if s == 0 else f"ZeRO-{s} (ours)", "splits": splits[s],
+                     "memory": mem[s], "memory_ratio": r["ratio"], "traffic": "3Ψ" if s == 3 else "2Ψ",
+                     "traffic_ratio": r["comm_ratio"], "equal": f"max|Δ| ≤ 1e-5: {r['max_abs_diff'] <= 1e-5}"})
+    f = res["fsdp"]["fsdp2"]
+    rows.append({"technique": "FSDP2 (torch)", "splits": "+ parameters", "memory": "16Ψ/N",
+                 "memory_ratio": f["memory_ratio"], "traffic": "3Ψ", "traffic_ratio": f["comm_ratio"],
+                 "equal": "chapter 04"})
+    tp = res["tp"]
+    layers = parallel_config().n_layer
+    per_layer = (tp["forward"].get("all_reduce:tp", 0) / layers, tp["backward"].get("all_reduce:tp", 0) / layers)
+    rows.append({"technique": "TP (Megatron, ours)", "splits": "each layer's matrices", "memory": "Ψ_blocks/t",
+                 "memory_ratio": tp["block_linear_bytes"] / _tp_expected_block_bytes(n),
+                 "traffic": "2+2 all-reduce/layer", "traffic_ratio": (per_layer[0] + per_layer[1]) / 4,
+                 "equal": "chapter 06"})
+    b = res["bubbles"]
+    worst = max(abs(x - row["formula"]) for row in b["rows"] for x in row["per_rank"])
+    rows.append({"technique": "PP (GPipe, 1F1B)", "splits": "layers into stages", "memory": "Ψ/p + m or p mb",
+                 "memory_ratio": float("nan"), "traffic": "boundary activations", "traffic_ratio": float("nan"),
+                 "equal": f"bubble ±{b['margin']}: {worst <= b['margin']}"})
+    return rows
+
+
+def comparison_table(rows: list[dict], world_size: int = 2) -> str:
+    """The rows of :func:`comparison_rows` as text (ratios are measured / formula at N = ``world_size``)."""
+    lines = [f"{'technique':<20} {'splits':<22} {'memory/rank':<14} {'meas/form':>9}  {'traffic/step':<21} "
+             f"{'meas/form':>9}  one device / bubble",
+             "-" * 121]
+    for r in rows:
+        mr = "—" if r["memory_ratio"] != r["memory_ratio"] else f"{r['memory_ratio']:.3f}"
+        tr = "—" if r["traffic_ratio"] != r["traffic_ratio"] else f"{r['traffic_ratio']:.3f}"
+        lines.append(f"{r['technique']:<20} {r['splits']:<22} {r['memory']:<14} {mr:>9}  {r['traffic']:<21} "
+                     f"{tr:>9}  {r['equal']}")
+    lines.append(f"(N = {world_size}; memory: model states after a step, fp32 AdamW; traffic: ring bytes one rank "
+                 f"sends per step, from CommLog; TP: all-reduces counted per layer ÷ 4)")
+    return "\n".join(lines)
+
+
+def plan_vs_measured(res: dict) -> list[dict]:
+    """``plan.memory_per_gpu`` (fp32, course model, micro-batch :data:`MICRO_BATCH`) vs the measured bytes.
+
+    Model states: ``zero_stage_profile``'s after-step snapshot (stages 0–3) and FSDP2's accounting;
+    activations: the bytes saved for backward at the end of forward (``zero_stage_profile``).
+    """
+    model = Model.from_config(zero_config())
+    n, prof = res["world_size"], res["profile"]
+    rows = []
+    for s in range(4):
+        pred = memory_per_gpu(model, Layout(dp=n, zero=s, recompute="none"), micro_batch=MICRO_BATCH,
+                              precision="fp32")
+        rows.append({"layout": "DDP" if s == 0 else f"ZeRO-{s}", "predicted_states": pred["model_states"],
+                     "measured_states": prof["peak"][s]["after step"]["model states"],
+                     "predicted_activations": pred["activations"], "measured_activations": prof["activation_bytes"][s]})
+    pred = memory_per_gpu(model, Layout(dp=n, zero=3, recompute="none"), micro_batch=MICRO_BATCH, precision="fp32")
+    rows.append({"layout": "FSDP2", "predicted_states": pred["model_states"],
+                 "measured_states": res["fsdp"]["fsdp2"]["memory"]["total"],
+                 "predicted_activations": pred["activations"], "measured_activations": None})
+    for r in rows:
+        r["states_ratio"] = r["measured_states"] / r["predicted_states"]
+        r["activations_ratio"] = (r["measured_activations"] / r["predicted_activations"]
+                                  if r["measured_activations"] is not None else None)
+    return rows
+
+
+# --------------------------------------------------------------------------- the planner's fixed cases
+
+
+def _is_zero2_or_fsdp(plan) -> bool:
+    return plan.layout.tp == plan.layout.pp == 1 and plan.layout.zero in (2, 3)
+
+
+def _tp_in_node_pp_or_fsdp_across(plan) -> bool:
+    lay, c = plan.layout, plan.cluster
+    inside = 1 < lay.tp <= c.gpus_per_node and c.gpus_per_node % lay.tp == 0
+    across = (lay.pp > 1 or lay.zero >= 2) and lay.dp * lay.pp >= c.nodes
+    return inside and across
+
+
+#: name -> (Model, Cluster, what the recommendation must be, a check of the plan); None check = PlanError expected
+FIXED_CASES = {
+    "7B on 8×80 GB": (Model(7e9, 32, 4096, 32, 2048, 32000, "7B"), Cluster(80, 8, 1),
+                      "ZeRO-2 / FSDP (no model parallelism)", _is_zero2_or_fsdp),
+    "70B on 64×80 GB (8 per node)": (Model(70e9, 80, 8192, 64, 4096, 32000, "70B"), Cluster(80, 8, 8),
+                                     "TP inside the node + PP or FSDP across nodes", _tp_in_node_pp_or_fsdp_across),
+    "GPT-2 small (124M) on 8×80 GB": (Model(124e6, 12, 768, 12, 1024, 50257, "GPT-2 small"), Cluster(80, 8, 1),
+                                      "plain DDP", lambda p: p.layout == Layout(dp=8)),
+    "1.5B on one 24 GB GPU": (Model(1.5e9, 48, 1600, 25, 1024, 50257, "GPT-2 XL"), Cluster(24, 1, 1),
+                              "an error: 16Ψ = 24 GB of model states alone exceed one GPU", None),
+    "1T on 16×80 GB": (Model(1e12, 128, 25600, 160, 2048, 32000, "1T"), Cluster(80, 8, 2),
+                       "an error saying how many GPUs are missing", None),
+}
+
+
+def fixed_cases() -> list[dict]:
+    """Run :func:`plan.recommend` on :data:`FIXED_CASES`: ``{"case", "expected", "plan" or "error", "ok"}``."""
+    out = []
+    for name, (model, cluster, expected, check) in FIXED_CASES.items():
+        try:
+            plan = recommend(model, cluster)
+        except PlanError as err:
+            out.append({"case": name, "expected": expected, "plan": None, "error": str(err), "ok": check is None})
+        else:
+            out.append({"case": name, "expected": expected, "plan": plan, "error": None,
+                        "ok": check is not None and bool(check(plan))})
+    return out
+
+
+# --------------------------------------------------------------------------- DeepSpeed in context
+
+
+def deepspeed_mapping() -> list[dict]:
+    """DeepSpeed ``zero_optimization`` settings next to the course's own code and the planner's layout."""
+    return [
+        {"deepspeed": {"stage": 0}, "ours": "ddp.DDP", "plan": Layout(dp=2, zero=0).name()},
+        {"deepspeed": {"stage": 1}, "ours": "zero.ZeroOptimizer(stage=1)", "plan": Layout(dp=2, zero=1).name()},
+        {"deepspeed": {"stage": 2}, "ours": "zero.ZeroOptimizer(stage=2)", "plan": Layout(dp=2, zero=2).name()},
+        {"deepspeed": {"stage": 3}, "ours": "zero3.Zero3 (≈ FSDP2 fully_shard)", "plan": Layout(dp=2, zero=3).name()},
+        {"deepspeed": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+         "ours": "— (ZeRO-Offload: Adam state and step on the CPU)",
+         "plan": "not modelled (the GPU keeps the 16-bit weights, 2Ψ)"},
+        {"deepspeed": {"stage": 3, "offload_param": {"device": "nvme"}},
+         "ours": "— (ZeRO-Infinity: parameters on NVMe)", "plan": "suggested when nothing fits"},
+    ]
+

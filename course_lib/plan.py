@@ -1,0 +1,449 @@
+"""Choosing a parallel layout: per-GPU memory of every strategy from the course's formulas, and a recommendation.
+
+The course measured each technique alone; a real job combines them. This module adds up, per GPU:
+
+* **model states** — ``formulas.zero_model_state_breakdown`` (Rajbhandari et al. 2019) on the parameters a GPU's
+  model-parallel group holds, Ψ/(t·p) for tensor parallel size t and pipeline size p, sharded by ZeRO stage z over
+  the d data-parallel ranks;
+* **activations** — ``formulas.korthikanti_activation_bytes`` (Korthikanti et al. 2022; 16-bit, with tensor and
+  sequence parallelism and recompute) for L/p layers, times the micro-batches a 1F1B pipeline keeps alive on its
+  first stage (p of them: so a pipeline does not shrink activation memory — its first stage still holds L layers'
+  worth of one micro-batch), plus the fp32 logits of the loss; for the course's own model in fp32 on the CPU,
+  ``formulas.activation_bytes_estimate`` (derived op by op and measured in chapters 01 and 03).
+
+:func:`recommend` then walks a ladder, cheapest communication first, and stops at the first layout that fits in the
+usable memory (``gpu_memory_gb`` minus a ``reserve`` for the CUDA context, communication buffers and fragmentation):
+
+1. **DDP** — nothing sharded, one gradient all-reduce per step (2Ψ), overlapped with backward, no model changes;
+2. **ZeRO-2** (DeepSpeed stage 2; FSDP2 with ``reshard_after_forward=False``) — the same 2Ψ of traffic, gradients
+   and optimizer states sharded. ZeRO-1 sends the same bytes and saves less, so the ladder skips it (pipeline
+   engines pair with it: they accumulate gradients over micro-batches, which sharded gradients would make
+   communicate every micro-batch);
+3. **ZeRO-3** (DeepSpeed stage 3; FSDP2 ``fully_shard``) — parameters sharded too, 3Ψ;
+4. **tensor parallelism inside a node** (its 4 all-reduces per layer sit on the critical path: NVLink, not the
+   network) at the node's size, "TP up to the GPUs of a server" (Narayanan et al. 2021, takeaway 1), with sequence
+   parallelism, and ZeRO-2 then ZeRO-3 (FSDP) over the remaining ranks, across nodes. A 3D layout (TP inside the
+   node, a pipeline across nodes, ZeRO-1 data parallel for the rest) is listed next to it: its network traffic is
+   lower, and it needs enough micro-batches to keep the bubble (p−1)/(m+p−1) small;
+5. the same with **full activation recompute** (one more forward per step, ≈ +33 % compute);
+6. nothing fits: :class:`PlanError` says what is missing (how many GPUs, or that activations alone are too big).
+
+Inputs that break a rule raise :class:`PlanError` naming it, e.g. ``num_heads=6 is not divisible by tp_size=4``.
+All sizes are decimal (1 GB = 10⁹ bytes), as in the ZeRO paper.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .formulas import (activation_bytes_estimate, korthikanti_activation_bytes, pipeline_bubble,
+                       zero_model_state_breakdown)
+
+__all__ = ["PlanError", "Model", "Cluster", "Layout", "memory_per_gpu", "gpt_num_params", "recommend", "Plan",
+           "zero_paper_table", "planner_widget", "ZERO_NAMES", "check_layout"]
+
+GB = 1e9
+ZERO_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+RECOMPUTE = ("none", "selective", "full")
+
+
+class PlanError(ValueError):
+    """An input breaks a rule, or no layout fits; the message names the rule or what is missing."""
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name}={value!r} must be an int >= 1")
+
+
+def gpt_num_params(config) -> int:
+    """Parameters of ``models.GPT(config)``, counted from the config (the same number ``GPT.num_params()`` gives)."""
+    h, r, V, L, bias = config.d_model, config.mlp_ratio, config.vocab_size, config.n_layer, config.bias
+    block = (4 + 2 * r) * h * h + 2 * h * (2 if bias else 1)  # Linear weights; two LayerNorms (weight, bias)
+    block += (3 * h + h + r * h + h) if bias else 0  # Linear biases
+    head = 0 if config.tie_weights else V * h
+    return V * h + config.block_size * h + L * block + h + (h if bias else 0) + head
+
+
+@dataclass(frozen=True)
+class Model:
+    """A transformer to place: Ψ ``params``, ``layers``, ``hidden`` size, attention ``heads``, ``seq_len``.
+
+    ``vocab`` adds the loss's fp32 logits to the activations. ``config`` (a ``models.GPTConfig``, see
+    :meth:`from_config`) lets ``precision="fp32"`` use the course model's derived activation bytes.
+    """
+
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab: int | None = None
+    name: str = ""
+    config: object = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.params, bool) or not isinstance(self.params, (int, float)) or not self.params > 0:
+            raise PlanError(f"params={self.params!r} (the parameter count Ψ) must be a number > 0")
+        for name in ("layers", "hidden", "heads", "seq_len"):
+            _positive_int(name, getattr(self, name))
+        if self.vocab is not None:
+            _positive_int("vocab", self.vocab)
+        if self.hidden % self.heads:
+            raise PlanError(f"hidden={self.hidden} is not divisible by num_heads={self.heads}")
+
+    @classmethod
+    def from_config(cls, config, name: str = "course GPT") -> "Model":
+        """The course's ``GPTConfig`` as a :class:`Model` (Ψ counted by :func:`gpt_num_params`)."""
+        return cls(gpt_num_params(config), config.n_layer, config.d_model, config.n_head, config.block_size,
+                   config.vocab_size, name, config)
+
+    def label(self) -> str:
+        size = f"{self.params / 1e9:g}B" if self.params >= 1e8 else f"{self.params:,.0f}"
+        return f"{self.name + ': ' if self.name else ''}Ψ = {size} parameters, L = {self.layers}, " \
+               f"h = {self.hidden}, a = {self.heads}, s = {self.seq_len}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` machines of ``gpus_per_node`` GPUs with ``gpu_memory_gb`` (decimal GB) each."""
+
+    gpu_memory_gb: float
+    gpus_per_node: int = 8
+    nodes: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.gpu_memory_gb, bool) or not isinstance(self.gpu_memory_gb, (int, float)) \
+                or not self.gpu_memory_gb > 0:
+            raise PlanError(f"gpu_memory_gb={self.gpu_memory_gb!r} must be a number > 0")
+        _positive_int("gpus_per_node", self.gpus_per_node)
+        _positive_int("nodes", self.nodes)
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def label(self) -> str:
+        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} × {self.gpus_per_node} " \
+               f"GPU{'s' if self.gpus_per_node > 1 else ''} × {self.gpu_memory_gb:g} GB"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``dp`` × ``tp`` × ``pp`` ranks; ZeRO stage ``zero`` over the ``dp`` ranks; activation ``recompute``.
+
+    ``sequence_parallel`` defaults to on whenever ``tp > 1`` (Korthikanti et al.: it removes the
+    activations TP alone leaves replicated).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    recompute: str = "selective"
+    sequence_parallel: bool | None = None
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp"):
+            _positive_int(f"{name}_size" if name != "dp" else "dp_size", getattr(self, name))
+        if isinstance(self.zero, bool) or self.zero not in ZERO_NAMES:
+            raise PlanError(f"zero_stage={self.zero!r} must be 0, 1, 2 or 3")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else bool(self.sequence_parallel)
+
+    def name(self) -> str:
+        parts = []
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}{' + SP' if self.sp else ''}")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}")
+        dp = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[self.zero]
+        if self.dp > 1 or not parts:
+            parts.append(f"{dp} (dp {self.dp})")
+        text = ", ".join(parts)
+        return text + (", full recompute" if self.recompute == "full" else "")
+
+
+def check_layout(model: Model, layout: Layout, cluster: Cluster | None = None) -> None:
+    """Raise :class:`PlanError` naming the first rule ``layout`` breaks for ``model`` (and ``cluster``)."""
+    t, p = layout.tp, layout.pp
+    if model.heads % t:
+        raise PlanError(f"num_heads={model.heads} is not divisible by tp_size={t}: tensor parallelism gives each "
+                        f"rank whole attention heads")
+    if model.hidden % t:
+        raise PlanError(f"hidden={model.hidden} is not divisible by tp_size={t}")
+    if layout.sp and model.seq_len % t:
+        raise PlanError(f"seq_len={model.seq_len} is not divisible by tp_size={t}: sequence parallelism splits "
+                        f"the sequence over the TP ranks")
+    if model.layers % p:
+        raise PlanError(f"layers={model.layers} is not divisible by pp_size={p}: equal pipeline stages")
+    if cluster is not None:
+        if layout.world != cluster.gpus:
+            raise PlanError(f"dp_size × tp_size × pp_size = {layout.dp} × {t} × {p} = {layout.world} must equal the "
+                            f"number of GPUs, nodes × gpus_per_node = {cluster.nodes} × {cluster.gpus_per_node} = "
+                            f"{cluster.gpus}")
+        if cluster.gpus_per_node % t:
+            raise PlanError(f"tp_size={t} does not divide gpus_per_node={cluster.gpus_per_node}: a tensor-parallel "
+                            f"group must stay inside one node (4 all-reduces per layer need its fast links)")
+
+
+def memory_per_gpu(model: Model, layout: Layout, *, micro_batch: int = 1, num_microbatches: int | None = None,
+                   precision: str = "mixed") -> dict:
+    """Bytes per GPU of ``layout``: params / grads / optimizer (``model_states``), ``activations``, ``total``.
+
+    Model states: the ZeRO formula on Ψ/(t·p) over ``dp`` ranks. Activations of one ``micro_batch``:
+    ``precision="mixed"`` — Korthikanti et al. for L/p layers (TP t, sequence parallelism, recompute),
+    times min(p, m) micro-batches alive on a 1F1B pipeline's first stage (m = ``num_microbatches``,
+    default p), plus the loss's fp32 logits 4·s·b·V/t on the last stage (when ``vocab`` is known);
+    ``precision="fp32"`` — the course GPT on one device, no recompute (``formulas.activation_bytes_estimate``;
+    needs :meth:`Model.from_config` and tp = pp = 1), what chapters 01 and 03 measured.
+    """
+    check_layout(model, layout)
+    _positive_int("micro_batch", micro_batch)
+    p, t = layout.pp, layout.tp
+    m = p if num_microbatches is None else num_microbatches
+    _positive_int("num_microbatches", m)
+    if precision not in ("mixed", "fp32"):
+        raise PlanError(f"precision={precision!r} must be 'mixed' or 'fp32'")
+    states = zero_model_state_breakdown(model.params / (t * p), layout.dp, layout.zero, precision)
+    if precision == "fp32":
+        if model.config is None or t > 1 or p > 1 or layout.recompute != "none":
+            raise PlanError("precision='fp32' activations are derived for the course GPT on one device: pass "
+                            "Model.from_config(config) with tp_size = pp_size = 1 and recompute='none'")
+        acts = activation_bytes_estimate(model.config, micro_batch, model.seq_len)["total"]
+    else:
+        per_mb = korthikanti_activation_bytes(model.seq_len, micro_batch, model.hidden, model.heads,
+                                              model.layers // p, tensor_parallel=t, sequence_parallel=layout.sp,
+                                              recompute=layout.recompute)
+        logits = 4 * model.seq_len * micro_batch * model.vocab / t if model.vocab else 0.0
+        first = per_mb * min(p, m) + (logits if p == 1 else 0.0)
+        acts = max(first, per_mb + logits)  # the first stage, or the last one with the loss
+    out = {k: states[k] for k in ("params", "grads", "optimizer")}
+    out.update(model_states=states["total"], activations=float(acts), total=states["total"] + acts)
+    return out
+
+
+def zero_paper_table(psi: float = 7.5e9, world_size: int = 64) -> dict[str, float]:
+    """The ZeRO paper's example through the planner: model states per GPU in GB for DDP and ZeRO-1/2/3.
+
+    Mixed-precision Adam, Ψ = 7.5B on 64 GPUs → 120 / 31.4 / 16.6 / 1.9 GB (model states only: the
+    model's shape does not enter them, so a placeholder 1-layer shape is used).
+    """
+    model = Model(psi, 1, 64, 1, 1)
+    return {ZERO_NAMES[z]: memory_per_gpu(model, Layout(dp=world_size, zero=z))["model_states"] / GB
+            for z in range(4)}
+
+
+# --------------------------------------------------------------------------- the recommendation
+
+
+@dataclass
+class Plan:
+    """What :func:`recommend` found: the ``layout``, its ``memory`` (bytes), ``reasons``, every candidate tried."""
+
+    model: Model
+    cluster: Cluster
+    layout: Layout
+    memory: dict
+    reasons: list[str]
+    usable_bytes: float
+    tried: list = field(default_factory=list)  # (Layout, memory dict, fits) in ladder order
+    alternatives: list = field(default_factory=list)  # (Layout, memory dict, note) that also fit
+    micro_batch: int = 1
+    num_microbatches: int = 8
+
+    def table(self) -> str:
+        lines = [f"{'layout':<40} {'states GB':>9} {'acts GB':>8} {'total GB':>9}  "
+                 f"fits ≤ {self.usable_bytes / GB:.0f} GB"]
+        for lay, mem, fits in self.tried:
+            mark = " ← chosen" if lay == self.layout else ""
+            lines.append(f"{lay.name():<40} {mem['model_states'] / GB:>9.1f} {mem['activations'] / GB:>8.1f} "
+                         f"{mem['total'] / GB:>9.1f}  {'yes' if fits else 'no'}{mark}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        mem = self.memory
+        lines = [f"model:   {self.model.label()}", f"cluster: {self.cluster.label()} (usable "
+                 f"{self.usable_bytes / GB:.0f} GB per GPU); micro-batch {self.micro_batch}",
+                 f"→ {self.layout.name()}: {mem['total'] / GB:.1f} GB per GPU (model states "
+                 f"{mem['model_states'] / GB:.1f} + activations {mem['activations'] / GB:.1f})", "why:"]
+        lines += [f"  - {r}" for r in self.reasons]
+        for lay, m, note in self.alternatives:
+            lines.append(f"also fits: {lay.name()}: {m['total'] / GB:.1f} GB per GPU — {note}")
+        return "\n".join(lines + ["tried:", self.table()])
+
+    __repr__ = __str__
+
+
+def _tp_size(model: Model, cluster: Cluster) -> int:
+    """The largest divisor of ``gpus_per_node`` that also divides the heads, hidden and sequence (≥ 1)."""
+    return max(t for t in range(1, cluster.gpus_per_node + 1) if cluster.gpus_per_node % t == 0
+               and model.heads % t == 0 and model.hidden % t == 0 and model.seq_len % t == 0)
+
+
+def _ladder(model: Model, cluster: Cluster, recompute: str) -> list[tuple[Layout, str]]:
+    g, t = cluster.gpus, _tp_size(model, cluster)
+    steps = [(Layout(dp=g, zero=0, recompute=recompute),
+              "DDP: the model states and activations fit on every GPU; one gradient all-reduce (2Ψ) per step, "
+              "overlapped with backward, no change to the model"),
+             (Layout(dp=g, zero=2, recompute=recompute),
+              "ZeRO-2 (DeepSpeed stage 2, FSDP2 reshard_after_forward=False): DDP's 16Ψ does not fit; sharding "
+              "gradients and optimizer states costs no extra traffic (reduce-scatter + all-gather = 2Ψ)"),
+             (Layout(dp=g, zero=3, recompute=recompute),
+              "ZeRO-3 / FSDP (fully_shard): ZeRO-2 does not fit; parameters sharded too, at 3Ψ of traffic")]
+    if g == 1:
+        return steps[:1]  # one GPU: nothing to shard over
+    if t > 1 and g > 1:
+        for z in (2, 3):
+            steps.append((Layout(dp=g // t, tp=t, zero=z, recompute=recompute),
+                          f"TP {t} inside each node (Narayanan et al. 2021: tensor parallelism up to the GPUs of a "
+                          f"node, where its 4 all-reduces per layer use fast links) with sequence parallelism, "
+                          f"which divides the weights and the activations (that ZeRO does not shard) by {t}; "
+                          f"{ZERO_NAMES[z]}{' / FSDP' if z == 3 else ' (FSDP SHARD_GRAD_OP)'} over "
+                          f"the {g // t} TP groups, across nodes"))
+    return steps
+
+
+def _three_d(model: Model, cluster: Cluster, usable: float, micro_batch: int, m: int, recompute: str):
+    """TP inside the node × the smallest pipeline across nodes that fits × ZeRO-1 data parallel (or None)."""
+    t = _tp_size(model, cluster)
+    for p in range(2, cluster.nodes + 1):
+        if cluster.nodes % p or model.layers % p:
+            continue
+        lay = Layout(dp=cluster.gpus // (t * p), tp=t, pp=p, zero=1, recompute=recompute)
+        mem = memory_per_gpu(model, lay, micro_batch=micro_batch, num_microbatches=m)
+        if mem["total"] <= usable:
+            return lay, mem
+    return None
+
+
+def recommend(model: Model, cluster: Cluster, *, micro_batch: int = 1, num_microbatches: int = 8,
+              reserve: float = 0.1) -> Plan:
+    """Walk the ladder (module docstring) and return the first layout that fits, with the reasons.
+
+    ``reserve``: the fraction of each GPU's memory kept free for the CUDA context, communication buffers
+    and fragmentation. ``num_microbatches``: micro-batches per step of a pipeline (the 3D alternative's
+    bubble). Raises :class:`PlanError` when nothing fits, saying what is missing.
+    """
+    _positive_int("micro_batch", micro_batch)
+    _positive_int("num_microbatches", num_microbatches)
+    if not 0 <= reserve < 1:
+        raise PlanError(f"reserve={reserve!r} must be in [0, 1)")
+    usable = cluster.gpu_memory_gb * GB * (1 - reserve)
+    tried = []
+    for recompute in ("selective", "full"):
+        for lay, why in _ladder(model, cluster, recompute):
+            mem = memory_per_gpu(model, lay, micro_batch=micro_batch)
+            fits = mem["total"] <= usable
+            tried.append((lay, mem, fits))
+            if not fits:
+                continue
+            reasons = [why] if cluster.gpus > 1 else ["one GPU: plain training (a DDP of one) fits"]
+            reasons += [f"{lay_.name()} would need {mem_['total'] / GB:.1f} GB per GPU (model states "
+                        f"{mem_['model_states'] / GB:.1f} + activations {mem_['activations'] / GB:.1f}) > "
+                        f"{usable / GB:.0f} GB usable" for lay_, mem_, _ in tried[:-1]]
+            if recompute == "full":
+                reasons.append("full activation recompute: even with model parallelism the activations do not fit "
+                               "otherwise; it costs one more forward per step (≈ +33 % compute)")
+            else:
+                reasons.append("activations: selective recompute (FlashAttention-style attention keeps no s×s "
+                               "scores), no full recompute needed")
+            plan = Plan(model, cluster, lay, mem, reasons, usable, tried, [], micro_batch, num_microbatches)
+            if lay.tp > 1 and cluster.nodes > 1:
+                alt = _three_d(model, cluster, usable, micro_batch, num_microbatches, recompute)
+                if alt:
+                    p = alt[0].pp
+                    plan.alternatives.append((*alt, f"3D (Megatron-DeepSpeed): the pipeline crosses nodes with only "
+                                              f"boundary activations, ZeRO-1 data parallel; bubble "
+                                              f"(p−1)/(m+p−1) = {pipeline_bubble(p, num_microbatches):.2f} "
+                                              f"at m = {num_microbatches}"))
+            return plan
+    raise PlanError(_missing(model, cluster, usable, micro_batch, reserve))
+
+
+def _missing(model: Model, cluster: Cluster, usable: float, micro_batch: int, reserve: float) -> str:
+    """What a model that fits nowhere needs: fewer activations, or how many GPUs."""
+    t = _tp_size(model, cluster)
+    acts = memory_per_gpu(model, Layout(tp=t, recompute="full"), micro_batch=micro_batch)["activations"]
+    head = (f"{model.label()} does not fit on {cluster.label()} ({usable / GB:.0f} GB usable per GPU, "
+            f"reserve {reserve:.0%}) with any layout, even ZeRO-3 with TP {t} and full recompute")
+    if acts >= usable:
+        return (f"{head}: the activations alone need {acts / GB:.1f} GB per GPU — shorten seq_len or the "
+                f"micro-batch, or split the sequence further (context parallelism)")
+    need = math.ceil(16 * model.params / (usable - acts))  # ZeRO-3 over G GPUs: 16Ψ/G + activations ≤ usable
+    nodes = math.ceil(need / cluster.gpus_per_node)
+    return (f"{head}: the model states (16Ψ = {16 * model.params / GB:,.0f} GB in total) need at least "
+            f"{need} GPUs of {cluster.gpu_memory_gb:g} GB ({nodes} node{'s' if nodes > 1 else ''} of "
+            f"{cluster.gpus_per_node}) instead of {cluster.gpus}; or offload "
+            f"optimizer states and parameters to CPU/NVMe (ZeRO-Offload / ZeRO-Infinity)")
+
+
+# --------------------------------------------------------------------------- the widget
+
+
+def planner_widget(params_billions: float = 7.0, layers: int = 32, hidden: int = 4096, heads: int = 32,
+                   seq_len: int = 2048, gpu_memory_gb: float = 80.0, gpus_per_node: int = 8, nodes: int = 1,
+                   micro_batch: int = 1):
+    """An ipywidgets form over :func:`recommend`: model and cluster in, the plan (or the error) out.
+
+    Its text representation is the plan for the current values, so a headless run (nbval) stores
+    deterministic text.
+    """
+    import html
+
+    import ipywidgets as widgets
+
+    style = {"description_width": "initial"}
+    boxes = {"params_billions": widgets.BoundedFloatText(value=params_billions, min=1e-6, max=1e5, step=0.5,
+                                                         description="Ψ (billions)", style=style),
+             "layers": widgets.BoundedIntText(value=layers, min=1, max=10**4, description="layers", style=style),
+             "hidden": widgets.BoundedIntText(value=hidden, min=1, max=10**6, description="hidden", style=style),
+             "heads": widgets.BoundedIntText(value=heads, min=1, max=10**4, description="heads", style=style),
+             "seq_len": widgets.BoundedIntText(value=seq_len, min=1, max=10**7, description="seq", style=style),
+             "micro_batch": widgets.BoundedIntText(value=micro_batch, min=1, max=10**4, description="micro-batch",
+                                                   style=style),
+             "gpu_memory_gb": widgets.BoundedFloatText(value=gpu_memory_gb, min=0.1, max=10**4, step=8,
+                                                       description="GB per GPU", style=style),
+             "gpus_per_node": widgets.BoundedIntText(value=gpus_per_node, min=1, max=1024, description="GPUs/node",
+                                                     style=style),
+             "nodes": widgets.BoundedIntText(value=nodes, min=1, max=10**5, description="nodes", style=style)}
+    out = widgets.HTML()
+
+    def text() -> str:
+        v = {k: w.value for k, w in boxes.items()}
+        try:
+            model = Model(v["params_billions"] * 1e9, v["layers"], v["hidden"], v["heads"], v["seq_len"])
+            return str(recommend(model, Cluster(v["gpu_memory_gb"], v["gpus_per_node"], v["nodes"]),
+                                 micro_batch=v["micro_batch"]))
+        except PlanError as err:
+            return f"PlanError: {err}"
+
+    class PlannerWidget(widgets.VBox):
+        def __repr__(self) -> str:
+            return text()
+
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            data = bundle[0] if isinstance(bundle, tuple) else bundle
+            data["text/plain"] = text()
+            return bundle
+
+    def update(*_):
+        out.value = f"<pre style='font-size: 12px'>{html.escape(text())}</pre>"
+
+    for w in boxes.values():
+        w.observe(update, names="value")
+    names = list(boxes)
+    form = PlannerWidget([widgets.HBox([boxes[k] for k in names[:3]]), widgets.HBox([boxes[k] for k in names[3:6]]),
+                          widgets.HBox([boxes[k] for k in names[6:]]), out])
+    update()
+    return form
+

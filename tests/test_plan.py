@@ -1,0 +1,150 @@
+"""The strategy chooser (course_lib.plan): the ZeRO paper's table, the fixed cases, clear errors, and agreement with
+the bytes the course's own ZeRO / FSDP2 runs measure on real ranks (chapter 09's review suite, N = 2)."""
+import pytest
+
+from course_lib import plan
+from course_lib.experiments import ch09_review as R
+from course_lib.experiments.common import bench_config, parallel_config, small_config, zero_config
+from course_lib.launch import spawn
+from course_lib.models import GPT
+
+SEVEN_B = plan.Model(7e9, 32, 4096, 32, 2048, 32000)
+
+
+def test_zero_paper_table_is_120_31_4_16_6_1_9_gb():
+    table = plan.zero_paper_table(7.5e9, 64)
+    assert [round(v, 1) for v in table.values()] == [120.0, 31.4, 16.6, 1.9]
+    assert list(table) == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+
+
+@pytest.mark.parametrize("make", [small_config, zero_config, bench_config, parallel_config,
+                                  lambda: small_config(bias=True), lambda: parallel_config(mlp_ratio=2)],
+                         ids=["small", "zero", "bench", "parallel-untied", "bias", "mlp-ratio-2"])
+def test_gpt_num_params_counts_what_the_model_holds(make):
+    config = make()
+    assert plan.gpt_num_params(config) == GPT(config).num_params()
+
+
+def test_tensor_and_pipeline_parallel_divide_model_states_and_zero_shards_them():
+    base = plan.memory_per_gpu(SEVEN_B, plan.Layout(dp=1))
+    tp = plan.memory_per_gpu(SEVEN_B, plan.Layout(tp=8))
+    pp = plan.memory_per_gpu(SEVEN_B, plan.Layout(pp=4))
+    assert base["model_states"] == pytest.approx(16 * 7e9)
+    assert tp["model_states"] == pytest.approx(16 * 7e9 / 8)
+    assert pp["model_states"] == pytest.approx(16 * 7e9 / 4)
+    z3 = plan.memory_per_gpu(SEVEN_B, plan.Layout(dp=8, zero=3))
+    assert z3["model_states"] == pytest.approx(16 * 7e9 / 8)
+    assert z3["activations"] == base["activations"]  # ZeRO does not shard activations
+
+
+def test_1f1b_first_stage_holds_the_activations_of_no_pipeline_and_tp_sp_divides_them():
+    model = plan.Model(7e9, 32, 4096, 32, 2048)  # no vocab: blocks only
+    none = plan.memory_per_gpu(model, plan.Layout())["activations"]
+    assert plan.memory_per_gpu(model, plan.Layout(pp=4), num_microbatches=8)["activations"] == pytest.approx(none)
+    assert plan.memory_per_gpu(model, plan.Layout(pp=4), num_microbatches=2)["activations"] == pytest.approx(none / 2)
+    assert plan.memory_per_gpu(model, plan.Layout(tp=8))["activations"] == pytest.approx(none / 8)
+    full = plan.memory_per_gpu(model, plan.Layout(recompute="full"))["activations"]
+    assert full == pytest.approx(2 * 2048 * 4096 * 32)  # each layer's input, 16-bit
+
+
+@pytest.mark.parametrize("name", list(R.FIXED_CASES))
+def test_fixed_case(name):
+    model, cluster, expected, check = R.FIXED_CASES[name]
+    if check is None:
+        with pytest.raises(plan.PlanError, match=r"need at least \d+ GPUs"):
+            plan.recommend(model, cluster)
+        return
+    result = plan.recommend(model, cluster)
+    assert check(result), f"{name}: expected {expected}, got {result.layout.name()}"
+    assert result.memory["total"] <= result.usable_bytes
+    assert all(not fits for _, _, fits in result.tried[:-1]) and result.tried[-1][0] == result.layout
+
+
+def test_fixed_cases_give_the_expected_layouts_by_name():
+    got = {c["case"]: c for c in R.fixed_cases()}
+    assert all(c["ok"] for c in got.values())
+    assert got["7B on 8×80 GB"]["plan"].layout == plan.Layout(dp=8, zero=2)
+    assert got["70B on 64×80 GB (8 per node)"]["plan"].layout == plan.Layout(dp=8, tp=8, zero=2)
+    assert got["GPT-2 small (124M) on 8×80 GB"]["plan"].layout == plan.Layout(dp=8)
+    seventy = got["70B on 64×80 GB (8 per node)"]["plan"]
+    assert [alt.name() for alt, _, _ in seventy.alternatives] == ["TP 8 + SP, PP 2, ZeRO-1 (dp 4)"]
+
+
+def test_one_gpu_that_fits_is_plain_training():
+    result = plan.recommend(plan.Model(124e6, 12, 768, 12, 1024, 50257), plan.Cluster(24, 1, 1))
+    assert result.layout == plan.Layout(dp=1) and "one GPU" in result.reasons[0]
+
+
+def test_activations_that_fit_nowhere_are_named():
+    huge_seq = plan.Model(7e9, 32, 4096, 32, 2**22)
+    with pytest.raises(plan.PlanError, match="activations alone need"):
+        plan.recommend(huge_seq, plan.Cluster(80, 8, 4))
+
+
+def test_full_recompute_is_the_last_resort_and_says_so():
+    # 70B on one node: no layout fits with selective recompute; TP 8 × ZeRO-3 with full recompute does
+    result = plan.recommend(plan.Model(70e9, 80, 8192, 64, 4096), plan.Cluster(80, 8, 2))
+    assert result.layout.recompute == "full" and any("full activation recompute" in r for r in result.reasons)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: plan.memory_per_gpu(plan.Model(7e9, 32, 768, 6, 2048), plan.Layout(tp=4)),
+     "num_heads=6 is not divisible by tp_size=4"),
+    (lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(pp=3)), "layers=32 is not divisible by pp_size=3"),
+    (lambda: plan.check_layout(SEVEN_B, plan.Layout(dp=4, tp=8), plan.Cluster(80, 8, 8)),
+     r"dp_size × tp_size × pp_size = 4 × 8 × 1 = 32 must equal the number of GPUs"),
+    (lambda: plan.check_layout(SEVEN_B, plan.Layout(dp=4, tp=16), plan.Cluster(80, 8, 8)),
+     "tp_size=16 does not divide gpus_per_node=8"),
+    (lambda: plan.Model(7e9, 32, 4096, 3, 2048), "hidden=4096 is not divisible by num_heads=3"),
+    (lambda: plan.Model(-1, 32, 4096, 32, 2048), r"params=-1 \(the parameter count Ψ\) must be a number > 0"),
+    (lambda: plan.Model(7e9, 0, 4096, 32, 2048), "layers=0 must be an int >= 1"),
+    (lambda: plan.Cluster(0, 8, 1), "gpu_memory_gb=0 must be a number > 0"),
+    (lambda: plan.Cluster(80, 8, 0), "nodes=0 must be an int >= 1"),
+    (lambda: plan.Layout(zero=4), "zero_stage=4 must be 0, 1, 2 or 3"),
+    (lambda: plan.Layout(recompute="some"), "recompute='some' must be one of"),
+    (lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(), precision="bf16"), "precision='bf16' must be"),
+    (lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(recompute="none"), precision="fp32"),
+     "precision='fp32' activations are derived for the course GPT"),
+    (lambda: plan.recommend(SEVEN_B, plan.Cluster(80), reserve=1.0), r"reserve=1.0 must be in \[0, 1\)"),
+], ids=["heads-tp", "layers-pp", "world", "tp-node", "hidden-heads", "params", "layers", "memory", "nodes", "zero",
+        "recompute", "precision", "fp32-needs-config", "reserve"])
+def test_bad_input_names_the_rule(make, message):
+    with pytest.raises(plan.PlanError, match=message):
+        make()
+
+
+def test_widget_shows_the_plan_as_text():
+    pytest.importorskip("ipywidgets")
+    text = repr(plan.planner_widget())
+    assert "→ ZeRO-2 (dp 8)" in text
+    assert "PlanError: hidden=768 is not divisible by num_heads=5" in repr(plan.planner_widget(hidden=768, heads=5))
+    # heads=6 on 4-GPU nodes: the chooser takes the largest TP size that divides both (2)
+    assert "TP 2 + SP" in repr(plan.planner_widget(params_billions=200, layers=32, hidden=768, heads=6,
+                                                   gpus_per_node=4, nodes=16, seq_len=2**15))
+
+
+# --------------------------------------------------------------------------- against real ranks
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return spawn(R.review_suite, 2, kwargs=dict(bubble_ms=(20.0, 40.0), microbatches=(1, 4)), timeout=600)[0]
+
+
+def test_planner_agrees_with_the_bytes_measured_by_chapters_03_and_04(suite):
+    rows = R.plan_vs_measured(suite)
+    assert [r["layout"] for r in rows] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"]
+    for r in rows:
+        assert abs(r["states_ratio"] - 1) <= 0.01, r
+        if r["activations_ratio"] is not None:
+            assert abs(r["activations_ratio"] - 1) <= 0.01, r
+
+
+def test_review_suite_measures_every_technique_at_its_formula(suite):
+    rows = {r["technique"]: r for r in R.comparison_rows(suite)}
+    for name in ("DDP (ours)", "ZeRO-1 (ours)", "ZeRO-2 (ours)", "ZeRO-3 (ours)", "FSDP2 (torch)",
+                 "TP (Megatron, ours)"):
+        assert abs(rows[name]["memory_ratio"] - 1) <= 0.01, name
+        assert abs(rows[name]["traffic_ratio"] - 1) <= 0.01, name
+    assert rows["PP (GPipe, 1F1B)"]["equal"].endswith("True")
+    assert "PP (GPipe, 1F1B)" in R.comparison_table(list(rows.values()))
