@@ -1,0 +1,265 @@
+"""The final O/X exam and course progress: the form (14 seeds, every chapter, never two of a group), grading with
+per-topic scores, missed traps and sections to reread, the widget, the text fallback, the terminal exam and the
+``course-lib exam`` / ``course-lib progress`` commands, and a real ``check()`` pass landing in the progress file."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from course_lib import exam as x
+from course_lib import quiz as q
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPED = {item["id"]: item["group"] for item in q.load_bank() if item.get("group")}
+
+
+@pytest.fixture(autouse=True)
+def course_home(tmp_path, monkeypatch):
+    """Each test has its own progress file and the course default language (English)."""
+    home = tmp_path / "course_home"
+    monkeypatch.setenv("COURSE_LIB_HOME", str(home))
+    monkeypatch.delenv("COURSE_LANG", raising=False)
+    monkeypatch.setattr(q, "_language", None)
+    return home
+
+
+def flipped(answer):
+    return "X" if answer == "O" else "O"
+
+
+def key(form):
+    return {item["id"]: item["answer"] for item in form}
+
+
+# -- the form ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_form_has_40_items_all_14_seeds_every_chapter_and_one_per_group(seed):
+    form = x.exam_items(n=40, seed=seed)
+    assert len(form) == 40 and len({i["id"] for i in form}) == 40
+    assert sum(bool(i.get("seed")) for i in form) == 14
+    assert {i["id"] for i in q.load_bank() if i.get("seed")} <= {i["id"] for i in form}
+    groups = collections.Counter(i["group"] for i in form if i.get("group"))
+    assert all(count == 1 for count in groups.values()), groups
+    per_chapter = collections.Counter(i["chapter"] for i in form)
+    assert set(per_chapter) == set(q.chapters())
+    assert max(per_chapter.values()) - min(per_chapter.values()) <= 1, per_chapter  # drawn evenly
+    order = [i["id"] for i in q.load_bank()]
+    assert [i["id"] for i in form] == sorted((i["id"] for i in form), key=order.index)  # bank order
+
+
+def test_form_is_deterministic_varies_with_the_seed_and_reaches_every_grouped_item():
+    assert x.exam_items(seed=5) == x.exam_items(seed=5)
+    assert x.exam_items(seed=5) != x.exam_items(seed=6)
+    drawn = {i["id"] for seed in range(60) for i in x.exam_items(n=60, seed=seed)}
+    assert set(GROUPED) <= drawn  # a group limits a form, not the bank: every member gets its turn
+    assert drawn == {i["id"] for i in q.load_bank()}
+
+
+def test_form_size_bounds():
+    assert len(x.exam_items(n=14)) == 14 and all(i.get("seed") for i in x.exam_items(n=14))
+    largest = len(q.exam_form())  # every item the one-per-group rule allows
+    assert len(x.exam_items(n=largest)) == largest
+    for bad in (13, largest + 1, 40.0, True, "40"):
+        with pytest.raises(ValueError, match=r"between 14 \(the seed statements\) and"):
+            x.exam_items(n=bad)
+
+
+# -- grading ----------------------------------------------------------------------------------------
+
+
+def test_grade_all_right_then_some_wrong_scores_per_topic_traps_and_reread(course_home):
+    form = x.exam_items()
+    answers = key(form)
+    perfect = x.grade_exam(answers, record=False)
+    assert (perfect.score, perfect.total) == (40, 40) and perfect.missed_traps == [] and perfect.reread == ()
+    wrong = [form[1], form[17], form[33]]
+    for item in wrong:
+        answers[item["id"]] = flipped(item["answer"]).lower()
+    result = x.grade_exam(answers, record=False)
+    assert (result.score, result.total) == (37, 40)
+    assert result.missed == [i["id"] for i in wrong]
+    assert result.missed_traps == list(dict.fromkeys(i["trap"] for i in wrong))
+    assert result.reread == tuple(dict.fromkeys((i["trap"], i["teaches"]) for i in wrong))
+    topics = result.by_topic()
+    assert sum(n for _, n in topics.values()) == 40
+    expected = collections.Counter(i["topic"] for i in form)
+    assert {t: n for t, (_, n) in topics.items()} == dict(expected)
+    for topic, (score, total) in topics.items():
+        assert score == total - sum(i["topic"] == topic for i in wrong)
+    assert not (course_home / "progress.json").exists()  # record=False
+
+
+def test_report_is_deterministic_and_names_topics_traps_and_sections(course_home):
+    form = x.exam_items(seed=2)
+    answers = key(form)
+    miss = form[4]
+    answers[miss["id"]] = flipped(miss["answer"])
+    text = repr(x.grade_exam(answers, seed=2, record=False))
+    assert text == repr(x.grade_exam(dict(answers), seed=2, record=False))
+    lines = text.splitlines()
+    assert lines[0] == "O/X exam result: 39/40 correct (98%)"
+    assert f"Missed traps: {miss['trap']}" in lines
+    table_start = lines.index("Score by topic:")
+    weakest = lines[table_start + 1].split()
+    assert weakest[0] == miss["topic"]  # weakest topic first
+    assert lines[-1] == f"Reread: {miss['teaches']} ({miss['trap']})"
+    assert not any(line.startswith("By topic:") for line in lines)  # the table replaces the one-line summary
+    korean = repr(x.grade_exam(answers, seed=2, lang="ko", record=False)).splitlines()
+    assert korean[0] == "O/X 시험 결과: 39/40 정답 (98%)" and korean[-1].startswith("다시 읽을 곳: ")
+    assert "주제별 점수:" in korean
+
+
+def test_grade_accepts_a_list_in_form_order_and_rejects_bad_input():
+    form = x.exam_items(n=20, seed=1)
+    result = x.grade_exam([i["answer"] for i in form], n=20, seed=1, record=False)
+    assert result.score == result.total == 20
+    with pytest.raises(ValueError, match="20 statements but 2 answers"):
+        x.grade_exam(["O", "X"], n=20, seed=1)
+    outside = next(i["id"] for i in q.load_bank() if i["id"] not in {f["id"] for f in form})
+    with pytest.raises(ValueError, match=f"unknown item id '{outside}' for the exam form n=20, seed=1"):
+        x.grade_exam({outside: "O"}, n=20, seed=1)
+    with pytest.raises(ValueError, match="allowed values are 'O' or 'X'"):
+        x.grade_exam({form[0]["id"]: "maybe"}, n=20, seed=1)
+    with pytest.raises(ValueError, match="no answers"):
+        x.grade_exam({}, n=20, seed=1)
+    with pytest.raises(ValueError, match="unknown language"):
+        x.grade_exam({form[0]["id"]: "O"}, n=20, seed=1, lang="fr")
+
+
+def test_grading_records_last_and_best_exam_score_beside_the_quizzes(course_home):
+    form = x.exam_items()
+    q.grade(3, {i["id"]: i["answer"] for i in q.load_bank(3)})
+    x.grade_exam(key(form))
+    half = {i["id"]: (i["answer"] if n % 2 else flipped(i["answer"])) for n, i in enumerate(form)}
+    x.grade_exam(half)
+    stored = json.loads((course_home / "progress.json").read_text(encoding="utf-8"))
+    assert stored["exam"] == {"best": {"score": 40, "total": 40, "seed": 0},
+                              "last": {"score": 20, "total": 40, "seed": 0}, "attempts": 2}
+    assert stored["quiz"]["ch03"]["attempts"] == 1  # the quiz section survives exam writes
+
+
+# -- displays ---------------------------------------------------------------------------------------
+
+
+def test_widget_feedback_running_score_then_topics_traps_reread_and_record(course_home):
+    widget = x.final_exam(mode="widget")
+    assert isinstance(widget, x.ExamWidget) and len(widget.buttons) == 40
+    assert "Final O/X exam — chapters 00–09 (40 statements, form 0)" in widget.header.value
+    items = widget.items
+    o_button, x_button = widget.buttons[0]
+    (x_button if items[0]["answer"] == "O" else o_button).click()  # wrong on purpose
+    assert "✘ wrong" in widget.feedback[0].value and "0/1" in widget.score_label.value
+    for index, item in enumerate(items[1:], start=1):
+        widget.answer(index, item["answer"])
+    assert widget.finished
+    summary = widget.summary.value
+    assert "Final score 39/40" in summary and "Score by topic" in summary
+    assert f"Reread: {items[0]['teaches']}" in summary and items[0]["trap"] in summary
+    assert q.progress()["exam"]["last"] == {"score": 39, "total": 40, "seed": 0}
+    widget.set_lang("ko")
+    assert "최종 O/X 시험" in widget.header.value and "주제별 점수" in widget.summary.value
+
+
+def test_widget_and_text_listings_are_deterministic():
+    widget, again = x.final_exam(mode="widget", record=False), x.final_exam(mode="widget", record=False)
+    bundle = widget._repr_mimebundle_()
+    assert bundle["text/plain"] == again._repr_mimebundle_()["text/plain"] == widget.text()
+    lines = widget.text().splitlines()
+    form = x.exam_items()
+    assert lines[0] == "Final O/X exam — chapters 00–09 (40 statements, form 0)"
+    assert lines[-1] == q.WIDGET_HINT
+    first_plain = next(n for n, i in enumerate(form) if not i.get("seed"))
+    assert f"{first_plain + 1:2d}. [{form[first_plain]['chapter']:02d}] {form[first_plain]['statement']['en']}" in lines
+    shown = x.final_exam(seed=3)  # pytest is not a kernel: the text fallback
+    assert isinstance(shown, x.ExamText)
+    assert repr(shown).splitlines()[-1] == ("(answer with grade_exam({item_id: 'O' or 'X'}, n=40, seed=3) or: "
+                                            "course-lib exam -n 40 --seed 3)")
+    assert repr(shown).splitlines()[1:-1] == x.ExamWidget(x.exam_items(seed=3), "en", 3,
+                                                           record=False).text().splitlines()[1:-1]
+    assert repr(x.final_exam(lang="ko", mode="text")).startswith("최종 O/X 시험 — 00–09장 전체 (40문항, 시험지 0)")
+    with pytest.raises(ValueError, match="mode must be"):
+        x.final_exam(mode="gui")
+
+
+# -- terminal and command line ----------------------------------------------------------------------
+
+
+def test_terminal_exam_with_scripted_input(course_home):
+    form = x.exam_items(n=14)
+    replies = iter([form[0]["answer"].lower(), "maybe", flipped(form[1]["answer"]), form[2]["answer"], "q"])
+    printed = []
+    result = x.run_terminal_exam(n=14, input_fn=lambda _: next(replies),
+                                 print_fn=lambda *a: printed.append(" ".join(map(str, a))))
+    out = "\n".join(printed)
+    assert (result.score, result.total) == (2, 3)
+    assert "Please answer O or X" in out and "Final score 2/3" in out
+    assert f"Missed traps: {form[1]['trap']}" in out and "Score by topic:" in out
+    assert f"Reread: {form[1]['teaches']} ({form[1]['trap']})" in out
+    assert q.progress()["exam"]["last"] == {"score": 2, "total": 3, "seed": 0}
+
+
+def run_cli(args, stdin="", home=None):
+    env = dict(os.environ, COURSE_LIB_HOME=str(home), PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, "-m", "course_lib.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_cli_exam_and_progress(course_home):
+    form = x.exam_items(n=14, seed=4)
+    answers = "".join(f"{i['answer']}\n" for i in form[:-1]) + f"{flipped(form[-1]['answer'])}\n"
+    done = run_cli(["exam", "-n", "14", "--seed", "4", "--lang", "ko"], answers, course_home)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("최종 O/X 시험 — 00–09장 전체 (14문항, 시험지 4)")
+    assert "최종 점수 13/14" in done.stdout and f"다시 읽을 곳: {form[-1]['teaches']}" in done.stdout
+    bad = run_cli(["exam", "-n", "3"], "", course_home)
+    assert bad.returncode == 2 and "between 14 (the seed statements)" in bad.stderr
+    q.record_score(2, 10, 17)
+    shown = run_cli(["progress"], "", course_home)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"Course progress ({course_home / 'progress.json'})"
+    assert any(line.startswith("  02 ") and line.endswith("10/17 (59%), 1 attempt(s)") for line in lines)
+    assert any(line.startswith("  05 ") and line.endswith("not yet") for line in lines)
+    assert "Final exam: 13/14 (93%), 1 attempt(s)" in lines
+    assert lines[-1].startswith("Done: quizzes 1/10, exercises 0/")
+
+
+# -- progress ---------------------------------------------------------------------------------------
+
+
+def test_course_progress_lists_every_chapter_and_exercise():
+    from course_lib.check import EXERCISES
+
+    state = x.course_progress()
+    assert list(state.quizzes) == q.chapters() and all(v is None for v in state.quizzes.values())
+    assert list(state.exercises) == list(EXERCISES) and not any(ok for _, ok in state.exercises.values())
+    assert state.exercises["ring_all_reduce"] == (0, False) and state.exam is None
+    q.record_score(0, 3, 4)
+    x.record_exercise("ring_all_reduce")
+    x.record_exercise("ring_all_reduce")
+    state = x.course_progress()
+    assert state.quizzes[0] == (3, 4, 1) and state.exercises["ring_all_reduce"] == (0, True)
+    assert q.progress()["exercises"]["ring_all_reduce"] == {"passed": True, "passes": 2}
+    korean = x.progress_report(state, "ko").splitlines()
+    assert korean[-1].startswith("완료: 퀴즈 1/10, 연습 문제 1/")
+    assert any(line.strip().startswith("00 ring_all_reduce") and line.endswith("통과") for line in korean)
+
+
+def test_a_passing_check_of_the_learners_exercise_is_recorded_and_the_solution_is_not(learner_answer):
+    from course_lib.check import check
+
+    assert check("count_model_state_bytes", package="solutions").passed
+    assert "exercises" not in q.progress()  # the reference solution is not the learner's work
+    run = learner_answer("ch01_memory", (ROOT / "solutions" / "ch01_memory.py").read_text(encoding="utf-8"))
+    assert run("count_model_state_bytes").passed
+    assert q.progress()["exercises"] == {"count_model_state_bytes": {"passed": True, "passes": 1}}
+    assert x.course_progress().exercises["count_model_state_bytes"] == (1, True)
