@@ -1,0 +1,122 @@
+"""Chapter 09: Horovod for real — ``horovodrun -np 2 --gloo`` trains the tiny GPT to the same weights as the
+course's DDP, torch DDP and one device; failures and hangs end with a clear error and no process left.
+
+Horovod is built once per machine by ``make horovod`` (``make test`` does it first); the tests that run it
+skip, with that command in the message, only where it is not installed. The bad-input and API-table tests
+need no Horovod.
+"""
+import inspect
+import os
+import time
+
+import psutil
+import pytest
+
+from course_lib.experiments import ch09_horovod as ex
+
+needs_horovod = pytest.mark.skipif(not ex.horovod_available(), reason=ex.BUILD_HINT)
+
+
+def _processes_mentioning(token: str) -> list[str]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(token in part for part in (p.info["cmdline"] or [])):
+                found.append(f"{p.info['pid']}: {' '.join(p.info['cmdline'])}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@needs_horovod
+def test_horovod_course_ddp_torch_ddp_and_one_device_end_equal():
+    res = ex.compare_frameworks(steps=5, global_batch=16, optimizer="sgd", world_size=2)
+    assert set(res.diffs) == {f"{a} vs {b}" for i, a in enumerate(ex.FRAMEWORKS) for b in ex.FRAMEWORKS[i + 1:]}
+    failed = {claim: ok for claim, ok in res.claims().items() if not ok}
+    assert not failed, f"{failed}\ndiffs: {res.diffs}\nrank spread: {res.rank_spread}"
+    for name, losses in res.losses.items():  # the same global-batch loss, step by step, and it learns
+        assert losses == pytest.approx(res.losses["one device"], abs=1e-5), name
+    assert res.losses["one device"][-1] < res.losses["one device"][0]
+
+
+@needs_horovod
+def test_horovod_worker_that_raises_is_named_and_leaves_no_process():
+    t0 = time.monotonic()
+    with pytest.raises(ex.HorovodRunError) as info:
+        ex.run_horovod(steps=3, fail_rank=1, timeout=120)
+    assert info.value.rank == 1 and "failed on purpose" in str(info.value)
+    assert "_horovod_train" in info.value.remote_traceback
+    assert time.monotonic() - t0 < 100, "a failed worker must not wait for the timeout"
+    assert not _processes_mentioning(info.value.run_dir)
+    assert not os.path.exists(info.value.run_dir)
+
+
+@needs_horovod
+def test_horovod_hang_ends_at_timeout_and_kills_the_process_tree():
+    t0 = time.monotonic()
+    with pytest.raises(ex.HorovodTimeout, match="timeout=25s"):
+        ex.run_horovod(steps=3, hang_rank=1, timeout=25)
+    assert time.monotonic() - t0 < 45
+    leftovers = _processes_mentioning("course_lib_hvd_")
+    assert not leftovers, leftovers
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(global_batch=15, world_size=2), "global_batch=15 is not divisible by world_size = 2"),
+    (dict(global_batch=16, world_size=3), "not divisible by world_size = 3"),
+    (dict(world_size=0), "world_size must be an integer >= 1"),
+    (dict(steps=0), "steps must be an integer >= 1"),
+    (dict(optimizer="lamb"), "optimizer='lamb' is not one of"),
+], ids=["batch15_world2", "batch16_world3", "world0", "steps0", "unknown_optimizer"])
+def test_bad_input_is_refused_before_any_process_starts(kwargs, message):
+    for fn in (ex.run_horovod, ex.compare_frameworks):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            fn(**kwargs)
+    assert not _processes_mentioning("course_lib_hvd_")
+
+
+def test_missing_horovodrun_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setattr("sys.executable", str(tmp_path / "python"))  # a venv without horovodrun
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert ex.horovodrun_path() is None and not ex.horovod_available()
+    with pytest.raises(ex.HorovodNotAvailable, match="make horovod"):
+        ex.run_horovod()
+
+
+def test_api_table_names_real_deepspeed_keys_and_course_apis():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from course_lib import ddp, zero, zero3
+
+    assert all(len(row) == len(ex.API_COLUMNS) for row in ex.API_TABLE)
+    ds = {row[0]: row[4] for row in ex.API_TABLE}
+    for stage in (1, 2, 3):
+        assert any(f"stage: {stage}" in cell for cell in ds.values())
+        DeepSpeedZeroConfig(stage=stage, offload_optimizer={"device": "cpu"})  # valid at every stage
+    cfg = DeepSpeedZeroConfig(stage=3, offload_param={"device": "cpu"}, reduce_bucket_size=1000,
+                              allgather_bucket_size=1000)
+    assert cfg.offload_param.device == "cpu"
+    assert {"comm_hook", "bucket_cap_mb"} <= set(inspect.signature(ddp.DDP).parameters) and ddp.DDP.no_sync
+    assert "stage" in inspect.signature(zero.ZeroOptimizer).parameters and zero3.Zero3
+    table = ex.api_table_markdown()
+    assert table.count("\n") == len(ex.API_TABLE) + 1 and "retired" in table
+
+
+@needs_horovod
+def test_api_table_names_real_horovod_apis():
+    import horovod
+    import horovod.torch as hvd
+
+    assert horovod.__version__ == ex.HOROVOD_VERSION
+    for name in ("init", "rank", "size", "local_rank", "broadcast_parameters", "broadcast_optimizer_state",
+                 "DistributedOptimizer", "allreduce", "join"):
+        assert callable(getattr(hvd, name)), name
+    assert hvd.Compression.fp16 and hvd.gloo_built()
+    assert {"named_parameters", "compression", "backward_passes_per_step"} <= set(
+        inspect.signature(hvd.DistributedOptimizer).parameters)
+
+
+@needs_horovod
+def test_ray_refuses_its_horovod_trainer_and_points_to_torch_trainer():
+    pytest.importorskip("ray")
+    assert "TorchTrainer" in ex.ray_on_horovod()
