@@ -128,7 +128,7 @@ def test_widget_shows_the_plan_as_text():
 
 @pytest.fixture(scope="module")
 def suite():
-    return spawn(R.review_suite, 2, kwargs=dict(bubble_ms=(20.0, 40.0), microbatches=(1, 4)), timeout=600)[0]
+    return spawn(R.review_suite, 2, timeout=600)[0]
 
 
 def test_planner_agrees_with_the_bytes_measured_by_chapters_03_and_04(suite):
