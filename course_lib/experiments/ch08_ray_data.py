@@ -1,0 +1,379 @@
+"""Chapter 08's runs: a Ray Data pipeline (Parquet files → CPU-heavy ``map_batches``) streamed into Ray Train.
+
+Data: :func:`write_corpus` writes the tiny GPT's sequences (chapter 01's counter task) as *text* —
+``"w05 w17 w06 …"`` — into Parquet files, with an ``id`` per row; :func:`tokenize` turns a batch of text into
+the model's ``x``/``y`` token ids and burns ``cost_ms`` of CPU time per row (what a real tokenizer, image
+decoder or augmentation costs). :class:`Tokenizer` is the same step as a callable class (a "tokenizer" loaded
+once per actor) for ``compute=ray.data.ActorPoolStrategy(size=n)``.
+
+Training: :func:`data_loop` is the ``train_loop_per_worker``: for each *variant* (a data source, a prefetch
+depth, epochs, a shuffle) it trains a fresh tiny GPT, one real (small) step plus ``time.sleep(step_sleep)`` per
+batch — standing in for an accelerator step, which leaves the CPU free while the GPU works. It times, inside the
+loop, how long each step waited for its batch. Sources: a Ray Data shard (``get_dataset_shard(name)
+.iter_torch_batches``) or a torch ``DataLoader(num_workers=1)`` doing the same tokenisation.
+
+Parent side: :func:`build_dataset`, :func:`fit` (the early checks, then one ``TorchTrainer.fit``),
+:func:`overlap_run` (serial = ``materialize()`` then train, vs streaming, vs ``prefetch_batches=0``, vs the
+``DataLoader``, in one fit), :func:`summarize` and :func:`reference_state` (one device, the same batches).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .. import ray_data, ray_train
+from ..data import counter_sequences
+from ..models import GPT
+from .ch07_ray_train import rank_results
+from .common import make_optimizer, small_config, train_step
+
+__all__ = ["write_corpus", "read_corpus", "tokenize", "Tokenizer", "build_dataset", "build_actor_dataset",
+           "FileBatches", "data_loop", "fit", "overlap_run", "summarize", "timelines", "reference_state",
+           "format_summary", "benchmark", "VARIANTS"]
+
+VOCAB = {f"w{i:02d}": i for i in range(small_config().vocab_size)}   # the "tokenizer": word -> token id
+
+
+# =========================================================================== data
+
+
+def write_corpus(folder: str, rows: int = 512, files: int = 16, seed: int = 0, bad_id: int | None = None) -> dict:
+    """Write ``rows`` sequences as text into ``files`` Parquet files (ids in file order); returns a summary.
+
+    Columns: ``id`` (int64), ``text`` (T+1 words), ``score`` (a float feature for the StandardScaler demo).
+    ``bad_id``: that row gets an unknown word, so tokenising it raises (the bad-input demo).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if rows < 1 or files < 1 or rows % files:
+        raise ValueError(f"rows={rows} must be a positive multiple of files={files}")
+    config = small_config()
+    seqs = counter_sequences(rows, config.block_size + 1, config.vocab_size, torch.Generator().manual_seed(seed))
+    texts = [" ".join(f"w{t:02d}" for t in s) for s in seqs.tolist()]
+    if bad_id is not None:
+        texts[bad_id] = "w?? " + texts[bad_id].split(" ", 1)[1]
+    score = seqs.float().mean(dim=1).numpy() * 0.5 + 3.0
+    os.makedirs(folder, exist_ok=True)
+    per = rows // files
+    for f in range(files):
+        sl = slice(f * per, (f + 1) * per)
+        table = pa.table({"id": np.arange(rows, dtype=np.int64)[sl], "text": texts[sl], "score": score[sl]})
+        pq.write_table(table, os.path.join(folder, f"part-{f:03d}.parquet"))
+    return {"folder": folder, "rows": rows, "files": files, "rows_per_file": per}
+
+
+def _burn(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time (not wall time: on a busy machine it takes longer)."""
+    end = time.thread_time() + seconds
+    x = 0
+    while time.thread_time() < end:
+        for i in range(200):
+            x = (x * 31 + i) % 1_000_003
+
+
+def tokenize(batch: dict, cost_ms: float = 0.0, vocab: dict | None = None) -> dict:
+    """``{"id", "text"}`` → ``{"id", "x", "y"}``: words to token ids, x = ids[:-1], y = ids[1:]; CPU cost per row."""
+    vocab = VOCAB if vocab is None else vocab
+    rows = []
+    for text in batch["text"]:
+        words = str(text).split()
+        unknown = [w for w in words if w not in vocab]
+        if unknown:
+            raise ValueError(f"unknown word {unknown[0]!r} in {str(text)[:24]!r}…")
+        rows.append([vocab[w] for w in words])
+    _burn(cost_ms * 1e-3 * len(rows))
+    ids = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+    return {"id": np.asarray(batch["id"], dtype=np.int64), "x": ids[:, :-1], "y": ids[:, 1:]}
+
+
+class Tokenizer:
+    """:func:`tokenize` as a callable class: ``__init__`` "loads the tokenizer" once per actor (``load_s``).
+
+    Each output row also carries the actor's pid and how many batches that actor had seen, so the notebook
+    can count actors and loads.
+    """
+
+    def __init__(self, cost_ms: float = 0.0, load_s: float = 0.2):
+        time.sleep(load_s)                      # e.g. reading a vocabulary / model file from disk
+        self.vocab, self.cost_ms, self.calls = dict(VOCAB), cost_ms, 0
+
+    def __call__(self, batch: dict) -> dict:
+        self.calls += 1
+        out = tokenize(batch, self.cost_ms, self.vocab)
+        n = len(out["id"])
+        return {**out, "actor_pid": np.full(n, os.getpid()), "actor_call": np.full(n, self.calls)}
+
+
+def read_corpus(folder: str):
+    """The corpus as a Ray ``Dataset`` of one block per Parquet file (``ray.data.from_arrow`` of each file).
+
+    ``ray.data.read_parquet(folder)`` works too, but Ray 2.60's Parquet reader packs small files into blocks
+    of up to 128 MiB: this whole corpus would be *one* block, so one ``map_batches`` task would preprocess it
+    all — no parallelism, nothing to stream. (Large real files are many blocks.) Blocks from Arrow tables also
+    carry their row counts, so the dataset's size is known without running anything.
+    """
+    import pyarrow.parquet as pq
+    import ray.data
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".parquet"))
+    return ray.data.from_arrow([pq.read_table(os.path.join(folder, f)) for f in files])
+
+
+def build_dataset(folder: str, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: float = 0.5):
+    """``read_corpus(folder).map_batches(tokenize, ...)`` with the course's batch-naming wrapper. Lazy."""
+    fn = ray_data.name_batches(tokenize, batch_size)
+    return read_corpus(folder).map_batches(fn, batch_size=batch_size, num_cpus=num_cpus,
+                                                     fn_kwargs={"cost_ms": cost_ms},
+                                                     udf_modifying_row_count=False)
+
+
+def build_actor_dataset(folder: str, actors: int = 2, cost_ms: float = 4.0, batch_size: int = 16,
+                        num_cpus: float = 0.5):
+    """The same step on an actor pool: ``map_batches(Tokenizer, compute=ActorPoolStrategy(size=actors))``."""
+    import ray.data
+
+    return read_corpus(folder).map_batches(
+        Tokenizer, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=num_cpus, batch_size=batch_size,
+        fn_constructor_kwargs={"cost_ms": cost_ms}, udf_modifying_row_count=False)
+
+
+class FileBatches(Dataset):
+    """The torch baseline: worker ``rank``'s batches of the same files, tokenised in ``__getitem__``.
+
+    Batch k of worker r holds rows ``[(k·world + r)·b, … + b)``; a ``DataLoader(num_workers=1,
+    batch_size=None)`` runs ``__getitem__`` in one child process, ahead of the training loop.
+    """
+
+    def __init__(self, folder: str, rank: int, world: int, batch_size: int, cost_ms: float):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(folder, columns=["id", "text"])
+        self.ids, self.texts = table["id"].to_pylist(), table["text"].to_pylist()
+        self.rank, self.world, self.b, self.cost_ms = rank, world, batch_size, cost_ms
+
+    def __len__(self) -> int:
+        return len(self.ids) // (self.world * self.b)
+
+    def __getitem__(self, k: int) -> dict:
+        lo = (k * self.world + self.rank) * self.b
+        out = tokenize({"id": self.ids[lo:lo + self.b], "text": self.texts[lo:lo + self.b]}, self.cost_ms)
+        return {key: torch.from_numpy(v) for key, v in out.items()}
+
+
+# =========================================================================== the training loop
+
+
+# What overlap_run races, in this order, in one fit: name -> variant settings. Two epochs each, the second
+# timed: the first starts the pipeline's processes (seconds on a busy laptop, once per run).
+VARIANTS = {
+    "serial": {"source": "serial", "epochs": 2},         # materialize() first (in the driver), then train
+    "streaming": {"source": "streaming", "epochs": 2},   # Ray Data streams into the loop (prefetch_batches=1)
+    "no_prefetch": {"source": "no_prefetch", "prefetch": 0, "epochs": 2},
+    "dataloader": {"source": "loader", "epochs": 2},     # torch DataLoader(num_workers=1), same tokenisation
+}
+
+
+def _batches(v: dict, cfg: dict, rank: int, world: int, epoch: int, shard):
+    if v["source"] == "loader":
+        data = FileBatches(cfg["folder"], rank, world, cfg["batch_size"], cfg["cost_ms"])
+        return DataLoader(data, batch_size=None, num_workers=1)
+    kwargs = {}
+    if v.get("shuffle_buffer"):
+        kwargs = {"local_shuffle_buffer_size": v["shuffle_buffer"], "local_shuffle_seed": v["seed"] + epoch}
+    return shard.iter_torch_batches(batch_size=cfg["batch_size"], prefetch_batches=v.get("prefetch", 1),
+                                    dtypes=torch.long, drop_last=cfg.get("drop_last", False), **kwargs)
+
+
+def data_loop(cfg: dict) -> None:
+    """``train_loop_per_worker``: each variant trains a fresh GPT from the same init, timed inside the loop.
+
+    Per step it records ``(epoch, t_wait_start, t_batch_ready, t_step_end)`` (seconds since the variant's
+    start) and the batch's ids; rank 0 also keeps the final parameters. Every rank's results go into the
+    run's checkpoint as ``rank<r>.pkl`` (read back with ``ch07_ray_train.rank_results``). Workers never print.
+    """
+    import pickle
+    import tempfile
+
+    import ray.train
+    import torch.distributed as dist
+    from ray.train import Checkpoint
+    from ray.train.torch import get_device, prepare_model
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world, dev = ctx.get_world_rank(), ctx.get_world_size(), get_device()
+    out = {"rank": rank, "runs": {}}
+    for name, v in cfg["variants"].items():
+        model = prepare_model(GPT(small_config(), seed=0))
+        opt = make_optimizer("adamw", model.parameters())
+        if world > 1:
+            dist.barrier()                                   # every variant starts together on all workers
+        shard = None if v["source"] == "loader" else ray.train.get_dataset_shard(v["source"])
+        steps, ids, t0 = [], [], time.perf_counter()
+        for epoch in range(v.get("epochs", 1)):
+            for wait, batch in ray_data.timed(_batches(v, cfg, rank, world, epoch, shard)):
+                ready = time.perf_counter()
+                train_step(model, opt, batch["x"].to(dev), batch["y"].to(dev))   # a real (tiny) step ...
+                time.sleep(cfg["step_sleep"])                # ... + the rest of an accelerator step
+                steps.append((epoch, ready - wait - t0, ready - t0, time.perf_counter() - t0))
+                ids.append(batch["id"].tolist())
+        module = model.module if hasattr(model, "module") else model
+        out["runs"][name] = {"steps": steps, "ids": ids, "loop_s": time.perf_counter() - t0,
+                             "state": {k: t.detach().cpu() for k, t in module.state_dict().items()}
+                             if rank == 0 else None, "stats": shard.stats() if shard is not None else ""}
+    out["rows"] = {name: sum(len(b["id"]) for b in ray.train.get_dataset_shard(name).iter_batches())
+                   for name in cfg.get("count", ())}         # e.g. an unsplit validation set: all of it
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)
+        ray.train.report({"done": 1}, checkpoint=Checkpoint.from_directory(d))
+
+
+# =========================================================================== parent side
+
+
+def fit(datasets: dict, cfg: dict, num_workers: int = 2, datasets_to_split="all", loop=data_loop,
+        rows: dict | None = None) -> list[dict]:
+    """Check, then run one ``TorchTrainer`` fit; returns each worker's results (index = rank).
+
+    Before any worker starts: the workers must fit in the cluster (``ray_train.check_resources``) and every
+    split dataset must hold at least ``num_workers × batch_size`` rows (``ray_data.check_enough_rows``, from
+    a row count known without running the pipeline: ``rows[name]``, e.g. from the Parquet footers, or Ray's
+    metadata).
+    """
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    per_worker = {"CPU": 0.5}                        # leave CPUs for Ray Data's tasks (2-CPU caveat)
+    use_gpu = ray_train.auto_use_gpu(num_workers)
+    ray_train.check_resources(num_workers, per_worker, use_gpu=use_gpu)
+    for name, ds in datasets.items():
+        if datasets_to_split == "all" or name in datasets_to_split:
+            ray_data.check_enough_rows((rows or {}).get(name, ds), num_workers, cfg["batch_size"])
+    trainer = TorchTrainer(
+        loop, train_loop_config=cfg, datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=datasets_to_split),
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=per_worker),
+        run_config=RunConfig(**ray_train.run_config_kwargs("ch08")))
+    return rank_results(trainer.fit(), num_workers)
+
+
+def overlap_run(folder: str, *, cost_ms: float = 4.0, step_sleep: float = 0.06, batch_size: int = 16,
+                num_workers: int = 2, variants: dict | None = None, extra: dict | None = None,
+                unsplit: dict | None = None) -> dict:
+    """Serial vs streaming (vs ``prefetch_batches=0``, vs ``DataLoader``) in one fit, timed inside the loops.
+
+    The serial run's preprocessing is ``ds.materialize()`` in the driver (timed here, ``materialize_s``);
+    its training then reads the materialized blocks. ``extra`` adds variants (e.g. shuffled epochs);
+    ``unsplit`` adds datasets that ``DataConfig`` gives *whole* to every worker (each counts its rows).
+    Returns ``{"materialize_s", "stats", "workers", "cfg"}``.
+    """
+    variants = dict(VARIANTS if variants is None else variants, **(extra or {}))
+    build_dataset(folder, 0.0, batch_size).materialize()    # warm-up: start Ray's task worker processes
+    t0 = time.perf_counter()
+    materialized = build_dataset(folder, cost_ms, batch_size).materialize()
+    materialize_s = time.perf_counter() - t0
+    sources = {v["source"] for v in variants.values()} - {"loader"}
+    datasets = {s: materialized if s == "serial" else build_dataset(folder, cost_ms, batch_size) for s in sources}
+    cfg = {"variants": variants, "batch_size": batch_size, "step_sleep": step_sleep, "folder": folder,
+           "cost_ms": cost_ms, "count": sorted(unsplit or {})}
+    workers = fit({**datasets, **(unsplit or {})}, cfg, num_workers, datasets_to_split=sorted(datasets))
+    return {"materialize_s": materialize_s, "stats": materialized.stats(), "workers": workers, "cfg": cfg}
+
+
+def _last_epoch(steps: list) -> list:
+    last = max(s[0] for s in steps)
+    return [s for s in steps if s[0] == last]
+
+
+def summarize(run: dict) -> dict:
+    """Per variant, over its *last* epoch: wall time (first wait → last step end over the workers; serial adds
+    ``materialize_s``), idle per step, rows/s; and the streaming/serial ratio."""
+    out = {}
+    b = run["cfg"]["batch_size"]
+    for name in run["workers"][0]["runs"]:
+        per = [_last_epoch(w["runs"][name]["steps"]) for w in run["workers"]]
+        wall = max(s[-1][3] for s in per) - min(s[0][1] for s in per)
+        wall += run["materialize_s"] if name == "serial" else 0.0
+        waits = [s[2] - s[1] for p in per for s in p]
+        out[name] = {"wall_s": wall, "mean_wait_s": float(np.mean(waits)), "median_wait_s": float(np.median(waits)),
+                     "steps": len(per[0]), "rows_per_s": sum(len(p) for p in per) * b / wall}
+    if "serial" in out and "streaming" in out:
+        out["ratio"] = out["streaming"]["wall_s"] / out["serial"]["wall_s"]
+    return out
+
+
+def timelines(run: dict, names=("serial", "streaming")) -> tuple[list, list]:
+    """Rows for ``viz.gantt`` over each variant's timed (last) epoch: per (variant, worker) the waits (grey)
+    and steps (blue); serial starts with the driver's ``materialize()`` (a wait: training could not start)."""
+    rows, labels = [], []
+    for name in names:
+        per = [_last_epoch(w["runs"][name]["steps"]) for w in run["workers"]]
+        shift = (run["materialize_s"] if name == "serial" else 0.0) - min(s[0][1] for s in per)
+        for w, steps in zip(run["workers"], per):
+            ev = [("wait", "", 0, 0.0, run["materialize_s"])] if name == "serial" else []
+            for _, start, ready, end in steps:
+                ev += [("wait", "", 0, start + shift, ready + shift), ("F", "", 0, ready + shift, end + shift)]
+            rows.append(ev)
+            labels.append(f"{name} · worker {w['rank']}")
+    return rows, labels
+
+
+def reference_state(folder: str, per_worker_ids: list[list[list[int]]]) -> dict:
+    """One device trained on the global batches the workers saw: step k = the union of every worker's k-th batch.
+
+    DDP averages the workers' mean gradients, which equals the global batch's mean gradient when the
+    workers' batches are equally large, so the final parameters must match the Train run's.
+    """
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(folder, columns=["id", "text"])
+    text = dict(zip(table["id"].to_pylist(), table["text"].to_pylist()))
+    model = GPT(small_config(), seed=0)
+    opt = make_optimizer("adamw", model.parameters())
+    for step in zip(*per_worker_ids):
+        idx = [i for batch in step for i in batch]
+        tok = tokenize({"id": np.asarray(idx), "text": [text[i] for i in idx]})
+        train_step(model, opt, torch.from_numpy(tok["x"]), torch.from_numpy(tok["y"]))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def format_summary(summary: dict) -> str:
+    """The race as text: wall time, wait per step, rows/s per variant, and the streaming/serial ratio."""
+    lines = []
+    for name in ("serial", "streaming", "no_prefetch", "dataloader"):
+        if name in summary:
+            s = summary[name]
+            lines.append(f"{name:>12}: wall {s['wall_s']:5.2f} s | wait per step: mean {s['mean_wait_s'] * 1e3:5.0f} "
+                         f"ms, median {s['median_wait_s'] * 1e3:4.0f} ms | {s['rows_per_s']:5.0f} rows/s")
+    base = summary.get("streaming", {}).get("wall_s")
+    others = [f"{n} / streaming {summary[n]['wall_s'] / base:.2f}" for n in ("no_prefetch", "dataloader")
+              if n in summary and base]
+    if "ratio" in summary:
+        lines.append(f"streaming / serial wall time: {summary['ratio']:.2f}" + (f"; {', '.join(others)}"
+                                                                                 if others else ""))
+    return "\n".join(lines)
+
+
+def benchmark(rows: int = 512, cost_ms: float = 4.0, step_sleep: float = 0.06, batch_size: int = 16) -> str:
+    """``python -m course_lib.bench raydata``: start Ray, write a corpus, race the variants, clean up; the text."""
+    import shutil
+    import tempfile
+
+    ray = ray_train.start(num_cpus=2)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    folder = tempfile.mkdtemp(prefix="ch08bench_")
+    try:
+        write_corpus(folder, rows=rows, files=16)
+        run = overlap_run(folder, cost_ms=cost_ms, step_sleep=step_sleep, batch_size=batch_size)
+    finally:
+        ray_train.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    return (f"{rows} rows, tokenising {cost_ms:g} ms CPU/row, step {step_sleep * 1e3:.0f} ms (tiny real step + "
+            f"sleep), 2 workers × batch {batch_size}, serial materialize {run['materialize_s']:.2f} s\n"
+            + format_summary(summarize(run)))
