@@ -12,15 +12,19 @@ __all__ = ["train_single_device"]
 
 
 def train_single_device(config: GPTConfig, steps: int = 200, batch_size: int = 32, lr: float = 3e-3,
-                        seed: int = 0, progress: bool = True) -> dict:
+                        seed: int = 0, progress: bool = True, device=None) -> dict:
     """Train ``GPT(config)`` with AdamW on the synthetic counter task; return the history.
 
     Returns ``{"model", "optimizer", "loss": [per step], "tokens_per_s", "seconds"}``.
     Batch ``i`` is ``make_batch(batch_size, T, V, seed + i)``: the same data every run.
+    ``device`` defaults to :func:`course_lib.launch.device` (this rank's GPU under nccl, else the CPU).
     """
+    from .launch import device as default_device
+
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps={steps} and batch_size={batch_size} must both be >= 1")
-    model = GPT(config, seed=seed)
+    dev = default_device() if device is None else torch.device(device)
+    model = GPT(config, seed=seed).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     iterator = range(steps)
@@ -30,7 +34,7 @@ def train_single_device(config: GPTConfig, steps: int = 200, batch_size: int = 3
         iterator = tqdm(iterator, desc="training", leave=False)
     t0 = time.perf_counter()
     for i in iterator:
-        x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed + i)
+        x, y = (t.to(dev) for t in make_batch(batch_size, config.block_size, config.vocab_size, seed + i))
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

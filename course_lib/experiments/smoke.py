@@ -14,9 +14,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ..launch import RankError, RankTimeout, _gpu_count, spawn
+from ..launch import _gpu_count, spawn
 
-__all__ = ["SMOKE", "SmokeRow", "smoke_world", "run_smoke", "format_smoke"]
+__all__ = ["SMOKE", "SMOKE_RAY", "SmokeRow", "smoke_world", "run_smoke", "format_smoke"]
 
 TMP = "<tmp>"  # stands for a fresh temporary directory, shared by the ranks (checkpoints)
 
@@ -48,6 +48,7 @@ E00, E02, E03, E04 = ("course_lib.experiments." + m for m in ("ch00_collectives"
 # (chapter, "module:function", kwargs): small versions of what each notebook runs on ranks.
 SMOKE: list[tuple[str, str, dict]] = [
     ("00", "course_lib.launch:hello", {}),
+    ("01", "course_lib.train:train_single_device", dict(config=_tiny(), steps=2, batch_size=2, progress=False)),
     ("00", f"{E00}:bandwidth_benchmark",
      dict(sizes_bytes=(2**10, 2**14), ops=("all_reduce", "all_gather", "reduce_scatter"), iters=2, warmup=1)),
     ("00", f"{E00}:toy_data_parallel_step", dict(d_model=32, global_batch=8, steps=2, warmup=1)),
@@ -108,6 +109,12 @@ SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here;
     ("06", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
 ]
 
+# Ray chapters: a rank function inside a real ``TorchTrainer`` (Ray makes the process group: gloo on CPU,
+# nccl with ``use_gpu``); run in the parent, one Ray session for all of them.
+SMOKE_RAY: list[tuple[str, str, dict]] = [
+    ("07", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
+]
+
 
 @dataclass
 class SmokeRow:
@@ -139,29 +146,57 @@ def smoke_world() -> int:
     return gpus if gpus >= 1 else 2
 
 
+def _ray_smoke(target: str, kwargs: dict, world: int, tmp: str) -> dict:
+    """``target(**kwargs)`` on ``world`` Ray Train workers (``use_gpu`` when there is a GPU per worker)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from .. import ray_train
+    from .ch07_ray_train import rank_function_loop, rank_results
+
+    ray_train.start(num_cpus=max(2, world))
+    use_gpu = ray_train.auto_use_gpu(world)
+    ray_train.check_resources(world, use_gpu=use_gpu)
+    trainer = TorchTrainer(rank_function_loop, train_loop_config={"fn": _run_one, "args": (target, kwargs, tmp)},
+                           scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu),
+                           run_config=RunConfig(**ray_train.run_config_kwargs("smoke")))
+    return rank_results(trainer.fit(), world)[0]
+
+
 def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180, progress=None) -> list[SmokeRow]:
-    """Run every :data:`SMOKE` entry (of ``chapters``, default all) on ``world_size`` ranks; one row each."""
+    """Run every :data:`SMOKE` and :data:`SMOKE_RAY` entry (of ``chapters``, default all); one row each."""
     from ..launch import resolve_backend
 
     world = smoke_world() if world_size is None else world_size
     backend = resolve_backend("auto", world)
-    rows = []
-    for chapter, target, kwargs in SMOKE:
-        if chapters is not None and chapter not in chapters:
-            continue
-        t0 = time.perf_counter()
-        try:
-            with tempfile.TemporaryDirectory(prefix="course-smoke-") as tmp:
-                got = spawn(_run_one, world, args=(target, kwargs, tmp), backend="auto", timeout=timeout)[0]
-            row = SmokeRow(chapter, target.split(":")[1], world, got["backend"], got["device"], "pass",
-                           time.perf_counter() - t0)
-        except (RankError, RankTimeout) as exc:
-            first = str(exc).strip().splitlines()
-            row = SmokeRow(chapter, target.split(":")[1], world, backend, "?", "FAIL", time.perf_counter() - t0,
-                           first[0][:160] if first else type(exc).__name__)
-        rows.append(row)
-        if progress is not None:
-            progress(row)
+    rows, ray_started = [], False
+    entries = [(c, t, k, False) for c, t, k in SMOKE] + [(c, t, k, True) for c, t, k in SMOKE_RAY]
+    try:
+        for chapter, target, kwargs, on_ray in entries:
+            if chapters is not None and chapter not in chapters:
+                continue
+            t0 = time.perf_counter()
+            try:
+                with tempfile.TemporaryDirectory(prefix="course-smoke-") as tmp:
+                    if on_ray:
+                        ray_started = True
+                        got = _ray_smoke(target, kwargs, world, tmp)
+                    else:
+                        got = spawn(_run_one, world, args=(target, kwargs, tmp), backend="auto", timeout=timeout)[0]
+                row = SmokeRow(chapter, target.split(":")[1], world, got["backend"], got["device"], "pass",
+                               time.perf_counter() - t0)
+            except Exception as exc:  # noqa: BLE001 - RankError/RankTimeout, or Ray's TrainingFailedError: a row
+                first = str(exc).strip().splitlines()
+                row = SmokeRow(chapter, target.split(":")[1], world, backend, "?", "FAIL", time.perf_counter() - t0,
+                               first[0][:160] if first else type(exc).__name__)
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    finally:
+        if ray_started:
+            from .. import ray_train
+
+            ray_train.stop()
     return rows
 
 
