@@ -120,6 +120,10 @@ def _load(package: str, ex: Exercise) -> Callable:
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)  # ranks run exactly this code, whatever their sys.path
+    if ex.launcher == "parent":  # Ray pickles with its own copy of cloudpickle (a registry of its own)
+        from ray import cloudpickle as ray_cloudpickle
+
+        ray_cloudpickle.register_pickle_by_value(module)
     return getattr(module, ex.function)
 
 
