@@ -33,6 +33,7 @@ ENV = {
     "RAY_AUTH_MODE": "disabled",                  # local cluster, nothing to authenticate against
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",   # no cloud preemption on a laptop
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",   # notice a dead worker within a fraction of a second
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "240",  # 60 s by default: too short for worker start-up on a busy laptop
     "RAY_TRAIN_V2_ENABLED": "1",                  # Train v2 (the default in 2.60; v1 hangs on 2 CPUs here)
     "RAY_DEDUP_LOGS": "0",
     "OMP_NUM_THREADS": "1",                       # one thread per worker: 2 workers × 2 threads on 2 cores is slow
