@@ -41,8 +41,9 @@ from .quiz import (_UI, LANGS, WIDGET_HINT, QuizResult, QuizWidget, _better, _in
                    _resolve_lang, _result, _widgets_available, ask_items, chapter_title, chapters, load_bank,
                    progress, progress_path, statement_text, write_progress)
 
-__all__ = ["ExamResult", "ExamText", "ExamWidget", "course_progress", "exam_items", "final_exam", "grade_exam",
-           "progress_report", "record_exercise", "run_terminal_exam", "DEFAULT_N"]
+__all__ = ["CourseProgress", "ExamResult", "ExamText", "ExamWidget", "course_progress", "exam_items",
+           "exercise_chapters", "final_exam", "grade_exam", "progress_report", "record_exam", "record_exercise",
+           "run_terminal_exam", "DEFAULT_N"]
 
 DEFAULT_N = 40
 TEXT_HINT = "(answer with grade_exam({{item_id: 'O' or 'X'}}, n={n}, seed={seed}) or: course-lib exam -n {n} " \
@@ -351,10 +352,28 @@ class CourseProgress:
         return self.report()
 
 
+def exercise_chapters() -> dict[str, int]:
+    """``{exercise name: chapter}`` in :data:`course_lib.check.EXERCISES` order, read from ``check.py``'s source
+    (importing it imports every checker: torch, Ray, ~20 s on 2 busy cores); imported only if it is not a literal."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).with_name("check.py")).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "EXERCISES" and \
+                isinstance(node.value, ast.Dict):
+            try:
+                return {ast.literal_eval(k): int(ast.literal_eval(v.args[0])[2:4])
+                        for k, v in zip(node.value.keys, node.value.values)}
+            except (ValueError, AttributeError, IndexError, TypeError):
+                break
+    from .check import EXERCISES
+
+    return {name: int(ex.module[2:4]) for name, ex in EXERCISES.items()}
+
+
 def course_progress(*, bank_dir=None) -> CourseProgress:
     """Read the progress file: each chapter quiz's best score, which exercises passed, the best exam score."""
-    from .check import EXERCISES  # lazy: imports the checkers (torch)
-
     data = progress()
     quizzes = {}
     for chapter in chapters(bank_dir=bank_dir):
@@ -362,8 +381,8 @@ def course_progress(*, bank_dir=None) -> CourseProgress:
         best = entry.get("best") if isinstance(entry, dict) else None
         quizzes[chapter] = (best["score"], best["total"], int(entry.get("attempts", 0))) if best else None
     passed = data.get("exercises") if isinstance(data.get("exercises"), dict) else {}
-    exercises = {name: (int(ex.module[2:4]), bool((passed.get(name) or {}).get("passed")))
-                 for name, ex in EXERCISES.items()}
+    exercises = {name: (chapter, bool((passed.get(name) or {}).get("passed")))
+                 for name, chapter in exercise_chapters().items()}
     exam = data.get("exam") if isinstance(data.get("exam"), dict) else None
     best = exam.get("best") if exam else None
     return CourseProgress(quizzes, exercises,

@@ -239,6 +239,7 @@ def test_cli_exam_and_progress(course_home):
 def test_course_progress_lists_every_chapter_and_exercise():
     from course_lib.check import EXERCISES
 
+    assert x.exercise_chapters() == {name: int(ex.module[2:4]) for name, ex in EXERCISES.items()}
     state = x.course_progress()
     assert list(state.quizzes) == q.chapters() and all(v is None for v in state.quizzes.values())
     assert list(state.exercises) == list(EXERCISES) and not any(ok for _, ok in state.exercises.values())
