@@ -3,11 +3,12 @@
 One JupyterLab on a free port opens a notebook with the chapter 00 quiz in English and in Korean, runs it, clicks
 the right answer to statement 1 and the wrong one to statement 2 with real mouse events, and the verdicts, the
 explanation and the running score must appear inside each cell's output area (``.jp-OutputArea``; the cell source
-holds none of them). A Korean font must be installed (``fc-match :lang=ko``) and the quiz's Korean statement must
-render as glyphs: its pixels differ from the same line drawn as missing-glyph boxes and from other syllables, which
-a Chromium without CJK fonts (the control, same check) cannot tell apart. Screenshots go to
-``.cache/test-artifacts/browser/`` (gitignored). Skipped, saying so, only where Chromium is not installed;
-``.ci/run`` installs ``chromium`` and ``fonts-noto-cjk``. Leaves no jupyter, kernel or chromium process behind.
+holds none of them); the final exam's widget (third cell) answers a click the same way. A Korean font must be
+installed (``fc-match :lang=ko``) and the quiz's Korean statement must render as glyphs: its pixels differ from the
+same line drawn as missing-glyph boxes and from other syllables, which a Chromium without CJK fonts (the control,
+same check) cannot tell apart. Screenshots go to ``.cache/test-artifacts/browser/`` (gitignored). Skipped, saying
+so, only where Chromium is not installed; ``.ci/run`` installs ``chromium`` and ``fonts-noto-cjk``. Leaves no
+jupyter, kernel or chromium process behind.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.exam import exam_items
 from course_lib.quiz import _UI as QUIZ_UI
 from course_lib.quiz import load_bank
 
@@ -53,8 +55,10 @@ def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     items = load_bank(0)[:3]
     env = dict(os.environ, COURSE_LIB_HOME=str(tmp_path / "home"))  # the kernel's clicks record nothing real
-    with lab_driver.Lab({"quiz.ipynb": lab_driver.quiz_notebook(("en", "ko"))}, env=env) as lab:
+    exam = exam_items(n=14)
+    with lab_driver.Lab({"quiz.ipynb": lab_driver.quiz_notebook(("en", "ko"), exam_n=14)}, env=env) as lab:
         found = lab_driver.check_quiz(lab, "quiz.ipynb", ("en", "ko"), items, ARTIFACTS)
+        exam_shown = lab_driver.answer(lab.page, 2, 0, exam[0]["answer"])  # the final exam's widget, cell 3
         text, font = lab_driver.statement(lab.page, 1, 3)  # statement 3 of the Korean quiz (not a seed item)
         pixels = lab_driver.korean_renders(lab.page, text, font)
         (ARTIFACTS / "korean_line.png").write_bytes(pixels.pop("png"))
@@ -71,6 +75,10 @@ def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
         assert items[2]["statement"][lang] in shown  # the cell shows its own language
         assert found["screenshots"][lang].stat().st_size > 10_000
     assert "✔ 정답" not in found["en"] and "✔ correct" not in found["ko"]
+
+    assert "\nFinal O/X exam — chapters 00–09 (14 statements, form 0)\n" in exam_shown, exam_shown[:200]
+    assert "✔ correct" in exam_shown and "Score 1/1 · 13 left" in exam_shown
+    assert exam[0]["explanation"]["en"][:40] in exam_shown
 
     assert text == items[2]["statement"]["ko"]
     assert pixels["vs_boxes"] > 0.02 and pixels["vs_other_syllables"] > 0.02, (

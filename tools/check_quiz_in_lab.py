@@ -305,9 +305,12 @@ UI = {"en": {"right": "✔ correct", "wrong": "✘ wrong", "score": "Score 1/2 �
       "ko": {"right": "✔ 정답", "wrong": "✘ 오답", "score": "점수 1/2 · 남은 문항 1"}}
 
 
-def quiz_notebook(langs=("en", "ko"), n: int = 3) -> nbformat.NotebookNode:
+def quiz_notebook(langs=("en", "ko"), n: int = 3, exam_n: int | None = None) -> nbformat.NotebookNode:
+    """One ``quiz(0, lang=..., n=n)`` cell per language, then (``exam_n``) a ``final_exam(n=exam_n)`` cell."""
     cells = [nbformat.v4.new_code_cell(f"from course_lib.quiz import quiz\nquiz(0, lang={lang!r}, n={n})")
              for lang in langs]
+    if exam_n is not None:
+        cells.append(nbformat.v4.new_code_cell(f"from course_lib.exam import final_exam\nfinal_exam(n={exam_n})"))
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     return nb
@@ -352,6 +355,18 @@ def check_quiz(lab: Lab, notebook: str, langs, items, out_dir: Path | None = Non
         if out_dir is not None:  # what the page showed when it went wrong
             (out_dir / "failure.png").write_bytes(page.screenshot())
         raise
+
+
+def answer(page: DevTools, cell: int, statement: int, value: str, timeout: float = 60) -> str:
+    """Click ``value`` (O/X) for ``statement`` (0-based) of the widget in ``cell``; return its output area's text
+    once the verdict is there."""
+    _wait(f"the widget's buttons in cell {cell}", lambda: page.js(
+        f"{_output(cell)}.querySelectorAll('.widget-button').length >= {2 * (statement + 1)}"), timeout, 0.5)
+    before = page.js(f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length")
+    page.click(_button(cell, statement, value))
+    _wait(f"the verdict in cell {cell}", lambda: page.js(
+        f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length > {before}"), timeout)
+    return page.js(f"{_output(cell)}.innerText")
 
 
 def statement(page: DevTools, cell: int, number: int) -> tuple[str, str]:
