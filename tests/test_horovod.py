@@ -32,7 +32,7 @@ def _processes_mentioning(token: str) -> list[str]:
 def test_horovod_course_ddp_torch_ddp_and_one_device_end_equal():
     res = ex.compare_frameworks(steps=5, global_batch=16, optimizer="sgd", world_size=2)
     pairs = {f"{a} vs {b}" for i, a in enumerate(ex.FRAMEWORKS) for b in ex.FRAMEWORKS[i + 1:]}
-    assert set(res.diffs) == pairs | {f"horovod vs {ex.INIT_STEP}"}
+    assert set(res.diffs) == pairs | {f"horovod vs {ex.INIT_STEP}"} and dict(res.table()) == res.diffs
     assert res.init_step_effect == 0.0, "a zero-gradient step leaves SGD with momentum where it was"
     assert all(res.diffs[p] <= 1e-6 for p in pairs), res.diffs
     failed = {claim: ok for claim, ok in res.claims().items() if not ok}

@@ -319,6 +319,10 @@ class FrameworkComparison(Result):
     def tolerance(self) -> float:
         return 1e-6 if self.optimizer == "sgd" else 1e-5  # as chapter 02 (COURSE_DESIGN: equality tests)
 
+    def table(self) -> list[tuple[str, float]]:
+        """``[(pair, max|Δparam|), ...]`` in :attr:`diffs` order (for printing)."""
+        return list(self.diffs.items())
+
     def claims(self) -> dict[str, bool]:
         """Every pair equal within :attr:`tolerance` — except Horovod's, when the zero-gradient step
         moved the optimizer (AdamW): then they must differ, and Horovod must equal one device after it."""
