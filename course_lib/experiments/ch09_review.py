@@ -39,7 +39,8 @@ def review_suite(bubble_ms: tuple[float, float] = (40.0, 80.0), microbatches=(1,
     Returns plain numbers: ``zero`` (``zero_stage_report`` for stages 0–3), ``profile``
     (``zero_stage_profile`` at micro-batch :data:`MICRO_BATCH`, no timing), ``fsdp``
     (``fsdp2_vs_zero3``, one timed round), ``tp`` (``tp_step`` on ``parallel_config``) and
-    ``bubbles`` (``sleep_bubbles``: each stage sleeps ``bubble_ms`` forward / backward).
+    ``bubbles`` (``sleep_bubbles``: each stage sleeps ``bubble_ms`` forward / backward; the median of 3
+    steps per rank, so one stall on a busy machine does not move it).
     """
     from . import ch03_zero, ch04_fsdp, ch05_pipeline, ch06_tensor_parallel
 
@@ -48,7 +49,7 @@ def review_suite(bubble_ms: tuple[float, float] = (40.0, 80.0), microbatches=(1,
     fsdp = ch04_fsdp.fsdp2_vs_zero3(steps=1)
     tp = ch06_tensor_parallel.tp_step()
     t_f, t_b = (v / 1e3 for v in bubble_ms)
-    bubbles = ch05_pipeline.sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=2)
+    bubbles = ch05_pipeline.sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=3)
     bubbles.pop("timelines")
     profile.pop("peak_trace", None)
     return _plain({"world_size": dist.get_world_size(), "zero": zero, "profile": profile, "fsdp": fsdp, "tp": tp,
