@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from .checks import ch00_collectives, ch01_memory, ch02_ddp, ch03_zero, ch04_fsdp, ch05_pipeline
-from .checks import ch06_tensor_parallel, ch07_ray_train
+from .checks import ch06_tensor_parallel, ch07_ray_train, ch08_ray_data
 from .launch import RankError, RankTimeout, spawn
 
 __all__ = ["check", "CheckResult", "EXERCISES", "Exercise", "worker_error"]
@@ -100,6 +100,10 @@ EXERCISES: dict[str, Exercise] = {
                                "ch07: the plain PyTorch loop as a Ray Train train_loop_per_worker (prepare_model, "
                                "prepare_data_loader, set_epoch, report + checkpoint), run in a real TorchTrainer",
                                ch07_ray_train.check_ray_train_loop, world_sizes=(2,), launcher="parent"),
+    "ray_data_pipeline": Exercise("ch08_ray_data", "fit_with_ray_data",
+                                  "ch08: a map_batches tokeniser streamed by Ray Data into a TorchTrainer "
+                                  "(datasets=, resources_per_worker)", ch08_ray_data.check_ray_data_pipeline,
+                                  world_sizes=(2,), launcher="parent"),
 }
 
 

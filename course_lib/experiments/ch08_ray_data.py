@@ -124,12 +124,14 @@ def read_corpus(folder: str):
     return ray.data.from_arrow([pq.read_table(os.path.join(folder, f)) for f in files])
 
 
-def build_dataset(folder: str, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: float = 0.5):
-    """``read_corpus(folder).map_batches(tokenize, ...)`` with the course's batch-naming wrapper. Lazy."""
+def build_dataset(folder, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: float = 0.5):
+    """``read_corpus(folder).map_batches(tokenize, ...)`` with the course's batch-naming wrapper. Lazy.
+
+    ``folder`` may also be an already-read ``Dataset``."""
     fn = ray_data.name_batches(tokenize, batch_size)
-    return read_corpus(folder).map_batches(fn, batch_size=batch_size, num_cpus=num_cpus,
-                                                     fn_kwargs={"cost_ms": cost_ms},
-                                                     udf_modifying_row_count=False)
+    base = read_corpus(folder) if isinstance(folder, str) else folder
+    return base.map_batches(fn, batch_size=batch_size, num_cpus=num_cpus, fn_kwargs={"cost_ms": cost_ms},
+                            udf_modifying_row_count=False)
 
 
 def build_actor_dataset(folder: str, actors: int = 2, cost_ms: float = 4.0, batch_size: int = 16,
@@ -365,8 +367,8 @@ def benchmark(rows: int = 512, cost_ms: float = 4.0, step_sleep: float = 0.06, b
     import shutil
     import tempfile
 
-    ray = ray_train.start(num_cpus=2)
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    ray_train.start(num_cpus=2, _system_config=ray_data.KEEP_WORKERS)
+    ray_data.quiet()
     folder = tempfile.mkdtemp(prefix="ch08bench_")
     try:
         write_corpus(folder, rows=rows, files=16)
