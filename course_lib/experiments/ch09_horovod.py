@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -140,6 +141,8 @@ def _worker_main(run_dir: str) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    caller = int(os.environ["COURSE_LIB_CALLER_PID"])
+    threading.Thread(target=_exit_with_caller, args=(caller, run_dir), daemon=True).start()
     rank = int(os.environ.get("HOROVOD_RANK", "-1"))
     try:
         import horovod.torch as hvd
@@ -155,6 +158,17 @@ def _worker_main(run_dir: str) -> None:
         _write(os.path.join(run_dir, f"rank{rank}.err"),
                pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc())))
         os._exit(1)
+
+
+def _exit_with_caller(pid: int, run_dir: str) -> None:
+    """End this worker (and clean up) when the process that called :func:`run_horovod` is gone (a killed kernel)."""
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            os._exit(1)
+        time.sleep(1.0)
 
 
 def _write(path: str, blob: bytes) -> None:
@@ -228,6 +242,7 @@ def run_horovod(steps: int = 5, global_batch: int = 16, optimizer: str = "sgd", 
     cmd = [launcher, "-np", str(world_size), "-H", f"localhost:{world_size}", "--gloo", "--network-interfaces",
            "lo", "--start-timeout", str(int(max(30, timeout))), "--disable-cache", *shlex.split(worker)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               COURSE_LIB_CALLER_PID=str(os.getpid()),
                PYTHONPATH=os.pathsep.join([p or os.getcwd() for p in sys.path]))
     log_path = os.path.join(run_dir, "horovodrun.log")
     proc = None
