@@ -1,0 +1,427 @@
+# %% [markdown]
+# # 08 · Ray Data: streaming CPU preprocessing into training, and how much idle time it saves
+#
+# **What you will learn**
+# - Ray Data's model: a `Dataset` is a lazy plan over **blocks**; `map_batches` adds a step that runs on blocks
+#   as Ray tasks (a function) or on a pool of **actors** (a callable class, `compute=ActorPoolStrategy(size=n)`);
+# - **streaming execution**: blocks flow from the files through preprocessing into the training workers while
+#   training runs, under **backpressure** — measured against "preprocess everything, then train", against a torch
+#   `DataLoader(num_workers=1)`, and with Ray Data's client-side prefetch switched off;
+# - feeding **Ray Train**: `datasets={"train": ds}`, `ray.train.get_dataset_shard("train").iter_torch_batches()`,
+#   how the shards are split (`equal=True`: rows dropped, short last batches), order and shuffles per epoch,
+#   `DataConfig`, and a fit/transform preprocessor (`StandardScaler`);
+# - the **2-CPU caveat**: Train workers that take every CPU leave none for the preprocessing that feeds them;
+# - what a bad row and a too-small dataset look like (clear errors, no hang).
+#
+# **What you need**: chapter 07 (Ray Core, `TorchTrainer`, `ray.train.report`) and chapter 01's tiny GPT.
+#
+# **Expected runtime**: ≈ 2–3 minutes on an idle 2-core machine: Ray start-up ≈ 7 s, one `TorchTrainer.fit()`
+# ≈ 40–60 s (mostly starting worker processes) that runs all the timed variants, plus Ray Data runs in this
+# process; on a busy machine much longer (process start-ups slow down most). One local Ray session, shut down
+# with its temp dir at the end.
+#
+# Read along: `course_lib/ray_data.py` (a row-count check, a UDF wrapper that names the failing batch, a timer)
+# and `course_lib/experiments/ch08_ray_data.py` (the corpus, the tokenizer, the training loop this notebook runs).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import time
+
+_t_notebook = time.perf_counter()
+import os
+import shutil
+import tempfile
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from course_lib import ray_data, ray_train, viz
+from course_lib.experiments import ch08_ray_data as E
+
+ray = ray_train.start(num_cpus=2, _system_config=ray_data.KEEP_WORKERS)   # as in chapter 07 (local, quiet,
+# short temp dir), and idle task workers are kept: starting one takes seconds on a busy laptop
+ray.data.DataContext.get_current().execution_options.preserve_order = True   # reproducible order (section 7)
+ray_data.quiet()                       # no progress bars or log lines in the notebook (errors still raise)
+print(f"cores: {os.cpu_count()}, Ray {ray.__version__}, Ray start-up {time.perf_counter() - _t_notebook:.1f} s")
+
+# %% [markdown]
+# The data: chapter 01's counter sequences for the tiny GPT, written as **text** into Parquet files — each row
+# an `id`, a `text` of 17 words (`"w05 w17 w06 …"`, word `wNN` = token `NN`), and a float `score` (used in
+# section 7). Turning text into token ids is the preprocessing: here a dictionary lookup plus `cost_ms` of CPU
+# time per row, standing in for what a real tokenizer, an image decoder or an augmentation costs.
+
+# %%
+work = tempfile.mkdtemp(prefix="ch08_")
+corpus = E.write_corpus(os.path.join(work, "corpus"), rows=512, files=16)
+print({k: v for k, v in corpus.items() if k != "folder"})
+
+# %% [markdown]
+# <a id="blocks"></a>
+# ## 1. A `Dataset` is a lazy plan over blocks
+#
+# `ray.data.read_parquet(folder)` reads nothing yet: it returns a **plan**. When the plan runs, the data lives
+# in **blocks** (Arrow tables in Ray's object store, spread over the cluster's nodes), and each transformation
+# runs as Ray tasks (or actors), block by block — the number of blocks and the free CPUs set the parallelism,
+# and no node ever has to hold the whole dataset.
+#
+# A catch with tiny files: Ray 2.60's Parquet reader packs small files into blocks of up to 128 MiB, so our
+# 16 small files become **one** block — one preprocessing task, no parallelism, nothing to stream. Real
+# datasets have many large files; here `E.read_corpus` hands Ray one Arrow table per file
+# (`ray.data.from_arrow`), 16 blocks, whose row counts Ray then knows without running anything.
+
+# %%
+print("read_parquet:", ray.data.read_parquet(corpus["folder"]).materialize().num_blocks(), "block(s)")
+ds_text = E.read_corpus(corpus["folder"])
+print("read_corpus (from_arrow, one table per file):", ds_text.num_blocks(), "blocks,",
+      ray_data.known_num_rows(ds_text), "rows known from metadata")
+print("schema:", ds_text.schema())
+print("first row:", ds_text.take(1)[0])
+
+# %% [markdown]
+# <a id="map-batches"></a>
+# ## 2. `map_batches`: the preprocessing step
+#
+# `ds.map(f)` calls `f` on **one row** (a dict) at a time; `ds.map_batches(f, batch_size=16)` calls it on a
+# **batch**: by default a `dict[str, np.ndarray]` keyed by column (`batch_format="pandas"` or `"pyarrow"` give
+# other formats). `batch_size` is the rows *per call*, not the block size: Ray Data slices or joins blocks to
+# build batches. Our step is `E.tokenize`: words → ids, `x = ids[:-1]`, `y = ids[1:]`, plus `cost_ms` of CPU
+# per row. `num_cpus=0.5` is the logical CPU each task asks Ray for (section 4 says why half).
+
+# %%
+import inspect
+
+print(inspect.getsource(E.build_dataset).split('"""')[2].strip())
+COST_MS = 4.0                                        # CPU time per row of "tokenising"
+sample = ds_text.take_batch(16)
+t0 = time.thread_time()
+out = E.tokenize(sample, cost_ms=COST_MS)
+cpu_per_batch = time.thread_time() - t0
+print("a batch in:", {k: (type(v).__name__, v.shape) for k, v in sample.items()})
+print("a batch out:", {k: (v.dtype.name, v.shape) for k, v in out.items()})
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"CPU time to tokenise one batch of 16 rows: {cpu_per_batch * 1e3:.0f} ms")
+
+# %% [markdown]
+# **A callable class runs on actors.** A function runs as stateless tasks; a *class* runs on a pool of actors,
+# each executing `__init__` **once** (load a tokenizer, a vocabulary, a model) and then `__call__` per batch.
+# The pool size is `compute=ray.data.ActorPoolStrategy(size=n)` (the older `concurrency=` argument is being
+# deprecated). `E.Tokenizer.__init__` sleeps 0.2 s to stand for loading a file; each output row carries the
+# pid of the actor that made it and how many batches that actor had handled.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+actor_rows = E.build_actor_dataset(corpus["folder"], actors=2, cost_ms=0.0).take_all()  # (Ray may log a note)
+per_actor = {}
+for r in actor_rows:
+    per_actor[r["actor_pid"]] = max(per_actor.get(r["actor_pid"], 0), r["actor_call"])
+print("actors that got batches:", len(per_actor), "| batches per actor:", sorted(per_actor.values()),
+      "(on a busy machine the second actor may start too late to get many)")
+
+# %%
+print("batches:", sum(per_actor.values()), "| tokenizer loads ≤ 2 actors (one each):", len(per_actor) <= 2,
+      "| a function loading it per call would load it", sum(per_actor.values()), "times")
+
+# %% [markdown]
+# <a id="streaming"></a>
+# ## 3. Streaming execution, backpressure, and `ds.stats()`
+#
+# `map_batches` only adds a step to the plan — it returns at once. The plan runs when something consumes it
+# (`iter_batches`, `take`, a Train worker's loop) or on `materialize()`, which runs it to the end and keeps
+# every output block. Consuming **streams**: Ray Data's executor runs the read and the map tasks on blocks as
+# CPUs free up and hands each finished block downstream at once, so the first batch arrives long before the
+# last file is read. **Backpressure** keeps this bounded: each operator gets a budget of object-store memory and
+# running tasks, and when the consumer is slower than the producers, the executor stops launching upstream
+# tasks until output is consumed. Memory holds the blocks in flight, not the dataset.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+t0 = time.perf_counter()
+ds = E.build_dataset(ds_text, cost_ms=COST_MS, batch_size=16)      # ds_text.map_batches(tokenize, ...)
+t_plan = time.perf_counter() - t0
+t0 = time.perf_counter()
+batches = iter(ds.iter_batches(batch_size=16))
+first = next(batches)
+batches.close()                                      # stop the half-consumed stream
+t_first = time.perf_counter() - t0
+t0 = time.perf_counter()
+materialized = ds.materialize()
+t_all = time.perf_counter() - t0
+print(f"building the plan: {t_plan * 1e3:.1f} ms; first batch streamed: {t_first:.2f} s; "
+      f"whole dataset (materialize): {t_all:.2f} s")
+
+# %%
+print("map_batches returned without running anything (plan < 0.5 s):", t_plan < 0.5)
+print("the first streamed batch arrived before the whole dataset was done:", t_first < t_all)
+
+# %% [markdown]
+# `ds.stats()` after a run lists every **operator** — the read, our `MapBatches(tokenize)` — with the tasks it
+# ran, the remote wall and CPU time per task (min/max/mean/total), the rows and bytes it output, and the time
+# the consumer spent waiting. The operator with the largest total time is the **bottleneck**: give it more CPUs
+# (lower `num_cpus` per task, more nodes) or a faster implementation. Here (the operators' section):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+stats = materialized.stats()
+print("\n".join(stats.splitlines()[:14]))
+
+# %%
+op_times = ray_data.operator_times(stats)
+bottleneck = max(op_times, key=op_times.get)
+print("operators:", list(op_times))
+print("bottleneck (largest total remote wall time):", bottleneck)
+
+# %% [markdown]
+# <a id="resources"></a>
+# ## 4. Resources: who gets the CPUs (the 2-CPU caveat)
+#
+# Ray schedules by **logical** resources. A Train worker asks for 1 CPU by default; on this 2-CPU cluster two
+# such workers reserve *everything*, and the map tasks that would produce their data never get a CPU: the run
+# stalls, the workers waiting for data forever. So every trainer here asks `resources_per_worker={"CPU": 0.5}`
+# — two workers reserve 1 CPU, and the other CPU runs two `map_batches` tasks of `num_cpus=0.5` at a time.
+# (That is bookkeeping, not pinning: the OS shares the 2 cores among all processes.) On a GPU cluster the
+# split is natural: the trainer holds the GPUs, and preprocessing runs on the CPUs of any node, even nodes
+# without GPUs; a step that needs a GPU (e.g. model inference) asks with `num_gpus=`.
+
+# %%
+print("cluster:", {k: ray.cluster_resources()[k] for k in ("CPU",)})
+try:
+    ray_train.check_resources(num_workers=2, resources_per_worker={"CPU": 1.0})
+    print("2 workers × 1 CPU fit — but would leave 0 CPUs for Ray Data's tasks")
+except ValueError as err:
+    print("ValueError:", err)
+ray_train.check_resources(num_workers=2, resources_per_worker={"CPU": 0.5})
+print("2 workers × 0.5 CPU: 1 CPU left for preprocessing")
+
+# %% [markdown]
+# <a id="ray-data-with-train"></a>
+# ## 5. Ray Data into Ray Train
+#
+# The dataset goes to the trainer, not to the loop: `TorchTrainer(loop, datasets={"train": ds}, ...)`. Inside
+# the loop each worker asks for **its** shard and iterates it:
+# ```python
+# shard = ray.train.get_dataset_shard("train")          # a DataIterator: this worker's part
+# for batch in shard.iter_torch_batches(batch_size=16, dtypes=torch.long):   # dict of tensors on the device
+#     loss = train_step(model, opt, batch["x"], batch["y"])
+# ```
+# No `DistributedSampler`, no `prepare_data_loader`: Ray Train's `DataConfig` calls
+# `ds.streaming_split(num_workers, equal=True)` on every dataset it is told to split (`datasets_to_split`,
+# default `"all"`); one coordinator actor runs the pipeline and deals blocks out to the workers. A dataset left
+# out of `datasets_to_split` (e.g. a validation set) reaches every worker whole.
+#
+# Before any worker starts, `E.fit` checks what would otherwise fail late: the workers must fit in the cluster,
+# and every split dataset must hold at least `num_workers × batch_size` rows — from the count Ray knows without
+# running the pipeline (Arrow blocks' metadata through a `map_batches(..., udf_modifying_row_count=False)`):
+
+# %%
+small = E.write_corpus(os.path.join(work, "small"), rows=24, files=2)
+ds_small = E.build_dataset(small["folder"], cost_ms=COST_MS)
+print("rows known without running the pipeline:", ray_data.known_num_rows(ds_small))
+try:
+    E.fit({"train": ds_small}, {"variants": {"train": {"source": "train"}}, "batch_size": 16, "step_sleep": 0})
+except ValueError as err:
+    print("ValueError:", err)
+
+# %% [markdown]
+# ## 6. Streaming vs serial, measured inside the workers' loops
+#
+# Each worker's loop (`E.data_loop`) does, per batch, **one real step** of the tiny GPT (DDP over gloo) and then
+# `time.sleep(0.06)`: the time an accelerator would spend on the step while the CPU is free — the situation Ray
+# Data is for (seed 000: keep the GPU busy). On a CPU-only machine a *full* real step would compete with the
+# preprocessing for the same two cores (streaming then gains ≈ nothing, a ratio near 1.0); the sleep
+# models the accelerator honestly. Same data (512 rows, 2 workers × 16 steps of 16 rows), same total work:
+#
+# - **serial**: `ds.materialize()` in the driver (timed), then the workers train on the stored blocks;
+# - **streaming**: the workers iterate the lazy dataset; preprocessing runs *while* they train;
+# - **no_prefetch**: streaming with `iter_torch_batches(prefetch_batches=0)` (default 1);
+# - **dataloader**: no Ray Data — a torch `DataLoader(num_workers=1)` per worker runs the same tokenisation
+#   in a child process, ahead of the loop.
+#
+# Times are taken *inside* the loops (a `TorchTrainer.fit()` spends 25–40 s starting processes, which would
+# drown the difference): per step, the time the worker **waited** for its batch (idle) and the step itself.
+# All four run in one fit, one after another, each from the same initial model, for two epochs; the **second
+# epoch is timed** — the first starts the pipeline's processes (seconds on a busy laptop, once per run). The
+# driver's `materialize()` is timed after a warm-up the same way.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+shuffled = {"epochs": 2, "shuffle_buffer": 32, "seed": 11}
+t0 = time.perf_counter()
+run = E.overlap_run(corpus["folder"], cost_ms=COST_MS, step_sleep=0.06, batch_size=16,
+                    extra={"serial_2ep": {"source": "serial", **shuffled},
+                           "streaming_2ep": {"source": "streaming", **shuffled}},
+                    unsplit={"valid": ray.data.range(40)})
+t_fit = time.perf_counter() - t0
+summary = E.summarize(run)
+print(f"one fit with every variant: {t_fit:.0f} s (serial's materialize: {run['materialize_s']:.2f} s)")
+print(E.format_summary(summary))
+
+# %%
+rows, labels = E.timelines(run)
+fig, ax = plt.subplots(figsize=(9, 2.6))
+viz.gantt(rows, ax=ax, unit="s", row_names=labels, label_microbatches=False,
+          title="per-step timeline: grey = waiting for data (serial: materialize first), blue = training step")
+ax.get_legend().remove()
+plt.show()
+
+# %% [markdown]
+# Read the timeline: serial spends its first stretch preprocessing everything (grey), then trains without
+# waiting; streaming starts training after the first blocks and then mostly *trains* — the waits left are the
+# start of the pipeline and steps where preprocessing fell behind. Serial ≈ preprocessing + training;
+# streaming ≈ the longer of the two plus a start-up. `prefetch_batches=0` still overlaps: the executor runs the
+# map tasks ahead regardless (bounded by backpressure); prefetch only fetches and formats the next batch in a
+# background thread of the worker. A `DataLoader` with one worker process per trainer overlaps too — on one
+# machine; Ray Data's preprocessing can use the CPUs of *other* nodes, scale its tasks or actors independently
+# of the trainers, and stream larger-than-memory data.
+
+# %%
+print("streaming faster than serial:", summary["ratio"] < 1.0)
+print("streaming waits less per step than serial's preprocessing + waits:",
+      summary["streaming"]["mean_wait_s"] * summary["streaming"]["steps"]
+      < run["materialize_s"] + summary["serial"]["mean_wait_s"] * summary["serial"]["steps"])
+print("every variant's timed epoch had 16 steps per worker:",
+      all(summary[n]["steps"] == 16 for n in ("serial", "streaming", "no_prefetch", "dataloader")))
+
+# %% [markdown]
+# ## 7. Sharding, order and shuffles
+#
+# **What each worker gets.** `streaming_split(n, equal=True)` (what Train uses) gives every worker the *same*
+# number of rows, so it **drops `rows mod n`** rows; a worker's last batch is **short** when its rows are not a
+# multiple of the batch size (`drop_last=True` drops it). `ray_data.split_ids` consumes the splits the way
+# Train workers do, in parallel, and returns the ids each saw:
+
+# %%
+ids = ray_data.split_ids(ray.data.range(101, override_num_blocks=4), 2, batch_size=16)[0]
+print("rows per worker from 101:", [sum(len(b) for b in s) for s in ids], "(101 mod 2 = 1 row dropped)")
+print("batch sizes of worker 0:", [len(b) for b in ids[0]], "(50 = 3 × 16 + 2: a short last batch)")
+
+# %% [markdown]
+# **In the trainer above**, every epoch of the shuffled 2-epoch runs covered every row exactly once across the
+# two workers, the serial (materialized) and the streaming pipeline dealt *the same* batches to each worker in
+# the same order, and so they ended with the same weights — also equal to one device trained on those global
+# batches. The validation set, left out of `datasets_to_split`, reached each worker whole.
+
+# %%
+w0, w1 = run["workers"]
+for name in ("serial_2ep", "streaming_2ep"):
+    for epoch in (0, 1):
+        seen = sorted(i for w in (w0, w1) for (e, *_), b in zip(w["runs"][name]["steps"], w["runs"][name]["ids"])
+                      if e == epoch for i in b)
+        print(f"{name} epoch {epoch}: every row exactly once:", seen == list(range(corpus["rows"])))
+print("serial and streaming: same per-worker batches:",
+      all(w["runs"]["serial_2ep"]["ids"] == w["runs"]["streaming_2ep"]["ids"] for w in (w0, w1)))
+state = {n: next(w for w in (w0, w1) if w["rank"] == 0)["runs"][n]["state"] for n in ("serial_2ep", "streaming_2ep")}
+diff = max((state["serial_2ep"][k] - state["streaming_2ep"][k]).abs().max().item() for k in state["serial_2ep"])
+print("final weights serial vs streaming (max|Δ| ≤ 1e-5):", diff <= 1e-5)
+ref = E.reference_state(corpus["folder"], [w["runs"]["streaming"]["ids"] for w in sorted(run["workers"],
+                                                                                          key=lambda w: w["rank"])])
+rank0 = next(w for w in (w0, w1) if w["rank"] == 0)["runs"]["streaming"]["state"]
+print("streaming run equals one device on the same global batches (max|Δ| ≤ 1e-5):",
+      max((rank0[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5)
+print("validation rows per worker (not split):", [w["rows"]["valid"] for w in (w0, w1)])
+
+# %% [markdown]
+# **Shuffles.** Two kinds:
+# - a **local** shuffle, `iter_torch_batches(local_shuffle_buffer_size=k, local_shuffle_seed=...)`: each worker
+#   shuffles the rows of its own stream through a buffer of k rows — cheap, but rows move only within the buffer
+#   and each worker keeps its share;
+# - a **global** shuffle, `ds.random_shuffle(seed=s)`: every row can go anywhere — a full all-to-all exchange
+#   of the data, much more expensive.
+#
+# A seed makes a shuffle reproducible — and *the same every epoch*: the plan is re-executed with the same seed.
+# For a new order each epoch that is still reproducible, derive the seed from the epoch
+# (`local_shuffle_seed=s + epoch`, as the 2-epoch runs above did, or `random_shuffle(seed=s + epoch)`).
+# Reproducible *across runs* also needs a fixed block order:
+# `DataContext.get_current().execution_options.preserve_order = True` (set at the top; Train copies the
+# driver's DataContext); without it blocks are handed out as they finish.
+
+# %%
+ds64 = ray.data.range(64, override_num_blocks=4)
+fixed = ray_data.split_ids(ds64.random_shuffle(seed=3), 2, batch_size=8, epochs=2)
+per_epoch = [ray_data.split_ids(ds64.random_shuffle(seed=3 + e), 2, batch_size=8)[0] for e in range(2)]
+local = dict(batch_size=8, epochs=2, local_shuffle_buffer_size=16, local_shuffle_seed=lambda e: 7 + e)
+run_a, run_b = ray_data.split_ids(ds64, 2, **local), ray_data.split_ids(ds64, 2, **local)
+plain = ray_data.split_ids(ds64, 2, batch_size=8)[0]
+print("random_shuffle(seed=3): epoch 1 repeats epoch 0:", fixed[0] == fixed[1])
+print("random_shuffle(seed=3 + epoch): a new order:", per_epoch[0] != per_epoch[1])
+print("local shuffle, seed 7 + epoch: a new order each epoch:", run_a[0] != run_a[1],
+      "| identical in a second run:", run_a == run_b)
+
+
+def rows_of(split):
+    return [i for b in split for i in b]
+
+
+print("worker 0 keeps its unshuffled share — local shuffle:",
+      sorted(rows_of(run_a[0][0])) == sorted(rows_of(plain[0])),
+      "| global shuffle:", sorted(rows_of(per_epoch[0][0])) == sorted(rows_of(plain[0])))
+
+# %% [markdown]
+# **A preprocessor with state.** Some preprocessing needs statistics of the whole training set first: a
+# `ray.data.preprocessors.StandardScaler` is **fit** on the training data (an aggregation over all blocks:
+# mean and std per column) and then **transforms** any dataset — training, validation, serving — with those
+# same numbers.
+
+# %%
+from ray.data.preprocessors import StandardScaler
+
+scaler = StandardScaler(columns=["score"]).fit(ds_text)
+scaled = np.array([r["score"] for r in scaler.transform(ds_text).take_all()])
+print("fitted:", {k: round(v, 4) for k, v in scaler.stats_.items()})
+print(f"transformed train: mean {abs(scaled.mean()):.4f}, std {scaled.std():.4f}")
+
+# %% [markdown]
+# ## 8. A bad row: the error names the operator and the batch
+#
+# One row of this corpus holds an unknown word. Ray re-raises the failing `map_batches` task's exception in the
+# consumer with the **operator's name** (`MapBatches(tokenize)`) — no hang; `ray_data.name_batches`, the
+# course's wrapper around the function, adds **which batch** (index = first id // batch size, and its ids).
+
+# %%
+bad = E.write_corpus(os.path.join(work, "bad"), rows=64, files=2, bad_id=37)
+try:
+    E.build_dataset(bad["folder"], cost_ms=0.0).materialize()
+except Exception as err:  # noqa: BLE001
+    text = str(err)
+    print(type(err).__name__)
+    print("names the operator MapBatches(tokenize):", "MapBatches(tokenize)" in text)
+    print("the course's wrapper says:", next(ln.strip() for ln in text.splitlines() if "failed on batch" in ln))
+
+# %% [markdown]
+# ## 9. Exercise
+#
+# `exercises/ch08_ray_data.py`: write `tokenize_batch` (the `map_batches` step) and `fit_with_ray_data` (read
+# the Parquet files, map your step with `num_cpus=0.5`, hand the dataset to a `TorchTrainer` whose workers ask for
+# half a CPU). Check it with `course-lib check ray_data_pipeline` — the checker runs your trainer on real Ray
+# workers and compares the trained weights with one device trained on the correct tokens.
+
+# %% [markdown]
+# ## 10. O/X quiz
+
+# %%
+from course_lib.quiz import quiz
+
+quiz(8)
+
+# %% [markdown]
+# ## Summary
+#
+# - A `Dataset` is a lazy plan over blocks; `map_batches` runs per batch as tasks, or on an actor pool that loads
+#   its state once (`ActorPoolStrategy(size=2)`: one load per actor, printed in section 2).
+# - Streaming overlapped the CPU preprocessing with the (simulated) accelerator steps: streaming / serial wall
+#   time printed below; workers waited far less per step. Prefetch is not where the overlap comes from; the
+#   streaming executor is.
+# - Train splits with `equal=True` (rows mod workers dropped, short last batches), each epoch covers every row
+#   once, `preserve_order` + per-epoch seeds make shuffles new each epoch and reproducible, and serial and
+#   streaming runs then end with equal weights.
+# - On 2 CPUs the trainers ask for half a CPU each, or Ray Data starves.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"streaming / serial: {summary['ratio']:.2f} (serial {summary['serial']['wall_s']:.2f} s, "
+      f"streaming {summary['streaming']['wall_s']:.2f} s); fit {t_fit:.0f} s")
+ray_train.stop()                         # ray.shutdown() + remove Ray's temp dir and run storage
+shutil.rmtree(work, ignore_errors=True)  # the Parquet files
+print("Ray stopped:", not ray.is_initialized())
+print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
