@@ -33,7 +33,7 @@ def _plain(obj):
     return obj
 
 
-def review_suite(bubble_ms: tuple[float, float] = (40.0, 80.0), microbatches=(1, 4)) -> dict:
+def review_suite(bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1, 4)) -> dict:
     """Rank function: every technique of chapters 02–06 once, on this rank (run it at N = 2).
 
     Returns plain numbers: ``zero`` (``zero_stage_report`` for stages 0–3), ``profile``

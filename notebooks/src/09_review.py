@@ -106,7 +106,7 @@ print(f"p = 4, m = 27: bubble = 3/30 = {pipeline_bubble(4, 27):.2f} of the step 
       f"{pipeline_bubble_megatron(4, 27):.3f})")
 
 # %% [markdown]
-# Measured in the suite above (chapter 05's runner: 2 real stages, each a layer that sleeps 40 ms forward and 80 ms
+# Measured in the suite above (chapter 05's runner: 2 real stages, each a layer that sleeps 60 ms forward and 120 ms
 # backward so that a busy laptop cannot blur the timings; bubble per rank = 1 − busy / step, median of 3
 # steps):
 
