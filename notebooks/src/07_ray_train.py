@@ -9,7 +9,9 @@
 # - **fault tolerance**: `FailureConfig(max_failures=1)`, a worker that fails mid-run, a resume from
 #   `ray.train.get_checkpoint()` — and the proof that nothing is lost (final weights equal one device's);
 # - a course strategy *inside* Ray Train: FSDP2 `fully_shard` on Ray's process group with a DCP checkpoint;
-# - what changes on a real multi-node cluster (shared storage) and the exact commands.
+# - what changes on a real multi-node cluster (shared storage) and the exact commands;
+# - what a training function that raises looks like from the driver (the worker's traceback), and an exercise:
+#   convert a plain PyTorch loop to Ray Train, checked in a real `TorchTrainer`.
 #
 # **What you need**: chapters 01–02 (the tiny GPT, DDP) and 04 (FSDP2). Ray 2.60 is installed by `make setup`.
 #
@@ -322,19 +324,66 @@ print("FSDP2 after a killed worker + DCP resume equals one device (max|Δ| ≤ 1
 # `ScalingConfig(placement_strategy="STRICT_SPREAD")` puts each worker on a different node, `"PACK"` (default)
 # fills nodes first.
 #
+# Tried for real on one machine (as root, in `make test`): `tests/test_ray_multinode.py` makes two "hosts" — Linux
+# network namespaces with their own addresses, joined by a veth pair — and runs
+# `ip netns exec <host0> ray start --head --node-ip-address=10.77.0.1 --num-cpus=1 --temp-dir=<short dir>` and
+# `ip netns exec <host1> ray start --address=10.77.0.1:6379 --node-ip-address=10.77.0.2 --num-cpus=1 ...`, each
+# with `GLOO_SOCKET_IFNAME=<its veth>` in the environment (without it gloo connects to 127.0.0.1 and fails), then
+# a `STRICT_SPREAD` `TorchTrainer` whose two workers report two different node IPs and chapter 02's DDP equal to
+# one device across the nodes.
+#
+# <a id="worker-traceback"></a>
 # ## 9. When the training function raises
 #
-# A worker's exception reaches the driver. With retries left (section 6), the controller hands it to callbacks
-# (`after_exception`: the exception's type and message — Ray strips the traceback there) and restarts; with no
-# retries left, `fit()` raises `TrainingFailedError` in the driver, whose text is the **worker's traceback** (the
-# failing line of your training function, innermost last) — `tests/test_ray_train.py` checks that it names
-# `fail_once`. What `ReportLog` received from section 6's failure:
+# A worker's exception reaches the driver. With retries left (section 6), the controller hands it to callbacks —
+# `after_exception` gets the exception object *without* its traceback (Ray does not send tracebacks with
+# exceptions) — and restarts the group. What `ReportLog` received from section 6's failure:
 
 # %%
 print("the worker's error:", failures[0][1])
 
 # %% [markdown]
-# ## 10. O/X quiz
+# With no retries left (`FailureConfig(max_failures=0)`, the default), `fit()` raises `TrainingFailedError` in the
+# driver — here its subclass `WorkerGroupError` — and *its text* carries the **worker's traceback**, innermost last:
+# the file and line of your training function that raised. `err.worker_failures` maps each failed rank to its
+# exception. Section 6's run again, with rank 1 raising in its very first step:
+
+# %%
+from ray.train import TrainingFailedError
+
+cfg_raise = E.train_config(epochs=1, fail={"rank": 1, "epoch": 0, "step": 0, "how": "raise",
+                                           "marker": os.path.join(os.path.dirname(marker), "raised-once")})
+try:
+    TorchTrainer(E.ddp_loop, train_loop_config=cfg_raise,
+                 scaling_config=ScalingConfig(num_workers=2, use_gpu=use_gpu),
+                 run_config=RunConfig(**ray_train.run_config_kwargs("raise"))).fit()
+except TrainingFailedError as err:
+    error = err
+print(f"fit() raised {type(error).__name__}; failed ranks:",
+      {rank: f"{type(e).__name__}: {e}" for rank, e in error.worker_failures.items()})
+print(error)                                  # the message: the worker's traceback, innermost frame last
+
+# %% [markdown]
+# <a id="exercise"></a>
+# ## 10. Exercise: convert a plain PyTorch loop to Ray Train
+#
+# `exercises/ch07_ray_train.py` holds `plain_loop(config)` — the tiny GPT trained in one process — and
+# `ray_train_loop(config)` for you to write: the same training as a `train_loop_per_worker`, with section 5's four
+# changes (`prepare_model`; `prepare_data_loader` with the *per-worker* batch; `set_epoch`; a report per epoch
+# with a checkpoint from rank 0). `check("ray_train_loop")` runs it in a real `TorchTrainer` with 2 workers (on this
+# notebook's Ray session) and compares the checkpointed weights with one device trained on the same global batches;
+# an exception in your function comes back as above, and a `NotImplementedError` means it is still a TODO.
+
+# %%
+from course_lib.check import check
+
+check("ray_train_loop")
+
+# %%
+check("ray_train_loop", package="solutions")
+
+# %% [markdown]
+# ## 11. O/X quiz
 
 # %%
 from course_lib.quiz import quiz
@@ -350,6 +399,7 @@ quiz(7)
 #   `TorchTrainer`; a worker that raised mid-run was restarted from the last checkpoint and the final weights equal
 #   one device's; FSDP2 + DCP survived a *killed* worker the same way.
 # - On a cluster: same function, `ScalingConfig(num_workers=16, use_gpu=True)`, and shared `storage_path`.
+# - A worker that raises with no retries left: `fit()` raises `TrainingFailedError` carrying the worker's traceback.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
