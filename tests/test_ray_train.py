@@ -3,6 +3,7 @@
 Each ``TorchTrainer.fit`` costs ≈ 25–60 s on 2 CPUs (actor start-up), so the few fits here each prove
 several things: equality with one device, resume after a failure, the callback's reports.
 """
+import inspect
 import os
 import subprocess
 import sys
@@ -105,16 +106,33 @@ def test_fsdp2_dcp_survives_a_killed_worker_and_equals_one_device(local_ray, tmp
     torch.testing.assert_close(ex.final_state(result), ex.reference_params(cfg), **TOL)
 
 
+def _line_of(fn, needle: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if needle in line)
+
+
 def test_a_raising_training_function_shows_the_worker_traceback(local_ray, tmp_path):
-    from ray.train import TrainingFailedError
+    """No retries left: fit() raises WorkerGroupError whose text ends with the worker's traceback (notebook §9)."""
+    from ray.train import TrainingFailedError, WorkerGroupError
 
     cfg = ex.train_config(epochs=1, fail={"rank": 1, "epoch": 0, "step": 0, "how": "raise",
                                           "marker": str(tmp_path / "raised")})
     with pytest.raises(TrainingFailedError) as info:
         _trainer(ex.ddp_loop, cfg).fit()
-    text = str(info.value)
-    assert "injected failure on rank 1 in epoch 0, step 0" in text
-    assert "fail_once" in text, "the worker's traceback reaches the driver"
+    err = info.value
+    assert isinstance(err, WorkerGroupError)
+    assert {r: (type(e).__name__, str(e)) for r, e in err.worker_failures.items()} == \
+        {1: ("RuntimeError", "injected failure on rank 1 in epoch 0, step 0")}, "only rank 1 failed"
+    lines = str(err).splitlines()
+    where = ex.__file__
+    assert lines[-6:] == [
+        "Traceback (most recent call last):",
+        f'  File "{where}", line {_line_of(ex.ddp_loop, "fail_once(cfg, rank, epoch, step)")}, in ddp_loop',
+        "    fail_once(cfg, rank, epoch, step)",
+        f'  File "{where}", line {_line_of(ex.fail_once, "raise RuntimeError")}, in fail_once',
+        '    raise RuntimeError(f"injected failure on rank {rank} in epoch {epoch}, step {step}")',
+        "RuntimeError: injected failure on rank 1 in epoch 0, step 0"], "\n".join(lines)
+    assert lines[:2] == ["Training failed due to worker errors:", "[Rank 1 Error Snippet]:"], lines
 
 
 def test_a_chapter02_rank_function_runs_unchanged_under_spawn_torchrun_and_ray(local_ray):
