@@ -7,6 +7,8 @@ each ratio to torch DDP, and own fp16 / torch ``fp16_compress_hook`` with both a
 ``zero3`` races our ``Zero3`` per parameter, per unit and per unit + prefetch against FSDP2
 (``fully_shard`` per block + root) with AdamW, and prints step times, each ratio to FSDP2 and the
 all-gathers per forward pass. Interleaved rounds, each round the max over ranks, the median over rounds.
+``raydata`` trains 2 Ray Train workers fed by Ray Data and prints the streaming / serial wall-time ratio, with
+the ``prefetch_batches=0`` and torch ``DataLoader(num_workers=1)`` baselines (timed inside the workers' loops).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from .experiments.ch04_race import format_zero3, zero3_race
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["ddp", "zero3"], help="which benchmark")
+    parser.add_argument("what", choices=["ddp", "zero3", "raydata"], help="which benchmark")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     parser.add_argument("--bucket-cap-mb", type=float, default=4.0, help="ddp only")
@@ -25,6 +27,11 @@ def main(argv=None) -> None:
     parser.add_argument("--d-model", type=int, default=128, help="zero3 only")
     parser.add_argument("--n-layer", type=int, default=4, help="zero3 only")
     ns = parser.parse_args(argv)
+    if ns.what == "raydata":  # chapter 08: streaming vs serial (and DataLoader, prefetch 0) inside Train workers
+        from .experiments.ch08_ray_data import benchmark
+
+        print(benchmark())
+        return
     if ns.what == "ddp":
         res = ddp_benchmark(ns.world, batch_size=ns.batch_size, bucket_cap_mb=ns.bucket_cap_mb, rounds=ns.rounds or 9)
         print(format_throughput(res))
