@@ -19,7 +19,7 @@ help:
 	@echo "make test   - set up and run every test (unit, exercises vs solutions, strict nbval)"
 	@echo "make course - execute every notebook headless and print each one's runtime"
 	@echo "make nbval-busy - strict nbval with one core kept busy by a spinning process (before storing notebooks)"
-	@echo "make test-multinode - (root) a two-node Ray cluster in two network namespaces; not part of make test"
+	@echo "make test-multinode - (root) just the multi-node tests: Ray and torchrun across two network namespaces"
 	@echo "make doctor - check the environment"
 	@echo "make horovod - build Horovod 0.28.1 once per machine (minutes; cached in ~/.cache/course_lib/wheels)"
 	@echo "make smoke  - run every chapter's rank functions once (gloo on CPU, nccl on GPUs)"
@@ -55,9 +55,10 @@ nbval-busy: $(STAMP)
 	$(PY) -m pytest --nbval $(NB) --sanitize-with notebooks/sanitize.cfg -q -p no:cacheprovider; rc=$$?; \
 	kill $$busy; exit $$rc
 
-# Chapter 07's two-node Ray cluster (network namespaces + veth, needs root); opt-in, outside make test.
+# Just the multi-node tests: a two-node Ray cluster and torchrun --nnodes=2 across two network namespaces (veth).
+# They are part of make test where namespaces can be made (root + iproute2) and skip with the reason elsewhere.
 test-multinode: $(STAMP)
-	COURSE_MULTINODE=1 $(PY) -m pytest tests/test_ray_multinode.py -q -p no:cacheprovider
+	$(PY) -m pytest tests/test_ray_multinode.py tests/test_torchrun_multinode.py -q -p no:cacheprovider --durations=0
 
 # Horovod 0.28.1 (retired; no wheel fits torch 2.13) is compiled once per machine into ~/.cache/course_lib/wheels
 # (≈290 CPU-seconds: ≈7 min on 2 idle cores, 17.5 min measured at load ~15), then installed from there in
