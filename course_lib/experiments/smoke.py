@@ -109,10 +109,20 @@ SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here;
     ("06", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
 ]
 
+_E09 = "course_lib.experiments.ch09_horovod"
+SMOKE += [  # chapter 09: the review suite (chapters 03-06 again) and the DDP side of the Horovod comparison
+    ("09", "course_lib.experiments.ch09_review:review_suite", dict(bubble_ms=(2.0, 4.0), microbatches=(2,))),
+    ("09", f"{_E09}:ddp_rank", dict(kind="course", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
+    ("09", f"{_E09}:ddp_rank", dict(kind="torch", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
+]
+
 # Ray chapters: a rank function inside a real ``TorchTrainer`` (Ray makes the process group: gloo on CPU,
-# nccl with ``use_gpu``); run in the parent, one Ray session for all of them.
+# nccl with ``use_gpu``); run in the parent, one Ray session for all of them. ``RAY_DATA`` as the target:
+# chapter 08's Ray Data pipeline streamed into the workers, each of which takes a real step on its device.
+RAY_DATA = "ray_data"
 SMOKE_RAY: list[tuple[str, str, dict]] = [
     ("07", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
+    ("08", RAY_DATA, dict(rows=64, files=4, batch_size=4)),
 ]
 
 
@@ -146,6 +156,24 @@ def smoke_world() -> int:
     return gpus if gpus >= 1 else 2
 
 
+def _ray_data_step(batch_size: int) -> dict:
+    """Rank function in a Ray Train worker: stream this worker's shard, one train step per batch on its device."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from ..launch import device
+    from ..models import GPT
+    from .common import make_optimizer, small_config, train_step
+
+    dev = device()
+    model = GPT(small_config(), seed=0).to(dev)
+    opt = make_optimizer("adamw", model.parameters())
+    for batch in ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=batch_size, dtypes=torch.long):
+        train_step(model, opt, batch["x"].to(dev), batch["y"].to(dev))
+    return {"backend": dist.get_backend(), "device": str(dev)}
+
+
 def _ray_smoke(target: str, kwargs: dict, world: int, tmp: str) -> dict:
     """``target(**kwargs)`` on ``world`` Ray Train workers (``use_gpu`` when there is a GPU per worker)."""
     from ray.train import RunConfig, ScalingConfig
@@ -156,9 +184,18 @@ def _ray_smoke(target: str, kwargs: dict, world: int, tmp: str) -> dict:
 
     ray_train.start(num_cpus=max(2, world))
     use_gpu = ray_train.auto_use_gpu(world)
-    ray_train.check_resources(world, use_gpu=use_gpu)
-    trainer = TorchTrainer(rank_function_loop, train_loop_config={"fn": _run_one, "args": (target, kwargs, tmp)},
-                           scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu),
+    per_worker = {"CPU": 1.0}
+    config, datasets = {"fn": _run_one, "args": (target, kwargs, tmp)}, None
+    if target == RAY_DATA:
+        from .ch08_ray_data import build_dataset, write_corpus
+
+        write_corpus(tmp, rows=kwargs["rows"], files=kwargs["files"])
+        datasets, per_worker = {"train": build_dataset(tmp, 0.0, kwargs["batch_size"])}, {"CPU": 0.5}
+        config = {"fn": _ray_data_step, "args": (kwargs["batch_size"],)}
+    ray_train.check_resources(world, per_worker, use_gpu=use_gpu)
+    trainer = TorchTrainer(rank_function_loop, train_loop_config=config, datasets=datasets,
+                           scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu,
+                                                        resources_per_worker=per_worker),
                            run_config=RunConfig(**ray_train.run_config_kwargs("smoke")))
     return rank_results(trainer.fit(), world)[0]
 
@@ -183,11 +220,11 @@ def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180
                         got = _ray_smoke(target, kwargs, world, tmp)
                     else:
                         got = spawn(_run_one, world, args=(target, kwargs, tmp), backend="auto", timeout=timeout)[0]
-                row = SmokeRow(chapter, target.split(":")[1], world, got["backend"], got["device"], "pass",
+                row = SmokeRow(chapter, target.split(":")[-1], world, got["backend"], got["device"], "pass",
                                time.perf_counter() - t0)
             except Exception as exc:  # noqa: BLE001 - RankError/RankTimeout, or Ray's TrainingFailedError: a row
                 first = str(exc).strip().splitlines()
-                row = SmokeRow(chapter, target.split(":")[1], world, backend, "?", "FAIL", time.perf_counter() - t0,
+                row = SmokeRow(chapter, target.split(":")[-1], world, backend, "?", "FAIL", time.perf_counter() - t0,
                                first[0][:160] if first else type(exc).__name__)
             rows.append(row)
             if progress is not None:
