@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..ddp import DDP, torch_ddp
-from ..launch import device, spawn
+from ..launch import _write_atomic, device, spawn
 from ..models import GPT, GPTConfig
 from .common import (OPTIMIZERS, Result, check_global_batch, make_optimizer, max_abs_diff, mean_over_ranks,
                      shard_batch, small_config, step_batch, train_step)
@@ -153,9 +153,9 @@ def _worker_main(run_dir: str) -> None:
             job = pickle.load(f)
         out = pickle.dumps(_horovod_train(hvd, **job))
         hvd.join()  # every rank finished before anyone leaves
-        _write(os.path.join(run_dir, f"rank{rank}.ok"), out)
+        _write_atomic(os.path.join(run_dir, f"rank{rank}.ok"), out)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        _write(os.path.join(run_dir, f"rank{rank}.err"),
+        _write_atomic(os.path.join(run_dir, f"rank{rank}.err"),
                pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc())))
         os._exit(1)
 
@@ -169,12 +169,6 @@ def _exit_with_caller(pid: int, run_dir: str) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
             os._exit(1)
         time.sleep(1.0)
-
-
-def _write(path: str, blob: bytes) -> None:
-    with open(path + ".tmp", "wb") as f:
-        f.write(blob)
-    os.replace(path + ".tmp", path)
 
 
 # =========================================================================== the parent side
