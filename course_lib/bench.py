@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from .experiments.ch02_ddp import ddp_benchmark, format_throughput
-from .experiments.ch04_race import format_zero3, zero3_race
+from .experiments.ddp import ddp_benchmark, format_throughput
+from .experiments.fsdp_race import format_zero3, zero3_race
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m course_lib.bench", description=__doc__.splitlines()[0])
@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n-layer", type=int, default=4, help="zero3 only")
     ns = parser.parse_args(argv)
     if ns.what == "raydata":  # chapter 08: streaming vs serial (and DataLoader, prefetch 0) inside Train workers
-        from .experiments.ch08_ray_data import benchmark
+        from .experiments.ray_data import benchmark
 
         print(benchmark())
         return

@@ -1,6 +1,6 @@
 """Exercise checker: run the learner's function on real ranks against the reference behaviour.
 
-``check("ring_all_reduce")`` imports ``exercises.ch00_collectives.ring_all_reduce``, runs it
+``check("ring_all_reduce")`` imports ``exercises.collectives.ring_all_reduce``, runs it
 on real gloo/nccl ranks with :func:`course_lib.launch.spawn`, compares every rank's result
 with the library collective, and returns a :class:`CheckResult` whose text says which rank,
 which tensor and how large the error was. An exercise still raising ``NotImplementedError``
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .checks import ch00_collectives, ch01_memory, ch02_ddp, ch03_zero, ch04_fsdp, ch05_pipeline
-from .checks import ch06_tensor_parallel, ch07_ray_train, ch08_ray_data
+from .checks import collectives, single_device, ddp, zero, fsdp, pipeline
+from .checks import tensor_parallel, ray_train, ray_data
 from .launch import RankError, RankTimeout, spawn
 
 __all__ = ["check", "CheckResult", "EXERCISES", "Exercise", "worker_error"]
@@ -60,49 +60,49 @@ class Exercise:
 
 
 # --------------------------------------------------------------------------- the registry
-# The rank-side checkers live in ``checks/chNN_<topic>.py``, one module per ``exercises/`` file.
+# The rank-side checkers live in ``checks/<topic>.py``, one module per ``exercises/`` file.
 
 EXERCISES: dict[str, Exercise] = {
-    "ring_all_reduce": Exercise("ch00_collectives", "ring_all_reduce",
+    "ring_all_reduce": Exercise("collectives", "ring_all_reduce",
                                 "ch00: sum a tensor over ranks with send/recv around a ring",
-                                ch00_collectives.check_ring_all_reduce),
-    "count_model_state_bytes": Exercise("ch01_memory", "count_model_state_bytes",
+                                collectives.check_ring_all_reduce),
+    "count_model_state_bytes": Exercise("single_device", "count_model_state_bytes",
                                         "ch01: bytes of params, grads and optimizer state over unique storages",
-                                        ch01_memory.check_count_model_state_bytes, world_sizes=(1,)),
-    "allreduce_gradients": Exercise("ch02_ddp", "allreduce_gradients",
+                                        single_device.check_count_model_state_bytes, world_sizes=(1,)),
+    "allreduce_gradients": Exercise("ddp", "allreduce_gradients",
                                     "ch02: average every gradient over ranks after backward (naive DDP)",
-                                    ch02_ddp.check_allreduce_gradients),
-    "bucketed_reducer": Exercise("ch02_ddp", "BucketedReducer",
+                                    ddp.check_allreduce_gradients),
+    "bucketed_reducer": Exercise("ddp", "BucketedReducer",
                                  "ch02: async all-reduce of gradient buckets launched during backward",
-                                 ch02_ddp.check_bucketed_reducer),
-    "zero1_step": Exercise("ch03_zero", "Zero1Step",
+                                 ddp.check_bucketed_reducer),
+    "zero1_step": Exercise("zero", "Zero1Step",
                            "ch03: ZeRO-1 step: reduce-scatter gradients, step own shard, all-gather parameters",
-                           ch03_zero.check_zero1_step),
-    "sharded_linear": Exercise("ch03_zero", "ShardedLinear",
+                           zero.check_zero1_step),
+    "sharded_linear": Exercise("zero", "ShardedLinear",
                                "ch03: ZeRO-3 for one nn.Linear: gather before use, free after, reduce-scatter "
-                               "the weight gradient", ch03_zero.check_sharded_linear),
-    "fsdp2_wrap_blocks": Exercise("ch04_fsdp", "wrap_blocks",
+                               "the weight gradient", zero.check_sharded_linear),
+    "fsdp2_wrap_blocks": Exercise("fsdp", "wrap_blocks",
                                   "ch04: FSDP2 units — fully_shard every block, then the root",
-                                  ch04_fsdp.check_fsdp2_wrap_blocks),
-    "sharded_checkpoint": Exercise("ch04_fsdp", "ShardedCheckpoint",
+                                  fsdp.check_fsdp2_wrap_blocks),
+    "sharded_checkpoint": Exercise("fsdp", "ShardedCheckpoint",
                                    "ch04: save and restore FSDP2 model + optimizer shards with DCP",
-                                   ch04_fsdp.check_sharded_checkpoint),
-    "one_f_one_b_schedule": Exercise("ch05_pipeline", "one_f_one_b_schedule",
+                                   fsdp.check_sharded_checkpoint),
+    "one_f_one_b_schedule": Exercise("pipeline", "one_f_one_b_schedule",
                                      "ch05: the 1F1B action order of one pipeline stage (compared, then run)",
-                                     ch05_pipeline.check_one_f_one_b_schedule, world_sizes=(2,)),
-    "column_parallel_linear": Exercise("ch06_tensor_parallel", "column_parallel_linear",
+                                     pipeline.check_one_f_one_b_schedule, world_sizes=(2,)),
+    "column_parallel_linear": Exercise("tensor_parallel", "column_parallel_linear",
                                        "ch06: y_i = x W_iᵀ + b_i, all-reduce of ∂L/∂x in backward (f)",
-                                       ch06_tensor_parallel.check_column_parallel_linear, world_sizes=(2, 4)),
-    "row_parallel_linear": Exercise("ch06_tensor_parallel", "row_parallel_linear",
+                                       tensor_parallel.check_column_parallel_linear, world_sizes=(2, 4)),
+    "row_parallel_linear": Exercise("tensor_parallel", "row_parallel_linear",
                                     "ch06: y = Σ_i x_i W_iᵀ by all-reduce (g), bias once; no backward communication",
-                                    ch06_tensor_parallel.check_row_parallel_linear, world_sizes=(2, 4)),
-    "ray_train_loop": Exercise("ch07_ray_train", "ray_train_loop",
+                                    tensor_parallel.check_row_parallel_linear, world_sizes=(2, 4)),
+    "ray_train_loop": Exercise("ray_train", "ray_train_loop",
                                "ch07: the plain PyTorch loop as a Ray Train train_loop_per_worker (prepare_model, "
                                "prepare_data_loader, set_epoch, report + checkpoint), run in a real TorchTrainer",
-                               ch07_ray_train.check_ray_train_loop, world_sizes=(2,), launcher="parent"),
-    "ray_data_pipeline": Exercise("ch08_ray_data", "fit_with_ray_data",
+                               ray_train.check_ray_train_loop, world_sizes=(2,), launcher="parent"),
+    "ray_data_pipeline": Exercise("ray_data", "fit_with_ray_data",
                                   "ch08: a map_batches tokeniser streamed by Ray Data into a TorchTrainer "
-                                  "(datasets=, resources_per_worker)", ch08_ray_data.check_ray_data_pipeline,
+                                  "(datasets=, resources_per_worker)", ray_data.check_ray_data_pipeline,
                                   world_sizes=(2,), launcher="parent"),
 }
 

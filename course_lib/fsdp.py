@@ -37,9 +37,9 @@ This module is the technique only: :func:`fsdp2_wrap` (which modules become unit
 shards), :func:`set_prefetch` (an explicit prefetch plan, checked) and
 :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint` (DCP, keys and shapes checked
 before loading). FSDP2's features — HSDP, accumulation, checkpointing, meta-device init — are
-measured in :mod:`course_lib.experiments.ch04_features` and :mod:`course_lib.experiments.ch04_practice`.
+measured in :mod:`course_lib.experiments.fsdp_features` and :mod:`course_lib.experiments.fsdp_practice`.
 What the notebook measures with them — equality with one device, FSDP2 vs our ``Zero3``,
-mixed precision, sharded checkpoints — is in :mod:`course_lib.experiments.ch04_fsdp`; FSDP2's
+mixed precision, sharded checkpoints — is in :mod:`course_lib.experiments.fsdp`; FSDP2's
 collectives are counted with :class:`course_lib.comm.CollectiveCounter` and its gathered weights
 with :class:`course_lib.memory.GatheredParamMeter`.
 """
@@ -148,7 +148,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     ``get_model_state_dict(..., full_state_dict=True)`` all-gathers every DTensor: a collective,
     call it on every rank. (With ``cpu_offload=True`` only rank 0 gets the tensors — the form for
-    saving one file for single-device use; see ``experiments.ch04_fsdp.fsdp2_checkpoint_roundtrip``.)
+    saving one file for single-device use; see ``experiments.fsdp.fsdp2_checkpoint_roundtrip``.)
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -43,7 +43,7 @@ Read top to bottom:
    :func:`allreduce_sequence_parallel_grads` sums them over the TP group.
 
 6. :func:`tensor_parallel_gpt` builds the TP form of a tiny GPT from its full weights (PyTorch's
-   DTensor version of the same plan: ``experiments/ch06_tensor_parallel.py``).
+   DTensor version of the same plan: ``experiments/tensor_parallel.py``).
 """
 from __future__ import annotations
 

@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import time
 
-import torch
+from typing import Callable
 
+import torch
+import torch.distributed as dist
+
+from .configs import make_optimizer
 from .data import make_batch
+from .launch import device
 from .models import GPT, GPTConfig
 
 __all__ = ["train_single_device"]
@@ -76,3 +81,64 @@ def matmul_peak_flops(n: int = 512, repeats: int = 5, threads: int | None = None
 
 
 __all__ += ["matmul_peak_flops"]
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def check_global_batch(global_batch: int, world_size: int, micro_batches: int = 1) -> None:
+    """Raise if the global batch does not split into ``world_size × micro_batches`` equal pieces."""
+    if global_batch % (world_size * micro_batches):
+        what = "world_size" if micro_batches == 1 else "world_size × micro_batches"
+        raise ValueError(f"global_batch={global_batch} is not divisible by {what} = {world_size * micro_batches}")
+
+
+def step_batch(step: int, config: GPTConfig, batch_size: int, dev=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch of ``batch_size`` sequences: the same on every rank (seeded by the step)."""
+    x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=step)
+    dev = device() if dev is None else dev
+    return x.to(dev), y.to(dev)
+
+
+def shard_batch(x: torch.Tensor, y: torch.Tensor, rank: int | None = None, world_size: int | None = None):
+    """Rank ``rank``'s ``1/N`` of a global batch (default: this rank in the default group)."""
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
+    check_global_batch(x.shape[0], world_size)
+    return x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def train_step(model, optimizer, x, y, after_backward: Callable[[], None] | None = None) -> float:
+    """zero_grad → forward → backward → (``after_backward``) → step; returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    loss.backward()
+    if after_backward is not None:
+        after_backward()
+    optimizer.step()
+    return loss.item()
+
+
+def reference_run(config: GPTConfig, steps: int, batch_size: int, optimizer: str = "adamw", *, seed: int = 0,
+                  max_norm: float | None = None, dev=None, **optimizer_overrides):
+    """One device trained on the *full* batches ``step_batch(0 … steps−1)``: what every technique must equal.
+
+    Returns ``(model, losses, grad_norms)`` (``grad_norms`` only with ``max_norm``: the norm that
+    ``torch.nn.utils.clip_grad_norm_`` returned before clipping).
+    """
+    dev = device() if dev is None else dev
+    model = GPT(config, seed=seed).to(dev)
+    opt = make_optimizer(optimizer, model.parameters(), **optimizer_overrides)
+    losses, norms = [], []
+    clip = None
+    if max_norm is not None:
+        clip = lambda: norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())  # noqa: E731
+    for step in range(steps):
+        losses.append(train_step(model, opt, *step_batch(step, config, batch_size, dev), after_backward=clip))
+    return model, losses, norms
+
+
+__all__ += ["check_global_batch", "step_batch", "shard_batch", "train_step", "reference_run"]

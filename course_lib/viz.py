@@ -248,7 +248,7 @@ _GANTT_COLORS.setdefault("RS", "#c44e52")  # reduce-scatter issued
 def memory_over_step(traces: dict, ax=None, title: str | None = None, gathered: bool = True):
     """Bytes held over one training step, one line per run: ``traces[label] = [(phase, total, gathered)]``.
 
-    One sample per operator (``ch04_features.reshard_memory_and_traffic`` records them with
+    One sample per operator (``fsdp_features.reshard_memory_and_traffic`` records them with
     ``FSDPMemTracker``); x is the operator's index within its run, y the total bytes tracked (solid)
     and, with ``gathered``, the unsharded-parameter bytes among them (dashed). The forward / backward /
     step boundaries of each run are marked in its colour. Returns the axes.
@@ -281,7 +281,7 @@ def memory_over_step(traces: dict, ax=None, title: str | None = None, gathered: 
 def fsdp_timeline(events: dict, ax=None, title: str | None = None, unit: str = "ms"):
     """FSDP compute vs communication, two rows per run, drawn with :func:`gantt`.
 
-    ``events[label] = [(kind, block, start_s, end_s)]`` as ``ch04_features.prefetch_timeline``
+    ``events[label] = [(kind, block, start_s, end_s)]`` as ``fsdp_features.prefetch_timeline``
     returns them: "F" / "B" a block's forward / backward compute, "AG" / "RS" the span in which an
     all-gather / reduce-scatter was issued (a call into ``torch.distributed``, not its transfer).
     """
@@ -382,7 +382,7 @@ def scaling_curves(x, series: dict, ax=None, title: str | None = None, xlabel: s
 def alpha_beta_plot(rows: list[dict], fit, ax=None, title: str | None = None):
     """Measured time per call (median, min–max whiskers) vs the α–β fit, one colour per op, log–log.
 
-    ``rows`` as ``ch00_collectives.bandwidth_benchmark`` returns them, ``fit`` an ``AlphaBeta``;
+    ``rows`` as ``collectives.bandwidth_benchmark`` returns them, ``fit`` an ``AlphaBeta``;
     the fit's β was fitted on sizes ≥ ``fit.min_bytes`` (shaded). Returns the axes.
     """
     import matplotlib.pyplot as plt
@@ -423,7 +423,7 @@ _GANTT_COLORS.setdefault("AR", "#dd8452")  # all-reduce in flight
 def ddp_timeline(timelines: dict, ax=None, title: str | None = None, unit: str = "ms"):
     """DDP compute vs all-reduces, two rows per variant, drawn with :func:`gantt`.
 
-    ``timelines[label] = [(kind, name, start_s, end_s)]`` as ``ch02_ddp.ddp_timelines`` returns
+    ``timelines[label] = [(kind, name, start_s, end_s)]`` as ``ddp.ddp_timelines`` returns
     them: kind "compute" (name "forward" / "backward"), "comm" (one all-reduce, launch → done),
     "wait" (the training thread blocked). Forward and backward get their own colours, so the
     forward/backward boundary is where blue turns green.

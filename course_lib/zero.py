@@ -34,7 +34,7 @@ In this file
 ------------
 * :class:`ZeroOptimizer` — stages 1 and 2 around any element-wise torch optimizer.
 * Stage 3 lives in ``zero3.py`` (:class:`~course_lib.zero3.Zero3`); the measurements that compare
-  bytes held and sent with the formulas above live in ``experiments/ch03_zero.py``.
+  bytes held and sent with the formulas above live in ``experiments/zero.py``.
 
 Every rank issues the same collectives in the same order whatever gradients it has (the rule in
 ``grad_buckets.py``, shared with DDP): a parameter with no gradient on *any* rank keeps

@@ -26,7 +26,7 @@ def _progress_file_in_tmp(tmp_path_factory, monkeypatch):
 def learner_answer(tmp_path, monkeypatch):
     """Install a learner's answer file as ``exercises/<module>.py`` and return ``check`` bound to it.
 
-    ``run = learner_answer("ch00_collectives", source)`` writes the source into a temporary
+    ``run = learner_answer("collectives", source)`` writes the source into a temporary
     ``exercises`` package that the checker loads instead of the shipped one; ``run(name)`` checks
     exercise ``name`` against it. The real ``exercises`` modules come back after the test.
     """

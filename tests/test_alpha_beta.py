@@ -2,7 +2,7 @@
 import pytest
 
 from course_lib.comm import ring_factor
-from course_lib.experiments import ch00_collectives as ch00
+from course_lib.experiments import collectives as ch00
 
 SIZES = (2**10, 2**12, 2**16, 2**20, 2**22, 2**24)
 

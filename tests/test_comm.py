@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm
-from course_lib.experiments import ch00_collectives
+from course_lib.experiments import collectives
 from course_lib.launch import RankError, device, spawn
 
 
@@ -197,7 +197,7 @@ def test_ring_factors():
 
 
 def test_bandwidth_benchmark_rows():
-    rows = spawn(ch00_collectives.bandwidth_benchmark, 2,
+    rows = spawn(collectives.bandwidth_benchmark, 2,
                  kwargs=dict(sizes_bytes=(4096, 65536), ops=("all_reduce", "all_gather", "send_recv"), iters=3,
                              repeats=5))[0]
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_reduce", 4096), ("all_reduce", 65536),
@@ -208,5 +208,5 @@ def test_bandwidth_benchmark_rows():
         factor = 1.0 if r["op"] == "send_recv" else comm.ring_factor(r["op"], 2)  # point-to-point: sent once
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
     with pytest.raises(RankError, match="unsupported op 'gather'"):
-        spawn(ch00_collectives.bandwidth_benchmark, 2, kwargs=dict(ops=("gather",)))
-    assert "busbw GB/s" in ch00_collectives.busbw_table(rows)
+        spawn(collectives.bandwidth_benchmark, 2, kwargs=dict(ops=("gather",)))
+    assert "busbw GB/s" in collectives.busbw_table(rows)

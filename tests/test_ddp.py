@@ -479,7 +479,7 @@ def test_timeline_shows_communication_launched_during_backward(world):
 
 
 def _bench_smoke():
-    from course_lib.experiments import ch02_ddp as bench
+    from course_lib.experiments import ddp as bench
 
     cfg = equality_config(**CFG)
     kw = dict(config=cfg, batch_size=2)
@@ -503,11 +503,11 @@ def test_bench_rank_functions_return_numbers_for_the_notebook():
 
 
 def _chapter_claims():
-    from course_lib.experiments import ch02_ddp
+    from course_lib.experiments import ddp
 
-    return [ch02_ddp.equality_with_single_device(v, o, steps)
-            for v in ch02_ddp.VARIANTS for o, steps in (("sgd", 5), ("adamw", 10))] \
-        + [ch02_ddp.accumulation_with_no_sync(micro_batches=4)]
+    return [ddp.equality_with_single_device(v, o, steps)
+            for v in ddp.VARIANTS for o, steps in (("sgd", 5), ("adamw", 10))] \
+        + [ddp.accumulation_with_no_sync(micro_batches=4)]
 
 
 def test_notebook_02_claims_hold_on_every_rank():

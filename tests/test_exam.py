@@ -260,7 +260,7 @@ def test_a_passing_check_of_the_learners_exercise_is_recorded_and_the_solution_i
 
     assert check("count_model_state_bytes", package="solutions").passed
     assert "exercises" not in q.progress()  # the reference solution is not the learner's work
-    run = learner_answer("ch01_memory", (ROOT / "solutions" / "ch01_memory.py").read_text(encoding="utf-8"))
+    run = learner_answer("single_device", (ROOT / "solutions" / "single_device.py").read_text(encoding="utf-8"))
     assert run("count_model_state_bytes").passed
     assert q.progress()["exercises"] == {"count_model_state_bytes": {"passed": True, "passes": 1}}
     assert x.course_progress().exercises["count_model_state_bytes"] == (1, True)

@@ -1,7 +1,7 @@
 """FSDP2 (torch ``fully_shard``): trains like one device, holds 16Ψ/N, talks once per unit, checkpoints exactly.
 
 Every configuration of one world size runs inside ONE spawn (a spawn costs ~2 s on 2 cores): the
-rank function ``_suite`` runs the notebook's rank functions (``course_lib.experiments.ch04_fsdp``)
+rank function ``_suite`` runs the notebook's rank functions (``course_lib.experiments.fsdp``)
 one after the other, each under its own ``try``, and returns ``{case: {"ok": result} or {"error":
 traceback}}``; each test reads the case it names (:func:`case`), so a failing case fails its own
 tests with its own traceback and nothing else.
@@ -27,14 +27,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib import fsdp
-from course_lib.experiments import ch04_fsdp
+from course_lib.experiments import fsdp as fsdp_lab
 from course_lib.experiments.common import make_optimizer, reference_run, step_batch, train_step, zero_config
 from course_lib.launch import device, spawn
 from course_lib.models import GPT
 
 CPU = torch.device("cpu")
 WORLDS = [2, 4]
-STEPS, GLOBAL_BATCH = 10, 8  # the equality runs (GLOBAL_BATCH is ch04_fsdp's default)
+STEPS, GLOBAL_BATCH = 10, 8  # the equality runs (GLOBAL_BATCH is fsdp's default)
 EQUALITY = {  # name: (optimizer, reshard_after_forward, worlds)
     "sgd": ("sgd", True, [2, 4]),
     "sgd-keep-gathered": ("sgd", False, [2, 4]),
@@ -85,15 +85,15 @@ def _error_cases() -> dict:
         "reshard-int": catch(lambda: fsdp.fsdp2_wrap(gpt(), reshard_after_forward=2)),
         "mp-policy-type": catch(lambda: fsdp.fsdp2_wrap(gpt(), mp_policy=torch.bfloat16)),
         "wrapped-twice": catch(lambda: fsdp.fsdp2_wrap(wrapped)),
-        "bad-optimizer": catch(lambda: ch04_fsdp.fsdp2_vs_single_device(steps=1, optimizer="lbfgs")),
-        "batch-not-divisible": catch(lambda: ch04_fsdp.fsdp2_vs_single_device(steps=1, global_batch=world + 1)),
-        "resume-at-0": catch(lambda: ch04_fsdp.fsdp2_checkpoint_roundtrip("/nonexistent", resume_at=0)),
+        "bad-optimizer": catch(lambda: fsdp_lab.fsdp2_vs_single_device(steps=1, optimizer="lbfgs")),
+        "batch-not-divisible": catch(lambda: fsdp_lab.fsdp2_vs_single_device(steps=1, global_batch=world + 1)),
+        "resume-at-0": catch(lambda: fsdp_lab.fsdp2_checkpoint_roundtrip("/nonexistent", resume_at=0)),
     }
 
 
 def _every_rank_on_the_full_batch(optimizer: str) -> dict:
     """A wrong data-parallel run: each rank trains on the *whole* batch instead of its slice."""
-    model, local = ch04_fsdp.fsdp2_train(STEPS, optimizer, shard=lambda x, y: (x, y))
+    model, local = fsdp_lab.fsdp2_train(STEPS, optimizer, shard=lambda x, y: (x, y))
     return {"full_state": {k: v.cpu() for k, v in fsdp.full_state_dict(model).items()}, "local_losses": local}
 
 
@@ -115,26 +115,26 @@ def _suite(tmp_dir: str | None, load_from: str | None) -> dict:
     cases = {}
     for name, (opt, reshard, worlds) in EQUALITY.items():
         if world in worlds:
-            cases[f"equality/{name}"] = functools.partial(ch04_fsdp.fsdp2_vs_single_device, steps=STEPS,
+            cases[f"equality/{name}"] = functools.partial(fsdp_lab.fsdp2_vs_single_device, steps=STEPS,
                                                           optimizer=opt, reshard_after_forward=reshard)
     if world == 2:
         cases["equality/full-batch-on-every-rank"] = functools.partial(_every_rank_on_the_full_batch, "sgd")
     for name, (reshard, worlds) in ZERO3.items():
         if world in worlds:
-            cases[f"zero3/{name}"] = functools.partial(ch04_fsdp.fsdp2_vs_zero3, steps=3,
+            cases[f"zero3/{name}"] = functools.partial(fsdp_lab.fsdp2_vs_zero3, steps=3,
                                                        reshard_after_forward=reshard)
-    cases["mixed"] = functools.partial(ch04_fsdp.fsdp2_mixed_precision, steps=5)
+    cases["mixed"] = functools.partial(fsdp_lab.fsdp2_mixed_precision, steps=5)
     if tmp_dir is not None:
-        cases["checkpoint"] = functools.partial(ch04_fsdp.fsdp2_checkpoint_roundtrip, tmp_dir, steps=4, resume_at=2)
+        cases["checkpoint"] = functools.partial(fsdp_lab.fsdp2_checkpoint_roundtrip, tmp_dir, steps=4, resume_at=2)
     if world == 2:
         cases["errors"] = _error_cases
     if load_from is not None:
-        cases["reshard_on_load"] = functools.partial(ch04_fsdp.fsdp2_load_checkpoint, load_from)
+        cases["reshard_on_load"] = functools.partial(fsdp_lab.fsdp2_load_checkpoint, load_from)
     return _run_cases(cases)
 
 
 def _checkpoint_only(tmp_dir: str) -> dict:
-    return _run_cases({"checkpoint": functools.partial(ch04_fsdp.fsdp2_checkpoint_roundtrip, tmp_dir, steps=4,
+    return _run_cases({"checkpoint": functools.partial(fsdp_lab.fsdp2_checkpoint_roundtrip, tmp_dir, steps=4,
                                                        resume_at=2)})
 
 
@@ -506,6 +506,6 @@ WRONG = {
 @pytest.mark.parametrize("case_name", list(WRONG))
 def test_exercise_checker_explains_a_wrong_fsdp_answer(case_name, learner_answer):
     name, source, words = WRONG[case_name]
-    result = learner_answer("ch04_fsdp", source)(name)
+    result = learner_answer("fsdp", source)(name)
     assert result.status == "failed", str(result)
     assert words in result.message, result.message

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import fsdp
-from course_lib.experiments import ch04_features as F
-from course_lib.experiments import ch04_practice as P
+from course_lib.experiments import fsdp_features as F
+from course_lib.experiments import fsdp_practice as P
 from course_lib.experiments.common import reference_run
 from course_lib.launch import device, spawn
 from course_lib.models import GPT

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from course_lib.experiments import ch09_horovod as ex
+from course_lib.experiments import horovod as ex
 
 needs_horovod = pytest.mark.skipif(not ex.horovod_available(), reason=ex.BUILD_HINT)
 

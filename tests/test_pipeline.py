@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from course_lib.experiments import ch05_pipeline as E
+from course_lib.experiments import pipeline as E
 from course_lib.experiments.common import parallel_config, reference_run, state_diff
 from course_lib.formulas import pipeline_bubble, pipeline_p2p_bytes
 from course_lib.launch import RankError, spawn
@@ -255,7 +255,7 @@ def test_p2p_bytes_match_prediction():
 
 
 def test_exercise_checker_rejects_gpipe_order_naming_the_first_wrong_action(learner_answer):
-    run = learner_answer("ch05_pipeline", "from course_lib.pipeline import gpipe\n"
+    run = learner_answer("pipeline", "from course_lib.pipeline import gpipe\n"
                                           "def one_f_one_b_schedule(p, m, stage):\n    return gpipe(p, m, stage)\n")
     res = run("one_f_one_b_schedule")
     assert res.status == "failed"

@@ -3,7 +3,7 @@ the bytes the course's own ZeRO / FSDP2 runs measure on real ranks (chapter 09's
 import pytest
 
 from course_lib import plan
-from course_lib.experiments import ch09_review as R
+from course_lib.experiments import review as R
 from course_lib.experiments.common import bench_config, parallel_config, small_config, zero_config
 from course_lib.launch import spawn
 from course_lib.models import GPT

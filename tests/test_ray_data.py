@@ -13,7 +13,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from course_lib import ray_data, ray_train  # noqa: E402
-from course_lib.experiments import ch08_ray_data as E  # noqa: E402
+from course_lib.experiments import ray_data as E  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW, see COURSE_DESIGN's note on equality tests
 

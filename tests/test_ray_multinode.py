@@ -35,7 +35,7 @@ DRIVER = textwrap.dedent("""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-    from course_lib.experiments import ch07_ray_train as ex
+    from course_lib.experiments import ray_train as ex
 
     ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
     result = TorchTrainer(

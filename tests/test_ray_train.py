@@ -16,7 +16,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from course_lib import ray_train  # noqa: E402
-from course_lib.experiments import ch07_ray_train as ex  # noqa: E402
+from course_lib.experiments import ray_train as ex  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW, see COURSE_DESIGN's note on equality tests
 
@@ -137,14 +137,14 @@ def test_a_raising_training_function_shows_the_worker_traceback(local_ray, tmp_p
 
 def test_a_chapter02_rank_function_runs_unchanged_under_spawn_torchrun_and_ray(local_ray):
     """The README's promise: one rank function, three launchers (Ray creates the process group itself)."""
-    from course_lib.experiments.ch02_ddp import equality_with_single_device
+    from course_lib.experiments.ddp import equality_with_single_device
     from course_lib.launch import spawn
 
     args = ("torch_ddp", "adamw", 3)
     by_spawn = spawn(equality_with_single_device, 2, args=args, backend="gloo")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "course_lib.launch", "course_lib.experiments.ch02_ddp:equality_with_single_device", "--backend", "gloo",
+         "course_lib.launch", "course_lib.experiments.ddp:equality_with_single_device", "--backend", "gloo",
          *[a for v in args for a in ("--arg", repr(v))]],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -161,6 +161,6 @@ def test_techniques_import_no_experiment_or_checker(name):
 def test_import_parser_sees_relative_absolute_and_lazy_imports():
     source = ("from ..memory import x\nfrom . import common\nfrom .. import zero\nimport course_lib.ddp\n"
               "import torch\nfrom torch import nn\n"
-              "def f():\n    from course_lib.checks import ch00_collectives\n")
+              "def f():\n    from course_lib.checks import collectives\n")
     assert _imports_in(source, ["course_lib", "experiments"]) == {"memory", "experiments", "zero", "ddp", "checks"}
     assert _imports_in("from .launch import device\n", ["course_lib"]) == {"launch"}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib.experiments import ch06_tensor_parallel as E
+from course_lib.experiments import tensor_parallel as E
 from course_lib.experiments.common import parallel_config, reference_run, step_batch
 from course_lib.models import GPT, MLP, CausalSelfAttention
 from course_lib.tensor_parallel import check_mesh, qkv_rows

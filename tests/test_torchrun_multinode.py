@@ -29,8 +29,8 @@ import netns
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 PORT = 29400
-DDP = ("course_lib.experiments.ch02_ddp:equality_with_single_device", ("own_bucketed", "adamw", 3))
-FSDP = ("course_lib.experiments.ch04_fsdp:fsdp2_vs_single_device", (3, "adamw"))
+DDP = ("course_lib.experiments.ddp:equality_with_single_device", ("own_bucketed", "adamw", 3))
+FSDP = ("course_lib.experiments.fsdp:fsdp2_vs_single_device", (3, "adamw"))
 TIGHT = dict(rtol=1e-6, atol=1e-7)  # the same computation on the same 2 ranks: float-order differences at most
 
 
@@ -55,8 +55,8 @@ def two_hosts():
 
 
 def test_ddp_and_fsdp2_under_torchrun_on_two_nodes_equal_the_single_node_run(two_hosts, tmp_path):
-    from course_lib.experiments.ch02_ddp import equality_with_single_device
-    from course_lib.experiments.ch04_fsdp import fsdp2_vs_single_device
+    from course_lib.experiments.ddp import equality_with_single_device
+    from course_lib.experiments.fsdp import fsdp2_vs_single_device
     from course_lib.launch import spawn
 
     out_dir = str(tmp_path)

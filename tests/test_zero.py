@@ -23,6 +23,7 @@ from course_lib.data import make_batch
 from course_lib.launch import spawn
 from course_lib.memory import saved_tensors_table
 from course_lib.models import GPT, equality_config
+from course_lib.results import ADAMW
 
 # d_model = 63 (3 heads of 21) makes many parameter sizes odd, so every padding path runs at N = 2 and 4
 MODEL = dict(vocab_size=512, d_model=63, n_layer=2, n_head=3, block_size=16)
@@ -116,7 +117,7 @@ def full_params(model) -> dict:
 
 
 def _train_zero_optimizer(c) -> dict:
-    from course_lib.experiments.ch03_zero import comm_accounting, model_state_accounting
+    from course_lib.experiments.zero import comm_accounting, model_state_accounting
     from course_lib.zero import ZeroOptimizer
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -163,7 +164,7 @@ def _train_zero_optimizer(c) -> dict:
 
 
 def _train_zero3(c) -> dict:
-    from course_lib.experiments.ch03_zero import comm_accounting, model_state_accounting
+    from course_lib.experiments.zero import comm_accounting, model_state_accounting
     from course_lib.zero3 import Zero3
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -421,7 +422,7 @@ MEMORY_CASES = ["stage1-adamw", "stage2-adamw", "stage2-adamw-one-bucket", "stag
 
 
 def test_ddp_model_state_bytes_match_16_psi():
-    from course_lib.experiments.ch03_zero import model_state_accounting
+    from course_lib.experiments.zero import model_state_accounting
 
     model = GPT(equality_config(**MODEL))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -582,7 +583,7 @@ def test_zero_optimizer_is_a_torch_optimizer_that_lr_schedulers_drive(stage):
     assert got["is_optimizer"]
     assert got["lrs"] == pytest.approx(got["ref_lrs"], rel=1e-12)
     assert got["inner_lr"] == got["lrs"][-1]  # the scheduler drives the optimizer that steps the shards
-    assert got["max_abs_diff"] < 1e-5
+    assert got["max_abs_diff"] <= ADAMW.atol, f"{got['max_abs_diff']:.3e} exceeds {ADAMW}"
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])

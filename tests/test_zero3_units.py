@@ -75,7 +75,7 @@ def _probe(model, zero3) -> dict:
 
 
 def _train(c) -> dict:
-    from course_lib.experiments.ch03_zero import comm_accounting
+    from course_lib.experiments.zero import comm_accounting
     from course_lib.launch import device
     from course_lib.zero3 import Zero3
 

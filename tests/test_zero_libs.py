@@ -12,7 +12,7 @@ import torch
 
 from course_lib.launch import spawn
 from course_lib.models import GPT, equality_config, tiny_config
-from course_lib.experiments.ch03_libraries import (deepspeed_available, deepspeed_table, deepspeed_zero_stages,
+from course_lib.experiments.zero_libraries import (deepspeed_available, deepspeed_table, deepspeed_zero_stages,
                                                    reference_training, torch_zero1_memory, zero1_partition,
                                                    zero1_table)
 from course_lib.viz import zero_memory_calculator, zero_memory_table
@@ -176,9 +176,9 @@ def test_zero_stage_profile_time_peak_and_when_each_stage_communicates():
     """One spawn at N = 2: every stage timed; stage 2 reduce-scatters in backward bucket by bucket, stage 1 in
     step; stage 3 gathers each unit in forward and backward and holds at most one block + the root at once;
     activations are the same at every stage; the peak is above what is held after the step."""
-    from course_lib.experiments import ch03_zero
+    from course_lib.experiments import zero
 
-    r = spawn(ch03_zero.zero_stage_profile, 2, kwargs=dict(micro_batch=2, rounds=1))[0]
+    r = spawn(zero.zero_stage_profile, 2, kwargs=dict(micro_batch=2, rounds=1))[0]
     assert set(r["step_s"]) == {0, 1, 2, 3} and all(t > 0 for t in r["step_s"].values())
     nb = r["buckets_stage2"]
     assert nb > 1

@@ -6,7 +6,10 @@ Source format (percent cells, as jupytext writes them):
     # text ...
     # %%
     code ...
-Usage: python tools/build_notebooks.py [NAME_PREFIX ...] [--no-execute]
+Usage: python tools/build_notebooks.py [NAME_PREFIX ...] [--no-execute | --sources-only]
+``--sources-only`` writes each code cell's new source into the stored notebook and keeps its outputs
+(for renames that cannot change an output; strict nbval then proves they did not). It refuses when the
+cell structure (count or kinds) changed: such a notebook must be executed.
 Each notebook is executed with its working directory in notebooks/ and stored with outputs,
 which strict nbval (`make test`) then compares on every run.
 """
@@ -47,7 +50,28 @@ def parse(text: str) -> nbformat.NotebookNode:
     return nb
 
 
+def update_sources(src: Path) -> None:
+    """Replace the stored notebook's cell sources by its source file's, keeping every output."""
+    target = OUT / (src.stem + ".ipynb")
+    new, old = parse(src.read_text(encoding="utf-8")), nbformat.read(target, as_version=4)
+    kinds_new, kinds_old = [c.cell_type for c in new.cells], [c.cell_type for c in old.cells]
+    if kinds_new != kinds_old:
+        raise SystemExit(f"{target.name}: the cells changed ({len(kinds_old)} stored, {len(kinds_new)} in the "
+                         f"source, or their kinds): execute it instead of --sources-only")
+    changed = 0
+    for cell, fresh in zip(old.cells, new.cells):
+        if cell.source != fresh.source:
+            cell.source, changed = fresh.source, changed + 1
+    nbformat.write(old, target)
+    print(f"{target.name:<40} {changed} cell source(s) updated, outputs kept", flush=True)
+
+
 def main(argv):
+    if "--sources-only" in argv:
+        for src in sorted(SRC.glob("[0-9][0-9]_*.py")):
+            if not [a for a in argv if not a.startswith("--")] or any(src.name.startswith(a) for a in argv):
+                update_sources(src)
+        return
     execute = "--no-execute" not in argv
     prefixes = [a for a in argv if not a.startswith("--")]
     for src in sorted(SRC.glob("[0-9][0-9]_*.py")):

@@ -33,7 +33,7 @@ def _zero_tiny():
     return zero_config(vocab_size=64, d_model=15, n_head=3, block_size=8)
 
 
-E05 = "course_lib.experiments.ch05_pipeline"
+E05 = "course_lib.experiments.pipeline"
 
 
 def _pipe_tiny():
@@ -42,8 +42,8 @@ def _pipe_tiny():
     return parallel_config(block_size=8, d_model=16, n_head=2)
 
 
-E00, E02, E03, E04 = ("course_lib.experiments." + m for m in ("ch00_collectives", "ch02_ddp", "ch03_zero",
-                                                             "ch04_fsdp"))
+E00, E02, E03, E04 = ("course_lib.experiments." + m for m in ("collectives", "ddp", "zero",
+                                                             "fsdp"))
 
 # (chapter, "module:function", kwargs): small versions of what each notebook runs on ranks.
 SMOKE: list[tuple[str, str, dict]] = [
@@ -63,20 +63,20 @@ SMOKE: list[tuple[str, str, dict]] = [
      dict(bucket_sizes_mb=(None, 0.01), config=_tiny(), batch_size=2, rounds=1, steps_per_round=1, warmup=0)),
     ("02", f"{E02}:ddp_step_time", dict(config=_tiny(), global_batch=4, steps=1, warmup=0)),
     ("02", f"{E02}:ddp_timelines", dict(config=_tiny(), batch_size=2, steps=1)),
-    ("02", "course_lib.experiments.ch02_compression:compression_accuracy", dict(steps=2, global_batch=4,
+    ("02", "course_lib.experiments.ddp_compression:compression_accuracy", dict(steps=2, global_batch=4,
                                                                             config=_tiny())),
-    ("02", "course_lib.experiments.ch02_compression:gradient_allreduce_time", dict(config=_tiny(), repeats=1,
+    ("02", "course_lib.experiments.ddp_compression:gradient_allreduce_time", dict(config=_tiny(), repeats=1,
                                                                               warmup=0)),
     ("03", f"{E03}:zero_stage_report", dict(stage=2, steps=2, config=_zero_tiny())),
     ("03", f"{E03}:zero_stage_report", dict(stage=3, steps=2, config=_zero_tiny())),
     ("03", f"{E03}:zero_clip_and_resume", dict(stage=2, steps=3, resume_at=1, config=_zero_tiny())),
     ("03", f"{E03}:zero_stage_profile", dict(micro_batch=2, rounds=1, config=_zero_tiny())),
-    ("03", "course_lib.experiments.ch03_libraries:torch_zero1_memory", dict(config=_tiny(), steps=1)),
+    ("03", "course_lib.experiments.zero_libraries:torch_zero1_memory", dict(config=_tiny(), steps=1)),
     ("04", f"{E04}:fsdp2_vs_single_device", dict(steps=2, config=_zero_tiny(), global_batch=4)),
     ("04", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
     ("04", f"{E04}:fsdp2_mixed_precision", dict(steps=1, config=_zero_tiny(), global_batch=4)),
     ("04", f"{E04}:fsdp2_checkpoint_roundtrip", dict(tmp_dir=TMP, steps=2, resume_at=1, config=_zero_tiny())),
-    ("04", "course_lib.experiments.ch04_race:zero3_race", dict(rounds=1, batch_size=2, config=_zero_tiny(), warmup=0)),
+    ("04", "course_lib.experiments.fsdp_race:zero3_race", dict(rounds=1, batch_size=2, config=_zero_tiny(), warmup=0)),
     ("05", f"{E05}:pipeline_training", dict(schedule="1f1b", steps=2, num_microbatches=2, global_batch=4,
                                            config=_pipe_tiny())),
     ("05", f"{E05}:sleep_bubbles", dict(microbatches=(2,), t_f=0.002, t_b=0.004, steps=1, warmup=0)),
@@ -85,7 +85,7 @@ SMOKE: list[tuple[str, str, dict]] = [
                                                 config=_pipe_tiny())),
 ]
 
-_F04, _P04 = "course_lib.experiments.ch04_features", "course_lib.experiments.ch04_practice"
+_F04, _P04 = "course_lib.experiments.fsdp_features", "course_lib.experiments.fsdp_practice"
 SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need world 4: in the tests)
     ("04", f"{_F04}:reshard_memory_and_traffic", dict(config=_zero_tiny(), global_batch=4)),
     ("04", f"{_F04}:accumulation_without_sync", dict(micro_batches=2, steps=1, global_batch=4, config=_zero_tiny())),
@@ -97,7 +97,7 @@ SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need
     ("04", f"{_P04}:flat_vs_per_parameter", dict(config=_zero_tiny())),
 ]
 
-_E06 = "course_lib.experiments.ch06_tensor_parallel"
+_E06 = "course_lib.experiments.tensor_parallel"
 SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here; (2, 2) in the tests)
     ("06", f"{_E06}:linear_layers", dict(in_features=8, out_features=8, batch=2)),
     ("06", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4)),
@@ -109,9 +109,9 @@ SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here;
     ("06", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
 ]
 
-_E09 = "course_lib.experiments.ch09_horovod"
+_E09 = "course_lib.experiments.horovod"
 SMOKE += [  # chapter 09: the review suite (chapters 03-06 again) and the DDP side of the Horovod comparison
-    ("09", "course_lib.experiments.ch09_review:review_suite", dict(bubble_ms=(2.0, 4.0), microbatches=(2,))),
+    ("09", "course_lib.experiments.review:review_suite", dict(bubble_ms=(2.0, 4.0), microbatches=(2,))),
     ("09", f"{_E09}:ddp_rank", dict(kind="course", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
     ("09", f"{_E09}:ddp_rank", dict(kind="torch", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
 ]
@@ -180,14 +180,14 @@ def _ray_smoke(target: str, kwargs: dict, world: int, tmp: str) -> dict:
     from ray.train.torch import TorchTrainer
 
     from .. import ray_train
-    from .ch07_ray_train import rank_function_loop, rank_results
+    from .ray_train import rank_function_loop, rank_results
 
     ray_train.start(num_cpus=max(2, world))
     use_gpu = ray_train.auto_use_gpu(world)
     per_worker = {"CPU": 1.0}
     config, datasets = {"fn": _run_one, "args": (target, kwargs, tmp)}, None
     if target == RAY_DATA:
-        from .ch08_ray_data import build_dataset, write_corpus
+        from .ray_data import build_dataset, write_corpus
 
         write_corpus(tmp, rows=kwargs["rows"], files=kwargs["files"])
         datasets, per_worker = {"train": build_dataset(tmp, 0.0, kwargs["batch_size"])}, {"CPU": 0.5}

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.cli import doctor
-from course_lib.experiments import ch00_collectives
+from course_lib.experiments import collectives
 from course_lib.launch import RankError, RankTimeout, spawn
 
 doctor();  # versions, backend, cores, compiler — varies by machine, so nbval ignores this cell
@@ -187,7 +187,7 @@ print(f"bytes sent per rank: all-reduce {sent['all-reduce']:,.0f} = reduce-scatt
 # <a id="alpha-beta"></a>
 # The **α–β model** says one call costs `time = α + ring_factor · bytes / β`: a fixed cost α (latency, waking the
 # other rank, synchronisation) plus the bytes at a bandwidth β. Small messages are the **latency regime** (time ≈ α,
-# tiny bandwidth); large ones the **bandwidth regime** (time ≈ bytes/β). `ch00_collectives.measure_alpha_beta`
+# tiny bandwidth); large ones the **bandwidth regime** (time ≈ bytes/β). `collectives.measure_alpha_beta`
 # sweeps 1 KiB … 16 MiB for all-reduce, all-gather, reduce-scatter and send/recv — warm-up calls first, then the
 # **median of 5 repeats** per size, with the min–max spread kept — and fits α on the messages ≤ 4 KiB and β on
 # the messages ≥ 1 MiB only: gloo switches algorithm with the message size, so one straight line through all sizes
@@ -199,10 +199,10 @@ print(f"bytes sent per rank: all-reduce {sent['all-reduce']:,.0f} = reduce-scatt
 # NBVAL_IGNORE_OUTPUT
 from course_lib import viz
 
-SIZES = list(ch00_collectives.FIT_SIZES) + [2**23]
-_, bw = ch00_collectives.measure_alpha_beta(2, sizes_bytes=SIZES)
-fit = ch00_collectives.fit_alpha_beta([r for r in bw if r["bytes"] != 2**23])
-print(ch00_collectives.busbw_table(bw))
+SIZES = list(collectives.FIT_SIZES) + [2**23]
+_, bw = collectives.measure_alpha_beta(2, sizes_bytes=SIZES)
+fit = collectives.fit_alpha_beta([r for r in bw if r["bytes"] != 2**23])
+print(collectives.busbw_table(bw))
 print()
 print(fit.table())
 
@@ -266,7 +266,7 @@ print("held-out 8 MiB, predicted / measured per op:",
 cores = os.cpu_count()
 print(f"cores on this machine: {cores}; load average (1 min): {os.getloadavg()[0]:.1f}")
 cases = {"compute-bound (d=256, batch 8192)": (256, 8192), "communication-bound (d=1024, batch 8)": (1024, 8)}
-scaling = spawn(ch00_collectives.scaling_race, 2, args=(cases,), kwargs=dict(rounds=5, steps=2))[0]
+scaling = spawn(collectives.scaling_race, 2, args=(cases,), kwargs=dict(rounds=5, steps=2))[0]
 ratio = {name: sorted(r["ratio"])[len(r["ratio"]) // 2] for name, r in scaling.items()}
 for name, r in scaling.items():
     for v, label in (("1", "1 rank "), ("N", "2 ranks")):
@@ -309,7 +309,7 @@ print(f"communication-bound all-reduce of 4 MiB: α–β predicts {pred * 1e3:.2
 #
 # ## 6. Exercise: ring all-reduce from send/recv
 #
-# Open `exercises/ch00_collectives.py` and implement `ring_all_reduce` using only `comm.isend` / `comm.recv` to your
+# Open `exercises/collectives.py` and implement `ring_all_reduce` using only `comm.isend` / `comm.recv` to your
 # ring neighbours. Then run the checker — it runs your function on 2 and 3 real ranks and compares it with
 # `dist.all_reduce`. Until you implement it, it reports *unsolved*:
 
@@ -319,7 +319,7 @@ from course_lib.check import check
 check("ring_all_reduce")
 
 # %% [markdown]
-# The reference solution (`solutions/ch00_collectives.py`) passes the same check:
+# The reference solution (`solutions/collectives.py`) passes the same check:
 
 # %%
 check("ring_all_reduce", package="solutions")

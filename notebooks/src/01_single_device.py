@@ -258,7 +258,7 @@ for stage in range(4):
 
 # %% [markdown]
 # ## 5. Exercise: count the bytes yourself
-# Implement `count_model_state_bytes` in `exercises/ch01_memory.py` (unique storages!) and check it:
+# Implement `count_model_state_bytes` in `exercises/single_device.py` (unique storages!) and check it:
 
 # %%
 from course_lib.check import check

@@ -18,8 +18,8 @@
 #
 # **Expected runtime**: about 2 minutes on a 2-core laptop (the last cell prints it).
 #
-# Read along: `course_lib/ddp.py` (the algorithm, ~330 lines), `course_lib/experiments/ch02_ddp.py` and
-# `ch02_compression.py` (the measurements).
+# Read along: `course_lib/ddp.py` (the algorithm, ~330 lines), `course_lib/experiments/ddp.py` and
+# `ddp_compression.py` (the measurements).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt
 from torch.utils.data.distributed import DistributedSampler
 
 from course_lib import viz
-from course_lib.experiments import ch02_compression, ch02_ddp
+from course_lib.experiments import ddp_compression, ddp
 from course_lib.data import SyntheticDataset
 from course_lib.ddp import make_buckets, trainable_parameters
 from course_lib.launch import spawn
@@ -66,7 +66,7 @@ OPTIMIZERS = {"sgd": 5, "adamw": 10}
 
 
 def equality_suite():
-    return [ch02_ddp.equality_with_single_device(v, o, steps) for v in VARIANTS for o, steps in OPTIMIZERS.items()]
+    return [ddp.equality_with_single_device(v, o, steps) for v in VARIANTS for o, steps in OPTIMIZERS.items()]
 
 
 eq = spawn(equality_suite, 2)
@@ -98,7 +98,7 @@ for (v, o), r in worst.items():
 # **buckets** (default 25 MiB) in *reverse* registration order — roughly the order backward produces them:
 
 # %%
-cfg = ch02_ddp.bench_config()
+cfg = ddp.bench_config()
 model = GPT(cfg)
 grad_mb = sum(p.numel() * p.element_size() for _, p in trainable_parameters(model)) / 1e6
 print(f"bench model: {model.num_params() / 1e6:.2f}M parameters, {grad_mb:.1f} MB of fp32 gradients per step")
@@ -122,7 +122,7 @@ for cap_mb in (None, 4.0, 25.0):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tl = spawn(ch02_ddp.ddp_timelines, 2, kwargs=dict(bucket_cap_mb=2.0))[0]
+tl = spawn(ddp.ddp_timelines, 2, kwargs=dict(bucket_cap_mb=2.0))[0]
 labels = {"naive": "naive", "blocking_bucketed": "blocking bucketed", "per_param": "async per-param",
           "overlapped": "async bucketed"}
 fig, ax = plt.subplots(figsize=(9, 4.2))
@@ -172,7 +172,7 @@ print("bucketing: fewer all-reduces than parameters:",
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-sweep = spawn(ch02_ddp.bucket_size_sweep, 2, kwargs=dict(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0)))[0]
+sweep = spawn(ddp.bucket_size_sweep, 2, kwargs=dict(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0)))[0]
 for r in sweep:
     print(f"bucket_cap_mb={str(r['bucket_cap_mb']):<6} {r['n_buckets']:>3} buckets  {r['step_s'] * 1e3:7.1f} ms/step")
 fig, ax = plt.subplots(figsize=(5.5, 3))
@@ -198,7 +198,7 @@ print(f"fastest here: bucket_cap_mb={best['bucket_cap_mb']} ({best['n_buckets']}
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-pred = ch02_compression.predict_gradient_allreduce(2, bucket_cap_mb=25.0)
+pred = ddp_compression.predict_gradient_allreduce(2, bucket_cap_mb=25.0)
 print(f"fitted: α = {pred['alpha_s'] * 1e6:.0f} µs, β = {pred['beta_bytes_per_s'] / 1e9:.2f} GB/s (all-reduce, 2 ranks)")
 print(f"gradient all-reduce of {sum(pred['bucket_bytes']) / 1e6:.1f} MB in {len(pred['bucket_bytes'])} bucket(s): "
       f"predicted {pred['predicted_s'] * 1e3:.1f} ms, measured {pred['measured_s'] * 1e3:.1f} ms "
@@ -234,10 +234,10 @@ print(f"gradient all-reduce of {sum(pred['bucket_bytes']) / 1e6:.1f} MB in {len(
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-race = ch02_ddp.ddp_benchmark(2, bucket_cap_mb=4.0, rounds=5, steps_per_round=2,
+race = ddp.ddp_benchmark(2, bucket_cap_mb=4.0, rounds=5, steps_per_round=2,
                               variants=("own_find_unused", "own_bucketed", "own_bucket_view", "torch_ddp",
                                         "own_fp16", "torch_fp16"))
-print(ch02_ddp.format_throughput(race))
+print(ddp.format_throughput(race))
 ratios = race["ratios_vs_torch"]
 print(f"own bucketed / torch DDP: {ratios['own_bucketed']:.2f}; + gradient_as_bucket_view: "
       f"{ratios['own_bucket_view']:.2f}; + find_unused_parameters: {ratios['own_find_unused']:.2f}")
@@ -257,7 +257,7 @@ print(f"own bucketed / torch DDP: {ratios['own_bucketed']:.2f}; + gradient_as_bu
 # below trains 40 AdamW steps from the same init on the same data; we print the held-out loss against fp32.
 
 # %%
-cmp = spawn(ch02_compression.compression_accuracy, 2)[0]
+cmp = spawn(ddp_compression.compression_accuracy, 2)[0]
 cbytes = cmp["grad_bytes_per_step"]
 print(f"own DDP bytes per step (CommLog): fp32 {cbytes['own_fp32']:,}, fp16 {cbytes['own_fp16']:,}, "
       f"bf16 {cbytes['own_bf16']:,}")
@@ -303,7 +303,7 @@ print("torch's bf16_compress_hook here:", cmp["torch_bf16_hook"])
 # %%
 # NBVAL_IGNORE_OUTPUT
 worlds = [w for w in (1, 2) if w <= os.cpu_count()]
-scal = ch02_ddp.scaling(worlds, global_batch=2, config=ch02_ddp.bench_config(block_size=8))
+scal = ddp.scaling(worlds, global_batch=2, config=ddp.bench_config(block_size=8))
 print(f"every rank all-reduces {grad_mb:.1f} MB of gradients per step, whatever the world size "
       f"(the α–β model above: ≈ {pred['predicted_s'] * 1e3:.0f} ms)")
 for r in scal:
@@ -354,7 +354,7 @@ print("reshuffled between epochs:", epochs[0][0] != epochs[1][0])
 # all-reduces the sum once.
 
 # %%
-acc = spawn(ch02_ddp.accumulation_with_no_sync, 2, kwargs=dict(micro_batches=4))[0]
+acc = spawn(ddp.accumulation_with_no_sync, 2, kwargs=dict(micro_batches=4))[0]
 print(f"4 micro-batches per step: {acc.grad_allreduces} gradient all-reduces = one per bucket "
       f"({acc.buckets} buckets), not 4 × {acc.buckets}")
 print("accumulated step equals one device on the whole batch (max|Δ| ≤ 1e-6):",
@@ -376,9 +376,9 @@ import subprocess
 import sys
 
 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-       "course_lib.launch", "course_lib.experiments.ch02_ddp:equality_with_single_device", "--arg", "'own_bucketed'"]
+       "course_lib.launch", "course_lib.experiments.ddp:equality_with_single_device", "--arg", "'own_bucketed'"]
 print("$ torchrun --standalone --nproc-per-node 2 -m course_lib.launch "
-      "course_lib.experiments.ch02_ddp:equality_with_single_device --arg \"'own_bucketed'\"")
+      "course_lib.experiments.ddp:equality_with_single_device --arg \"'own_bucketed'\"")
 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 diffs = [float(d) for d in re.findall(r"max_abs_diff=([0-9.e+-]+)", proc.stdout)]
 print(f"torchrun exit code {proc.returncode}; ranks that reported: {len(diffs)}")
@@ -386,7 +386,7 @@ print("under torchrun, our DDP equals one device on the full batch (max|Δ| ≤ 
       len(diffs) == 2 and max(diffs) <= 1e-6)
 #
 # ## 11. Exercises
-# (a) `exercises/ch02_ddp.py::allreduce_gradients` — average gradients after backward; (b) `BucketedReducer` —
+# (a) `exercises/ddp.py::allreduce_gradients` — average gradients after backward; (b) `BucketedReducer` —
 # buckets + async all-reduce launched from gradient hooks.
 
 # %%

@@ -15,7 +15,7 @@
 # **What you need**: chapters 00 (collectives, α–β model) and 01 (16Ψ, activations); chapter 02's DDP helps.
 # **Expected runtime**: about 2 minutes on a 2-core laptop (DeepSpeed's first run compiles a C++ op: +30 s once).
 #
-# Read along: `course_lib/zero.py` (our ZeRO), `course_lib/experiments/ch03_libraries.py` (the libraries, measured).
+# Read along: `course_lib/zero.py` (our ZeRO), `course_lib/experiments/zero_libraries.py` (the libraries, measured).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -24,7 +24,7 @@ import time
 _t_notebook = time.perf_counter()
 import matplotlib.pyplot as plt
 
-from course_lib.experiments import ch03_zero
+from course_lib.experiments import zero
 from course_lib.launch import spawn
 
 # %% [markdown]
@@ -62,7 +62,7 @@ from course_lib.launch import spawn
 
 # %%
 def all_stages():
-    return [ch03_zero.zero_stage_report(stage) for stage in range(4)]
+    return [zero.zero_stage_report(stage) for stage in range(4)]
 
 
 reports = {world: spawn(all_stages, world) for world in (2, 4)}
@@ -109,10 +109,10 @@ for world, per_rank in reports.items():
 # %% [markdown]
 # Stages 1 and 2 send the same bytes; they differ in **when**. Below, one more step per stage at N = 2 with small
 # buckets (`bucket_cap_mb=0.05`, so the flat buffer is cut into several buckets), its collectives counted per
-# phase of the step (`ch03_zero.zero_stage_profile`, which also times the stages and tracks the peak memory, §3b):
+# phase of the step (`zero.zero_stage_profile`, which also times the stages and tracks the peak memory, §3b):
 
 # %%
-prof = spawn(ch03_zero.zero_stage_profile, 2, kwargs=dict(micro_batch=2, rounds=5))[0]
+prof = spawn(zero.zero_stage_profile, 2, kwargs=dict(micro_batch=2, rounds=5))[0]
 print(f"{'stage':>5} | {'forward':<22}| {'backward':<32}| {'step':<30}")
 for st in range(4):
     c = prof["calls"][st]
@@ -134,9 +134,9 @@ print(f"stage 3 all-gathers each unit in forward and again in backward ({len(pro
 # Ψ_tied the tied weight's size, the predicted ratio is 1 + 2Ψ_tied/(3Ψ). Measured at N = 2:
 
 # %%
-cfg = ch03_zero.zero_config()
+cfg = zero.zero_config()
 psi_tied = cfg.vocab_size * cfg.d_model
-per_param = spawn(ch03_zero.zero_stage_report, 2, kwargs=dict(stage=3, zero3_unit="param"))[0]
+per_param = spawn(zero.zero_stage_report, 2, kwargs=dict(stage=3, zero3_unit="param"))[0]
 expected = 1 + 2 * psi_tied / (3 * per_param["psi"])
 print(f"Zero3(unit='param'), N=2: sent / 3Ψ predicted = {per_param['comm_ratio']:.4f} vs 1 + 2Ψ_tied/(3Ψ) = "
       f"{expected:.4f}: {abs(per_param['comm_ratio'] - expected) < 0.01}")
@@ -187,14 +187,14 @@ print(f"stage 3: gathered at most the root unit ({units['(root)']:,} bytes) + on
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from course_lib.experiments import ch00_collectives
+from course_lib.experiments import collectives
 
 for st in range(4):
     print(f"stage {st}: {prof['step_s'][st] * 1e3:6.1f} ms per step ({prof['step_s'][st] / prof['step_s'][0]:.2f}× DDP)")
 unit_sizes = sorted(set(units.values()))
-rows = spawn(ch00_collectives.bandwidth_benchmark, 2, kwargs=dict(
+rows = spawn(collectives.bandwidth_benchmark, 2, kwargs=dict(
     sizes_bytes=(2**10, 2**12, *unit_sizes, 2**20, 2**22), ops=("all_gather",), iters=2, warmup=1))[0]
-fit = ch00_collectives.fit_alpha_beta([r for r in rows if r["bytes"] not in unit_sizes])  # the units held out
+fit = collectives.fit_alpha_beta([r for r in rows if r["bytes"] not in unit_sizes])  # the units held out
 timed = {r["bytes"]: r["time_s"] for r in rows}
 extra = sum(fit.predict("all_gather", b, 2) for b in units.values())
 measured_extra = sum(timed[b] for b in units.values())
@@ -229,7 +229,7 @@ for world, per_rank in reports.items():
 # the profile above; weights excluded, each rank's micro-batch its own tensor):
 
 # %%
-prof4 = spawn(ch03_zero.zero_stage_profile, 4, kwargs=dict(micro_batch=2, rounds=0))[0]
+prof4 = spawn(zero.zero_stage_profile, 4, kwargs=dict(micro_batch=2, rounds=0))[0]
 a2, a4 = prof["activation_bytes"], prof4["activation_bytes"]
 print(f"micro-batch 2: N=2 {a2[0]:,} bytes, N=4 {a4[0]:,} bytes; equal at every stage: "
       f"{all(a2[st] == a4[st] for st in range(4))}")
@@ -255,7 +255,7 @@ for world, per_rank in reports.items():
 # optimizer state; resuming from it continues exactly as if never interrupted.
 
 # %%
-clip = {stage: spawn(ch03_zero.zero_clip_and_resume, 2, kwargs=dict(stage=stage))[0] for stage in (1, 2)}
+clip = {stage: spawn(zero.zero_clip_and_resume, 2, kwargs=dict(stage=stage))[0] for stage in (1, 2)}
 for stage, r in clip.items():
     norms_ok = all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], r["reference_norms"]))
     print(f"stage {stage}: global grad norm = torch.nn.utils.clip_grad_norm_ on one device: {norms_ok}; "
@@ -272,10 +272,10 @@ for stage, r in clip.items():
 # memory you must provision. Our flat, padded buffer splits evenly to within N−1 elements.
 
 # %%
-from course_lib.experiments import ch03_libraries
+from course_lib.experiments import zero_libraries
 
-z1 = spawn(ch03_libraries.torch_zero1_memory, 2)[0]
-print(ch03_libraries.zero1_table(z1))
+z1 = spawn(zero_libraries.torch_zero1_memory, 2)[0]
+print(zero_libraries.zero1_table(z1))
 print(f"parameter-granular partition is imbalanced (max/mean > 1.05): {z1['imbalance'] > 1.05}")
 
 # %% [markdown]
@@ -296,11 +296,11 @@ print(f"parameter-granular partition is imbalanced (max/mean > 1.05): {z1['imbal
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-ds_ok, ds_reason = ch03_libraries.deepspeed_available()
+ds_ok, ds_reason = zero_libraries.deepspeed_available()
 print(ds_reason)
 if ds_ok:
-    ds = spawn(ch03_libraries.deepspeed_zero_stages, 2, kwargs=dict(stages=(0, 1, 2, 3), config=ch03_zero.zero_config()))[0]
-    print(ch03_libraries.deepspeed_table(ds))
+    ds = spawn(zero_libraries.deepspeed_zero_stages, 2, kwargs=dict(stages=(0, 1, 2, 3), config=zero.zero_config()))[0]
+    print(zero_libraries.deepspeed_table(ds))
 
 # %%
 if ds_ok:
@@ -357,7 +357,7 @@ zero_memory_calculator()
 
 # %% [markdown]
 # ## 7. Exercises
-# (a) `exercises/ch03_zero.py::Zero1Step.step` — reduce-scatter the flat gradient, step your shard, all-gather the
+# (a) `exercises/zero.py::Zero1Step.step` — reduce-scatter the flat gradient, step your shard, all-gather the
 # parameters. (b) `ShardedLinear` — keep a shard of a Linear's weight; gather it around forward and backward, free it
 # in between, reduce-scatter the weight gradient.
 

@@ -22,7 +22,7 @@ import tempfile
 
 import matplotlib.pyplot as plt
 
-from course_lib.experiments import ch04_fsdp
+from course_lib.experiments import fsdp
 from course_lib.launch import spawn
 
 # %% [markdown]
@@ -54,7 +54,7 @@ from course_lib.launch import spawn
 
 # %%
 def equality_suite():
-    return [ch04_fsdp.fsdp2_vs_single_device(steps=steps, optimizer=opt, reshard_after_forward=rs)
+    return [fsdp.fsdp2_vs_single_device(steps=steps, optimizer=opt, reshard_after_forward=rs)
             for opt, steps in (("sgd", 5), ("adamw", 10)) for rs in (True, False)]
 
 
@@ -77,7 +77,7 @@ for r in eq[0]:
 # for FSDP2 and with our `CommLog` for Zero3.
 
 # %%
-cmp = spawn(ch04_fsdp.fsdp2_vs_zero3, 2)[0]
+cmp = spawn(fsdp.fsdp2_vs_zero3, 2)[0]
 print(f"16Ψ/N = {cmp['formula_16psi_over_n']:,.0f} bytes per rank")
 for name in ("fsdp2", "zero3"):
     s = cmp[name]
@@ -115,9 +115,9 @@ print(f"step time: FSDP2 {f2['step_s'] * 1e3:.1f} ms, our Zero3 {z3['step_s'] * 
 # extra all-gathers cost against plain data parallelism.
 
 # %%
-from course_lib.experiments import ch04_race
+from course_lib.experiments import fsdp_race
 
-race = spawn(ch04_race.zero3_race, 2, kwargs=dict(rounds=5))[0]
+race = spawn(fsdp_race.zero3_race, 2, kwargs=dict(rounds=5))[0]
 gathers, n_units = race["gathers_per_forward"], 5  # 4 blocks + the root
 print(f"all-gathers per forward: {gathers}")
 print(f"per unit (ours and FSDP2's): one all-gather per unit and forward: "
@@ -126,7 +126,7 @@ print(f"per unit (ours and FSDP2's): one all-gather per unit and forward: "
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(ch04_race.format_zero3(race))
+print(fsdp_race.format_zero3(race))
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 3))
@@ -147,7 +147,7 @@ plt.show()
 # reduced in fp32.
 
 # %%
-mp = spawn(ch04_fsdp.fsdp2_mixed_precision, 2)[0]
+mp = spawn(fsdp.fsdp2_mixed_precision, 2)[0]
 print(f"sharded parameters: {mp['sharded_param_types']} {mp['sharded_param_dtypes']}; "
       f"optimizer state {mp['optimizer_state_dtypes']}")
 print(f"all-gather bytes bf16 / fp32 = {mp['gather_bytes_ratio_bf16_over_fp32']:.2f}; "
@@ -164,13 +164,13 @@ print(f"bf16 run within 2 % (per-tensor relative error) of fp32 one-device train
 
 # %%
 ckpt_dir = tempfile.mkdtemp(prefix="fsdp_ckpt_")
-ck = spawn(ch04_fsdp.fsdp2_checkpoint_roundtrip, 2, args=(ckpt_dir,))[0]
+ck = spawn(fsdp.fsdp2_checkpoint_roundtrip, 2, args=(ckpt_dir,))[0]
 print("files:", ck["files"])
 chunks = ck["example_chunks"]
 print(f"{chunks['key']}: global {chunks['global_shape']}, shards (offset, size) {chunks['chunks']}")
 print(f"resumed = uninterrupted, bit for bit: {ck['resumed_equals_uninterrupted']}")
 print(f"full state dict on rank 0 loads into a plain GPT: {ck['load_state_dict_ok']}")
-at4 = spawn(ch04_fsdp.fsdp2_load_checkpoint, 4, args=(ck["path"],))[0]
+at4 = spawn(fsdp.fsdp2_load_checkpoint, 4, args=(ck["path"],))[0]
 print(f"the world-2 checkpoint loads at world 4 with identical contents: {at4['digest'] == ck['saved_digest']}")
 shutil.rmtree(ckpt_dir)  # the checkpoint was only for this demonstration
 
@@ -182,8 +182,8 @@ shutil.rmtree(ckpt_dir)  # the checkpoint was only for this demonstration
 
 # %%
 from course_lib import viz
-from course_lib.experiments import ch04_features as F
-from course_lib.experiments import ch04_practice as P
+from course_lib.experiments import fsdp_features as F
+from course_lib.experiments import fsdp_practice as P
 
 
 def show(result):
@@ -349,7 +349,7 @@ shutil.rmtree(feat_dir)
 
 # %% [markdown]
 # ## 7. Exercises
-# (a) `exercises/ch04_fsdp.py` — wrap the blocks and the root with `fully_shard`; (b) save and restore a sharded
+# (a) `exercises/fsdp.py` — wrap the blocks and the root with `fully_shard`; (b) save and restore a sharded
 # checkpoint with DCP.
 
 # %%

@@ -11,7 +11,7 @@
 # - `torch.distributed.pipelining` (`PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`)
 #   on the same stages, and what the zero-bubble schedules change.
 #
-# Read along: `course_lib/pipeline.py` (stages, schedules, the runner) and `course_lib/experiments/ch05_pipeline.py`
+# Read along: `course_lib/pipeline.py` (stages, schedules, the runner) and `course_lib/experiments/pipeline.py`
 # (what this notebook runs on ranks).
 
 # %%
@@ -23,7 +23,7 @@ import os
 
 import matplotlib.pyplot as plt
 
-from course_lib.experiments import ch05_pipeline as E
+from course_lib.experiments import pipeline as E
 from course_lib.experiments.common import parallel_config, reference_run, state_diff
 from course_lib.formulas import pipeline_bubble, pipeline_bubble_megatron, pipeline_p2p_bytes
 from course_lib.launch import spawn
@@ -329,7 +329,7 @@ print("every rank all-reduced gradients within one group only:", all(len(r["grou
 
 # %% [markdown]
 # ## 9. Exercise
-# `exercises/ch05_pipeline.py::one_f_one_b_schedule` — produce the 1F1B action order for one stage. The checker
+# `exercises/pipeline.py::one_f_one_b_schedule` — produce the 1F1B action order for one stage. The checker
 # compares it with the reference for many (p, m, stage), then runs a real pipeline with your schedule.
 
 # %%

@@ -18,7 +18,7 @@
 # enough: ranks are processes with the gloo backend. **Expected runtime**: about 1–2 minutes.
 #
 # Read along: `course_lib/tensor_parallel.py` (the algorithm, top to bottom) and
-# `course_lib/experiments/ch06_tensor_parallel.py` (what this notebook runs on ranks).
+# `course_lib/experiments/tensor_parallel.py` (what this notebook runs on ranks).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -31,8 +31,8 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from course_lib.experiments import ch06_tensor_parallel as E
-from course_lib.experiments.ch00_collectives import AlphaBeta, fit_alpha_beta
+from course_lib.experiments import tensor_parallel as E
+from course_lib.experiments.collectives import AlphaBeta, fit_alpha_beta
 from course_lib.experiments.common import parallel_config, reference_run, step_batch
 from course_lib.formulas import dp_ring_bytes_per_token, tp_allreduce_bytes_per_layer, tp_ring_bytes_per_token
 from course_lib.launch import spawn
@@ -387,7 +387,7 @@ print("FSDP2 × TP collectives per mesh dimension:", mesh_runs[0]["fsdp_tp"]["co
 
 # %% [markdown]
 # ## 11. Exercise
-# `exercises/ch06_tensor_parallel.py` — write `column_parallel_linear` and `row_parallel_linear` as
+# `exercises/tensor_parallel.py` — write `column_parallel_linear` and `row_parallel_linear` as
 # `torch.autograd.Function`s, forward **and** backward by hand: where does each need its all-reduce? Check them on
 # 2 and 4 real ranks against `nn.Linear` (outputs, gradients, and the number of all-reduces in each direction):
 #

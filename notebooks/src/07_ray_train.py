@@ -21,7 +21,7 @@
 # interfaces — Ray has no loopback-only mode — so keep a laptop's firewall closed on untrusted networks.)
 #
 # Read along: `course_lib/ray_train.py` (start/stop, run names, a resource check, a report callback) and
-# `course_lib/experiments/ch07_ray_train.py` (the training functions this notebook hands to Ray).
+# `course_lib/experiments/ray_train.py` (the training functions this notebook hands to Ray).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from course_lib import ray_train
-from course_lib.experiments import ch07_ray_train as E
+from course_lib.experiments import ray_train as E
 
 ray = ray_train.start(num_cpus=2)   # ray.init(num_cpus=2, log_to_driver=False, _temp_dir=<short>, ...) on localhost
 print(f"cores: {os.cpu_count()}, Ray {ray.__version__}, Ray start-up {time.perf_counter() - _t_notebook:.1f} s")
@@ -167,7 +167,7 @@ import inspect
 
 print("— plain PyTorch DDP (under torchrun) —")
 print(E.PLAIN_LOOP)
-print("— the same loop for Ray Train (course_lib/experiments/ch07_ray_train.py: ddp_loop) —")
+print("— the same loop for Ray Train (course_lib/experiments/ray_train.py: ddp_loop) —")
 src = inspect.getsource(E.ddp_loop)
 print("\n".join(line for line in src.splitlines() if "# 1" in line or "# 2" in line or "# 3" in line
                 or "# 4" in line or "get_checkpoint()" in line))
@@ -367,7 +367,7 @@ print(error)                                  # the message: the worker's traceb
 # <a id="exercise"></a>
 # ## 10. Exercise: convert a plain PyTorch loop to Ray Train
 #
-# `exercises/ch07_ray_train.py` holds `plain_loop(config)` — the tiny GPT trained in one process — and
+# `exercises/ray_train.py` holds `plain_loop(config)` — the tiny GPT trained in one process — and
 # `ray_train_loop(config)` for you to write: the same training as a `train_loop_per_worker`, with section 5's four
 # changes (`prepare_model`; `prepare_data_loader` with the *per-worker* batch; `set_epoch`; a report per epoch
 # with a checkpoint from rank 0). `check("ray_train_loop")` runs it in a real `TorchTrainer` with 2 workers (on this

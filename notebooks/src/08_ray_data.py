@@ -21,7 +21,7 @@
 # with its temp dir at the end.
 #
 # Read along: `course_lib/ray_data.py` (a row-count check, a UDF wrapper that names the failing batch, a timer)
-# and `course_lib/experiments/ch08_ray_data.py` (the corpus, the tokenizer, the training loop this notebook runs).
+# and `course_lib/experiments/ray_data.py` (the corpus, the tokenizer, the training loop this notebook runs).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from course_lib import ray_data, ray_train, viz
-from course_lib.experiments import ch08_ray_data as E
+from course_lib.experiments import ray_data as E
 
 ray = ray_train.start(num_cpus=2, _system_config=ray_data.KEEP_WORKERS)   # as in chapter 07 (local, quiet,
 # short temp dir), and idle task workers are kept: starting one takes seconds on a busy laptop
@@ -391,7 +391,7 @@ except Exception as err:  # noqa: BLE001
 # %% [markdown]
 # ## 9. Exercise
 #
-# `exercises/ch08_ray_data.py`: write `tokenize_batch` (the `map_batches` step) and `fit_with_ray_data` (read
+# `exercises/ray_data.py`: write `tokenize_batch` (the `map_batches` step) and `fit_with_ray_data` (read
 # the Parquet files, map your step with `num_cpus=0.5`, hand the dataset to a `TorchTrainer` whose workers ask for
 # half a CPU). Check it with `course-lib check ray_data_pipeline` — the checker runs your trainer on real Ray
 # workers and compares the trained weights with one device trained on the correct tokens.

@@ -16,8 +16,8 @@
 #
 # **Expected runtime**: about 2 minutes on a 2-core laptop (DeepSpeed's C++ op is cached by notebook 03).
 #
-# Read along: `course_lib/plan.py` (the chooser), `course_lib/experiments/ch09_review.py` (what this notebook runs),
-# `course_lib/experiments/ch09_horovod.py` (Horovod beside our DDP).
+# Read along: `course_lib/plan.py` (the chooser), `course_lib/experiments/review.py` (what this notebook runs),
+# `course_lib/experiments/horovod.py` (Horovod beside our DDP).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -25,7 +25,7 @@ import time
 
 _t_notebook = time.perf_counter()
 from course_lib import plan
-from course_lib.experiments import ch09_review as R
+from course_lib.experiments import review as R
 from course_lib.formulas import pipeline_bubble, pipeline_bubble_megatron
 from course_lib.launch import spawn
 
@@ -50,8 +50,8 @@ from course_lib.launch import spawn
 # them shards **activations** — each rank still runs its whole micro-batch; only TP with sequence parallelism, a
 # smaller micro-batch or recompute shrinks those.
 #
-# Measured again now, at N = 2, by the chapters' own experiments (`R.review_suite`: `ch03_zero`, `ch04_fsdp`,
-# `ch05_pipeline`, `ch06_tensor_parallel`), each ratio = measured / formula:
+# Measured again now, at N = 2, by the chapters' own experiments (`R.review_suite`: `zero`, `fsdp`,
+# `pipeline`, `tensor_parallel`), each ratio = measured / formula:
 
 # %%
 suite = spawn(R.review_suite, 2, timeout=600)[0]
@@ -286,15 +286,15 @@ for r in R.deepspeed_mapping():
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from course_lib.experiments import ch03_libraries
+from course_lib.experiments import zero_libraries
 
-ds_ok, ds_reason = ch03_libraries.deepspeed_available()
+ds_ok, ds_reason = zero_libraries.deepspeed_available()
 print(ds_reason)
 if ds_ok:
-    ds = spawn(ch03_libraries.deepspeed_zero_stages, 2, timeout=600,
+    ds = spawn(zero_libraries.deepspeed_zero_stages, 2, timeout=600,
                kwargs=dict(stages=(1, 2, 3), config=R.deepspeed_model_config(), micro_batch=8, return_params=True))[0]
-    ref = ch03_libraries.reference_training(R.deepspeed_model_config(), global_batch=16)
-    print(ch03_libraries.deepspeed_table(ds))
+    ref = zero_libraries.reference_training(R.deepspeed_model_config(), global_batch=16)
+    print(zero_libraries.deepspeed_table(ds))
 
 # %%
 import torch
@@ -337,7 +337,7 @@ else:
 # %%
 from IPython.display import Markdown
 
-from course_lib.experiments import ch09_horovod as H
+from course_lib.experiments import horovod as H
 
 Markdown(H.api_table_markdown())
 

@@ -28,8 +28,8 @@ from ..fsdp import fsdp2_wrap, full_state_dict, full_training_state, load_sharde
 from ..launch import device
 from ..memory import model_state_bytes
 from ..models import GPT, GPTConfig
-from .ch04_features import _cpu, features_config
-from .ch04_fsdp import _digest
+from .fsdp_features import _cpu, features_config
+from .fsdp import _digest
 from .common import (Result, check_global_batch, make_optimizer, median_times, race, reference_run, shard_batch,
                      state_diff, step_batch, train_step)
 

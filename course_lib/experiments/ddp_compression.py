@@ -4,7 +4,7 @@ Rank functions (run them with ``launch.spawn``): :func:`compression_accuracy` (t
 with fp32, fp16 and bf16 gradient all-reduces on our DDP and torch's, PowerSGD once through torch's
 hook, and the bytes each of ours sends per step) and :func:`gradient_allreduce_time` (the measured
 time of the gradient all-reduce, to compare with the α–β prediction). Parent side:
-:func:`predict_gradient_allreduce` fits α–β (``ch00_collectives.measure_alpha_beta``) and predicts.
+:func:`predict_gradient_allreduce` fits α–β (``collectives.measure_alpha_beta``) and predicts.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def predict_gradient_allreduce(world_size: int = 2, bucket_cap_mb: float = 25.0,
     (ratio = measured / predicted). The prediction is made before the measurement runs.
     """
     from ..launch import spawn
-    from .ch00_collectives import measure_alpha_beta
+    from .collectives import measure_alpha_beta
 
     fit, _ = measure_alpha_beta(world_size, ops=("all_reduce",))
     config = config or bench_config()

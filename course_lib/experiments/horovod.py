@@ -136,7 +136,7 @@ def _horovod_train(hvd, config: GPTConfig, steps: int, global_batch: int, optimi
 
 
 def _worker_main(run_dir: str) -> None:
-    """Entry point of ``python -m course_lib.experiments.ch09_horovod RUN_DIR`` under horovodrun."""
+    """Entry point of ``python -m course_lib.experiments.horovod RUN_DIR`` under horovodrun."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -231,7 +231,7 @@ def run_horovod(steps: int = 5, global_batch: int = 16, optimizer: str = "sgd", 
     with open(os.path.join(run_dir, "job.pkl"), "wb") as f:
         pickle.dump(dict(config=config or small_config(), steps=steps, global_batch=global_batch,
                          optimizer=optimizer, fail_rank=fail_rank, hang_rank=hang_rank), f)
-    worker = f"{shlex.quote(sys.executable)} -m course_lib.experiments.ch09_horovod {shlex.quote(run_dir)}"
+    worker = f"{shlex.quote(sys.executable)} -m course_lib.experiments.horovod {shlex.quote(run_dir)}"
     # All on loopback: -H localhost:N, the lo interface for gloo, no ssh, no cache file in ~/.horovod.
     cmd = [launcher, "-np", str(world_size), "-H", f"localhost:{world_size}", "--gloo", "--network-interfaces",
            "lo", "--start-timeout", str(int(max(30, timeout))), "--disable-cache", *shlex.split(worker)]

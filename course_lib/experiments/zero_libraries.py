@@ -6,7 +6,7 @@ meets in practice on the same tiny GPT, and measures them with the same ruler
 numbers can be put next to the ZeRO formulas (Rajbhandari et al. 2019, arXiv:1910.02054) and
 next to ours. Both are rank functions: run them with ``launch.spawn(fn, 2, kwargs=...)``; they build
 their models and batches on ``launch.device()``. DeepSpeed's set-up and the walk that finds each of
-its bytes are in :mod:`course_lib.experiments.ch03_deepspeed`.
+its bytes are in :mod:`course_lib.experiments.zero_deepspeed`.
 
 ``torch_zero1_memory``
     ``torch.distributed.optim.ZeroRedundancyOptimizer`` is ZeRO-1 (optimizer states only) in
@@ -66,7 +66,7 @@ from ..formulas import zero_model_state_breakdown
 from ..launch import device
 from ..memory import model_state_bytes, storage_bytes, tensors_in
 from ..models import GPT, GPTConfig, tiny_config
-from .ch03_deepspeed import deepspeed_available, full_params, import_deepspeed, psi_padded, snapshot, \
+from .zero_deepspeed import deepspeed_available, full_params, import_deepspeed, psi_padded, snapshot, \
     torch_extensions_dir
 from .common import shard_batch, small_config
 

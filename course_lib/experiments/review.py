@@ -1,9 +1,9 @@
 """Chapter 09's runs: every technique once more, side by side, measured; the planner against those measurements.
 
-* :func:`review_suite` — rank function (N = 2): our DDP and ZeRO-1/2/3 (``ch03_zero``: bytes held vs the formula,
+* :func:`review_suite` — rank function (N = 2): our DDP and ZeRO-1/2/3 (``zero``: bytes held vs the formula,
   bytes sent vs 2Ψ/3Ψ, equality with one device; ``zero_stage_profile``: activations and model states at an equal
-  micro-batch), FSDP2 (``ch04_fsdp.fsdp2_vs_zero3``), Megatron TP (``ch06_tensor_parallel.tp_step``: all-reduces per
-  layer, weight bytes per rank) and pipeline bubbles (``ch05_pipeline.sleep_bubbles``).
+  micro-batch), FSDP2 (``fsdp.fsdp2_vs_zero3``), Megatron TP (``tensor_parallel.tp_step``: all-reduces per
+  layer, weight bytes per rank) and pipeline bubbles (``pipeline.sleep_bubbles``).
 * :func:`comparison_rows` / :func:`comparison_table` — parent side: one row per technique.
 * :func:`plan_vs_measured` — ``plan.memory_per_gpu`` (fp32, the course model) against the bytes measured above.
 * :data:`FIXED_CASES` / :func:`fixed_cases` — the planner's fixed cases and what each must give.
@@ -42,14 +42,14 @@ def review_suite(bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1
     ``bubbles`` (``sleep_bubbles``: each stage sleeps ``bubble_ms`` forward / backward; the median of 3
     steps per rank, so one stall on a busy machine does not move it).
     """
-    from . import ch03_zero, ch04_fsdp, ch05_pipeline, ch06_tensor_parallel
+    from . import zero, fsdp, pipeline, tensor_parallel
 
-    zero = [ch03_zero.zero_stage_report(stage) for stage in range(4)]
-    profile = ch03_zero.zero_stage_profile(micro_batch=MICRO_BATCH, rounds=0)
-    fsdp = ch04_fsdp.fsdp2_vs_zero3(steps=1)
-    tp = ch06_tensor_parallel.tp_step()
+    zero = [zero.zero_stage_report(stage) for stage in range(4)]
+    profile = zero.zero_stage_profile(micro_batch=MICRO_BATCH, rounds=0)
+    fsdp = fsdp.fsdp2_vs_zero3(steps=1)
+    tp = tensor_parallel.tp_step()
     t_f, t_b = (v / 1e3 for v in bubble_ms)
-    bubbles = ch05_pipeline.sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=3)
+    bubbles = pipeline.sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=3)
     bubbles.pop("timelines")
     profile.pop("peak_trace", None)
     return _plain({"world_size": dist.get_world_size(), "zero": zero, "profile": profile, "fsdp": fsdp, "tp": tp,

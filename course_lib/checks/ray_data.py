@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .. import ray_train
-from ..experiments import ch08_ray_data as E
+from ..experiments import ray_data as E
 
 __all__ = ["check_ray_data_pipeline", "train_loop"]
 

@@ -57,7 +57,7 @@ def fsdp2_train(steps: int = 10, optimizer: str = "adamw", reshard_after_forward
 def fsdp2_model_state_accounting(model, optimizer) -> dict:
     """Per-rank model-state bytes of an FSDP2 model, measured, against 16Ψ_pad/N (fp32 AdamW).
 
-    Same fields as :func:`course_lib.experiments.ch03_zero.model_state_accounting`. Measured from real tensors
+    Same fields as :func:`course_lib.experiments.zero.model_state_accounting`. Measured from real tensors
     (``memory.model_state_bytes``: each DTensor counts its local shard's storage). Call after
     ``step()`` and before ``zero_grad()``. What FSDP2 keeps on a rank:
 
@@ -159,7 +159,7 @@ def fsdp2_vs_zero3(steps: int = 3, config: GPTConfig | None = None, global_batch
     from dataclasses import asdict
 
     from ..zero3 import Zero3
-    from .ch03_zero import model_state_accounting
+    from .zero import model_state_accounting
 
     config = config or zero_config()
     world, dev = dist.get_world_size(), device()

@@ -1,6 +1,6 @@
 """Chapter 03: DeepSpeed set-up (is it usable here, its JIT cache, a quiet import) and where it keeps each byte.
 
-:mod:`course_lib.experiments.ch03_libraries` runs DeepSpeed ZeRO and tells its story; this module holds
+:mod:`course_lib.experiments.zero_libraries` runs DeepSpeed ZeRO and tells its story; this module holds
 the plumbing it needs: :func:`deepspeed_available` (and why not), :func:`torch_extensions_dir` (its
 C++ build cache), :func:`import_deepspeed` (inside a rank: CPU accelerator, silenced), and
 :func:`snapshot` — the bytes of unique storages a rank holds, by category (params, grads, fp32

@@ -329,7 +329,7 @@ def notebook_suite(config: GPTConfig | None = None, batch_size: int = 8, steps: 
 
     Also sweeps all-reduce sizes with chapter 00's benchmark (fit α and β in the parent).
     """
-    from .ch00_collectives import bandwidth_benchmark
+    from .collectives import bandwidth_benchmark
 
     config = config or parallel_config()
     return {"layers": linear_layers(), "tp": tp_step(config, batch_size),

@@ -243,7 +243,7 @@ def node_and_equality(steps: int = 3) -> dict:
     """Rank function for the multi-node run: this worker's node IP and chapter 02's DDP equality on it."""
     import ray
 
-    from .ch02_ddp import equality_with_single_device
+    from .ddp import equality_with_single_device
 
     res = equality_with_single_device("torch_ddp", "adamw", steps)
     return {"node": ray.util.get_node_ip_address(), "max_abs_diff": res.max_abs_diff, "ok": all(res.claims().values())}

@@ -1,6 +1,6 @@
 """Chapter 08 exercise, solved: a Ray Data preprocessing step with ``map_batches``, streamed into Ray Train.
 
-See ``exercises/ch08_ray_data.py`` for the task.
+See ``exercises/ray_data.py`` for the task.
 """
 import numpy as np
 

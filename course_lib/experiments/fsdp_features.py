@@ -11,7 +11,7 @@ the notebook prints and the tests assert):
 * :func:`prefetch_timeline` — explicit forward/backward prefetch, when each all-gather is issued.
 
 Gradient clipping, activation checkpointing, meta-device initialisation and sharded checkpoints are in
-:mod:`course_lib.experiments.ch04_practice`.
+:mod:`course_lib.experiments.fsdp_practice`.
 
 Every run returns full tensors (``full_state``, CPU) where equality with one device is the claim,
 so the test process can judge it against its own reference.

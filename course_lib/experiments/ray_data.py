@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from .. import ray_data, ray_train
 from ..data import counter_sequences
 from ..models import GPT
-from .ch07_ray_train import rank_results
+from .ray_train import rank_results
 from .common import make_optimizer, small_config, train_step
 
 __all__ = ["write_corpus", "read_corpus", "tokenize", "Tokenizer", "build_dataset", "build_actor_dataset",
@@ -196,7 +196,7 @@ def data_loop(cfg: dict) -> None:
 
     Per step it records ``(epoch, t_wait_start, t_batch_ready, t_step_end)`` (seconds since the variant's
     start) and the batch's ids; rank 0 also keeps the final parameters. Every rank's results go into the
-    run's checkpoint as ``rank<r>.pkl`` (read back with ``ch07_ray_train.rank_results``). Workers never print.
+    run's checkpoint as ``rank<r>.pkl`` (read back with ``ray_train.rank_results``). Workers never print.
     """
     import pickle
     import tempfile

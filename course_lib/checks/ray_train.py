@@ -4,7 +4,7 @@ Registered with ``launcher="parent"``: ``check()`` calls :func:`check_ray_train_
 (the notebook's), which uses the Ray session already running there (notebook 07's) or starts one and stops
 it afterwards, runs ``fit()`` and reads the run's last checkpoint. The checkpointed weights must equal one
 device trained on the same global batches in the same order — ``DistributedSampler``'s permutation of each
-epoch, :func:`~course_lib.experiments.ch07_ray_train.reference_params` — with AdamW, max |Δ| ≤ 1e-5.
+epoch, :func:`~course_lib.experiments.ray_train.reference_params` — with AdamW, max |Δ| ≤ 1e-5.
 An exception in the training function makes ``fit()`` raise ``TrainingFailedError`` with the worker's
 traceback; it propagates, and ``check()`` reports it (``NotImplementedError`` → unsolved).
 """
@@ -18,7 +18,7 @@ import uuid
 import torch
 
 from .. import ray_train
-from ..experiments.ch07_ray_train import reference_params
+from ..experiments.ray_train import reference_params
 
 __all__ = ["CONFIG", "WORKERS", "check_ray_train_loop"]
 
