@@ -36,7 +36,8 @@ import traceback
 from datetime import timedelta
 from typing import Callable, Sequence
 
-__all__ = ["spawn", "device", "hello", "resolve_backend", "RankError", "RankTimeout", "free_port"]
+__all__ = ["spawn", "device", "hello", "resolve_backend", "RankError", "RankTimeout", "free_port", "gpu_count",
+           "write_atomic"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds for the whole call
 _LOG_TAIL = 3000
@@ -76,7 +77,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
+    """How many CUDA devices this process sees (0 without CUDA)."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -86,7 +88,7 @@ def resolve_backend(backend: str, world_size: int) -> str:
     """``"auto"`` → nccl when there is one GPU per rank, else gloo."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'gloo', 'nccl'")
-    gpus = _gpu_count()
+    gpus = gpu_count()
     if backend == "auto":
         return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl" and gpus < world_size:
@@ -127,7 +129,8 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _write_atomic(path: str, blob: bytes) -> None:
+def write_atomic(path: str, blob: bytes) -> None:
+    """Write ``blob`` to ``path`` so that a reader sees the whole file or none (tmp file + rename)."""
     with open(path + ".tmp", "wb") as f:
         f.write(blob)
     os.replace(path + ".tmp", path)
@@ -157,14 +160,14 @@ def _rank_entry() -> None:
         blob = cloudpickle.dumps(out)  # serialise on the rank, before anything exits
         dist.barrier()
         dist.destroy_process_group()
-        _write_atomic(os.path.join(run_dir, f"rank{rank}.ok"), blob)
+        write_atomic(os.path.join(run_dir, f"rank{rank}.ok"), blob)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         tb = traceback.format_exc()
         try:
             exc_blob = cloudpickle.dumps(exc)
         except Exception:  # noqa: BLE001
             exc_blob = None
-        _write_atomic(os.path.join(run_dir, f"rank{rank}.err"),
+        write_atomic(os.path.join(run_dir, f"rank{rank}.err"),
                       pickle.dumps((type(exc).__name__, str(exc), tb, exc_blob)))
         sys.stdout.flush()
         sys.stderr.flush()
@@ -260,7 +263,7 @@ def spawn(fn: Callable, world_size: int = 2, *, args: Sequence = (), kwargs: dic
                         ) from exc
 
     run_dir = tempfile.mkdtemp(prefix="course_lib_run_")
-    _write_atomic(os.path.join(run_dir, "payload.pkl"), payload)
+    write_atomic(os.path.join(run_dir, "payload.pkl"), payload)
     port = free_port()
     path = os.pathsep.join([p or os.getcwd() for p in sys.path])
     base_env = dict(os.environ, PYTHONPATH=path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -346,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = ns.backend
     if backend == "auto":
-        backend = "nccl" if _gpu_count() >= local_world else "gloo"
+        backend = "nccl" if gpu_count() >= local_world else "gloo"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     kwargs = {}
     if backend == "nccl":
@@ -368,3 +371,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# Older names, kept until every caller uses the public ones.
+_gpu_count, _write_atomic = gpu_count, write_atomic
