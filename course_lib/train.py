@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .configs import make_optimizer
 from .data import make_batch
-from .launch import device
+from .launch import device as default_device
 from .models import GPT, GPTConfig
 
 __all__ = ["train_single_device"]
@@ -24,8 +24,6 @@ def train_single_device(config: GPTConfig, steps: int = 200, batch_size: int = 3
     Batch ``i`` is ``make_batch(batch_size, T, V, seed + i)``: the same data every run.
     ``device`` defaults to :func:`course_lib.launch.device` (this rank's GPU under nccl, else the CPU).
     """
-    from .launch import device as default_device
-
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps={steps} and batch_size={batch_size} must both be >= 1")
     dev = default_device() if device is None else torch.device(device)
@@ -39,12 +37,8 @@ def train_single_device(config: GPTConfig, steps: int = 200, batch_size: int = 3
         iterator = tqdm(iterator, desc="training", leave=False)
     t0 = time.perf_counter()
     for i in iterator:
-        x, y = (t.to(dev) for t in make_batch(batch_size, config.block_size, config.vocab_size, seed + i))
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed + i)
+        losses.append(train_step(model, opt, x.to(dev), y.to(dev)))
     seconds = time.perf_counter() - t0
     return {"model": model, "optimizer": opt, "loss": losses, "seconds": seconds,
             "tokens_per_s": steps * batch_size * config.block_size / seconds}
@@ -96,7 +90,7 @@ def check_global_batch(global_batch: int, world_size: int, micro_batches: int = 
 def step_batch(step: int, config: GPTConfig, batch_size: int, dev=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s batch of ``batch_size`` sequences: the same on every rank (seeded by the step)."""
     x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=step)
-    dev = device() if dev is None else dev
+    dev = default_device() if dev is None else dev
     return x.to(dev), y.to(dev)
 
 
@@ -129,7 +123,7 @@ def reference_run(config: GPTConfig, steps: int, batch_size: int, optimizer: str
     Returns ``(model, losses, grad_norms)`` (``grad_norms`` only with ``max_norm``: the norm that
     ``torch.nn.utils.clip_grad_norm_`` returned before clipping).
     """
-    dev = device() if dev is None else dev
+    dev = default_device() if dev is None else dev
     model = GPT(config, seed=seed).to(dev)
     opt = make_optimizer(optimizer, model.parameters(), **optimizer_overrides)
     losses, norms = [], []
