@@ -23,8 +23,9 @@ order than one device adds a full batch), so "equal" means equal up to what that
 * :data:`ADAMW` — a technique against one device with AdamW. Adam divides by ``√v + eps``: a gradient
   that is ~0 by cancellation turns the reordering noise into a visible step of up to ``lr·noise/eps``.
   The course's AdamW uses ``eps = 1e-6`` (see :mod:`course_lib.configs`) and bias-free models, which keeps
-  the worst difference measured on these models at 1.2e-5 (lr = 1e-2, 4 steps, two kinds of CPU); the bound
-  leaves 4× room, while a wrong technique moves weights by ≈ ``lr`` per step (≥ 1e-3).
+  the worst difference measured on these models at 1.15e-5 (ZeRO under an LR scheduler, lr = 1e-2, 4 steps,
+  on a machine where a 1e-5 bound failed); the bound leaves about 4× room, while a wrong technique moves
+  weights by ≈ ``lr`` per step (≥ 1e-3).
 * :data:`FP16` / :data:`BF16` — a run whose gradients or parameters are rounded to 16 bits on purpose
   (compression hooks, mixed precision): fp16 keeps 10 explicit mantissa bits (relative step 2⁻¹¹ ≈ 4.9e-4),
   bf16 keeps 7 (2⁻⁸ ≈ 3.9e-3); a few steps accumulate a few such roundings.
