@@ -1,7 +1,7 @@
-"""Chapter 03 — ZeRO stage 3: every rank keeps 1/N of every parameter; full weights exist only while a layer runs.
+"""Chapter 03 — ZeRO stage 3: every rank keeps 1/N of every parameter; full weights exist only while a unit runs.
 
 Stages 1 and 2 (``zero.py``) shard the optimizer state and the gradients; stage 3 also shards the
-*parameters* (Rajbhandari et al. 2019, arXiv:1910.02054, "P_os+g+p"). Before a layer runs, its
+*parameters* (Rajbhandari et al. 2019, arXiv:1910.02054, "P_os+g+p"). Before a unit runs, its
 full weights are all-gathered from the shards; right after, the gathered memory is freed. In
 backward they are gathered again, and the full gradient is reduce-scattered back into the
 shards. Per-rank model states: 16Ψ/N; traffic per step: 3Ψ (all-gather forward, all-gather
@@ -9,22 +9,28 @@ backward, reduce-scatter) against DDP's 2Ψ. This is the idea behind FSDP (chapt
 
 What is gathered together — the *unit* — is the engineering knob (``Zero3(..., unit=)``):
 
-* ``unit="param"`` (default): every parameter is its own unit, gathered when the module that owns
-  it runs, once per use (a tied weight twice): one small collective per parameter and per use.
-* ``unit="block"``: FSDP2's design (Zhao et al. 2023, arXiv:2304.11277; ``fully_shard`` per
-  block): one unit per transformer block plus a *root* unit (embeddings, ``ln_f``, tied head), each
-  gathered with **one** all-gather and reduced with **one** reduce-scatter, launched asynchronously
-  as soon as the unit's gradients are complete. ``prefetch=True`` issues the next unit's all-gather
-  before the current unit computes, so communication overlaps computation.
+* ``unit="block"`` (default): FSDP2's design (Zhao et al. 2023, arXiv:2304.11277; ``fully_shard``
+  per block): one unit per module of ``units`` (default :func:`zero3_shards.default_units`: a
+  ModuleList's blocks, else a Sequential's layers, else the whole model) plus a *root* unit (every
+  other parameter: embeddings, ``ln_f``, tied head), each gathered with **one** all-gather and
+  reduced with **one** reduce-scatter, launched asynchronously as soon as the unit's gradients are
+  complete. ``prefetch=True`` (the default here) issues the next unit's all-gather before the
+  current unit computes, so communication overlaps computation.
+* ``unit="param"``: the textbook version, for comparison: every parameter is its own unit,
+  gathered when the module that owns it runs, once per use (a tied weight twice): one small
+  collective per parameter and per use.
 
-* :class:`Zero3` — the module wrapper, with a global ``clip_grad_norm_`` and full-tensor
-  checkpoints (``full_state_dict`` / ``load_full_state_dict``; in ``zero3_shards.py``, with the
-  shards and the units' memory layout).
+* :class:`Zero3` — the module wrapper, with a global ``clip_grad_norm_``, full-tensor
+  checkpoints (``full_state_dict`` / ``load_full_state_dict``) and :meth:`Zero3.describe` (the
+  units chosen). The shards' layout is :mod:`course_lib.zero3_shards`.
+* :class:`Zero3Observer` — what instrumentation (meters, timelines) implements to watch gathers
+  and frees from outside (:meth:`Zero3.add_observer`).
 * :class:`_GatherUnit` — ZeRO-3 in one autograd piece: all-gather forward, reduce-scatter backward.
 * :class:`_RegatherBeforeBackward` — re-gathers a unit's weights before its backward runs.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -34,10 +40,35 @@ import torch.nn as nn
 
 from . import comm
 from .memory import storage_bytes
-from .sharding import _check_fp32, _check_same_device, _is_data_parallel_module
-from .zero3_shards import _ShardedParam, _ShardOps, _Unit, group_by_block, group_by_param, shard_parameters
+from .sharding import _check_fp32, _check_same_device, reducer_of
+from .zero3_shards import ShardedParam, Unit, group_by_block, group_by_param, shard_parameters
 
-__all__ = ["Zero3"]
+__all__ = ["Zero3", "Zero3Observer"]
+
+
+class Zero3Observer:
+    """Watches a :class:`Zero3` from outside: meters and timelines subclass it (no-op defaults).
+
+    ``gathered(unit, buffer)``: the unit's full weights just landed in ``buffer`` (forward, an
+    eval forward, or the re-gather before backward). ``freed(unit, buffer)``: that storage was
+    just released (``resize_(0)``). Attach with :meth:`Zero3.add_observer`, which returns a
+    handle whose ``remove()`` detaches it.
+    """
+
+    def gathered(self, unit: Unit, buffer: torch.Tensor) -> None:
+        pass
+
+    def freed(self, unit: Unit, buffer: torch.Tensor) -> None:
+        pass
+
+
+class _ObserverHandle:
+    def __init__(self, observers: list, observer: Zero3Observer):
+        self.observers, self.observer = observers, observer
+
+    def remove(self) -> None:
+        if self.observer in self.observers:
+            self.observers.remove(self.observer)
 
 
 @dataclass
@@ -59,7 +90,7 @@ class _ForwardPass:
 class _Use:
     """One gathering of a unit for one module call: the full buffer its parameters live in."""
 
-    unit: _Unit
+    unit: Unit
     forward_pass: _ForwardPass | None
     buffer: torch.Tensor | None = None  # storage freed (resized to 0) between forward and backward
 
@@ -68,7 +99,7 @@ class _Use:
 class _InFlight:
     """An all-gather issued (``async_op=True``) and not yet waited for."""
 
-    unit: _Unit
+    unit: Unit
     work: object
     out: torch.Tensor  # the (N, S) matrix, flat; for one parameter, the target use's buffer
     copy_in: torch.Tensor  # kept alive until the collective is done
@@ -80,7 +111,7 @@ class _GatherUnit(torch.autograd.Function):
     The inputs are the fp32 shards, so autograd knows the outputs depend on them; one node per
     unit with one output per parameter, and autograd calls a node's backward once *all* its
     outputs' gradients are in — exactly "the unit's gradients are complete", the moment to
-    launch its reduce-scatter. The shard gradients are delivered by :meth:`Zero3._finish_reductions`,
+    launch its reduce-scatter. The shard gradients are delivered by :meth:`Zero3.unit_grads_ready`,
     not by autograd (this backward returns None for the shards).
     """
 
@@ -88,11 +119,11 @@ class _GatherUnit(torch.autograd.Function):
     def forward(ctx, use: _Use, zero3: "Zero3", *shards):
         ctx.use, ctx.zero3 = use, zero3
         ctx.set_materialize_grads(False)  # a parameter this rank did not use: None, not a zero tensor
-        return zero3._gather(use)
+        return zero3.gather(use)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.zero3._unit_grads_ready(ctx.use, grads)
+        ctx.zero3.unit_grads_ready(ctx.use, grads)
         return (None, None, *([None] * len(grads)))
 
 
@@ -111,11 +142,11 @@ class _RegatherBeforeBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         for use in ctx.uses:
-            ctx.zero3._regather(use)
+            ctx.zero3.regather(use)
         return (None, None, *grads)
 
 
-class Zero3(_ShardOps, nn.Module):
+class Zero3(nn.Module):
     """ZeRO stage 3: every rank keeps 1/N of every parameter; full weights exist only while a unit runs.
 
     ``Zero3(module, compute_dtype=None, process_group=None, *, unit="block", units=None, prefetch=None)``
@@ -127,9 +158,11 @@ class Zero3(_ShardOps, nn.Module):
       wrapper's ``module.`` prefix, as under DDP) — hand them to any element-wise torch
       optimizer (AdamW …): its state is then 1/N too. The unit does not change the shards.
     * Units. ``unit="block"`` (the default, FSDP2's design): one unit per module in ``units``
-      (default: the children of every ``nn.ModuleList``, i.e. the transformer blocks; ``units=[]``:
-      the whole model is one unit) plus the root unit (every other parameter), gathered when the
-      wrapper is called and kept through the whole forward, as FSDP2's root. ``unit="param"``
+      (default, :func:`zero3_shards.default_units`: the children of every ``nn.ModuleList`` — the
+      transformer blocks —, else the layers of the outermost ``nn.Sequential`` s, else none, so any
+      module wraps; ``units=[]``: the whole model is one unit) plus the root unit (every other
+      parameter), gathered when the wrapper is called and kept through the whole forward, as
+      FSDP2's root. :meth:`describe` (and the repr) show the units chosen. ``unit="param"``
       (the textbook version, for comparison): each parameter is gathered when a module that owns
       it runs (a tied weight once per use). Units must not be nested, and a parameter (a tied weight) must
       lie in one unit only: tie within a block, or between modules of the root.
@@ -190,9 +223,11 @@ class Zero3(_ShardOps, nn.Module):
                              f"or torch.float16")
         if not isinstance(module, nn.Module):
             raise TypeError(f"Zero3 wraps an nn.Module, got {type(module).__name__}")
-        if _is_data_parallel_module(module):
-            raise ValueError(f"Zero3 does its own gradient reduce-scatter: wrap the plain module, not "
-                             f"{type(module).__name__} (pass ddp_model.module)")
+        owner = reducer_of(module.parameters())
+        if owner is not None:
+            raise ValueError(f"Zero3 does its own gradient reduce-scatter: wrap a plain module, not "
+                             f"{type(module).__name__}, whose gradients {owner} already reduces "
+                             f"(build a fresh model)")
         if unit not in ("param", "block"):
             raise ValueError(f"unit={unit!r} must be 'param' (one collective per parameter) or 'block' "
                              f"(one per transformer block + the root, as FSDP2)")
@@ -212,13 +247,14 @@ class Zero3(_ShardOps, nn.Module):
         self._forward_pass: _ForwardPass | None = None
         self._live: list[tuple] = []  # a stack: (trigger module now running forward, its uses)
         self._uses = weakref.WeakSet()  # every use not yet garbage: what gathered_bytes() measures
-        self._in_flight: dict[_Unit, _InFlight] = {}  # prefetched all-gathers
+        self._in_flight: dict[Unit, _InFlight] = {}  # prefetched all-gathers
         self._reductions: list[tuple] = []  # launched reduce-scatters not yet waited for
         self._callback_queued = False
+        self._observers: list[Zero3Observer] = []
 
         # 1. Shard every unique parameter: flatten, pad to a multiple of N, keep this rank's 1/N.
         by_id = shard_parameters(named, self.rank, self.world_size, self.device, process_group)
-        self._sharded: dict[str, _ShardedParam] = {sp.name: sp for sp in by_id.values()}
+        self._sharded: dict[str, ShardedParam] = {sp.name: sp for sp in by_id.values()}
         # every name a parameter is reachable under (a tied weight has two), for full_state_dict
         self._names = {name: by_id[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
 
@@ -240,7 +276,7 @@ class Zero3(_ShardOps, nn.Module):
         # prefetch plan: the next unit in forward order (learned from each forward; at first, units' order)
         blocks = [u for u in self.units if u is not self._root]
         self._next_forward = dict(zip([self._root] + blocks if self._root else blocks, blocks))
-        self._seen: list[_Unit] = []
+        self._seen: list[Unit] = []
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -259,7 +295,7 @@ class Zero3(_ShardOps, nn.Module):
 
     # ------------------------------------------------------------------ gather / free
 
-    def _issue(self, unit: _Unit, into: _Use | None = None) -> _InFlight:
+    def _issue(self, unit: Unit, into: _Use | None = None) -> _InFlight:
         """Start the unit's all-gather (async): this rank's shards, cast to the compute dtype (copy-in).
 
         A one-parameter unit is gathered straight into ``into``'s buffer (storage re-allocated)."""
@@ -297,21 +333,30 @@ class Zero3(_ShardOps, nn.Module):
             torch.split_with_sizes_copy(flight.out.view(self.world_size, unit.shard_numel), unit.sizes, dim=1,
                                         out=unit.blocks(buf.data))
 
-    def _gather(self, use: _Use) -> tuple[torch.Tensor, ...]:
-        """The unit's full parameters for ``use``: from a prefetched all-gather, else one now."""
+    def gather(self, use: _Use) -> tuple[torch.Tensor, ...]:
+        """The unit's full parameters for ``use``: from a prefetched all-gather, else one now.
+
+        Called by :class:`_GatherUnit` (or directly when no backward will come)."""
         flight = self._in_flight.pop(use.unit, None) or self._issue(use.unit)
         self._land(flight, use)
         self._uses.add(use)
+        for obs in self._observers:
+            obs.gathered(use.unit, use.buffer)
         return use.unit.full_views(use.buffer)
 
-    @staticmethod
-    def _free(use: _Use) -> None:
+    def _free(self, use: _Use) -> None:
         use.buffer.untyped_storage().resize_(0)
+        for obs in self._observers:
+            obs.freed(use.unit, use.buffer)
 
-    def _regather(self, use: _Use) -> None:
-        """Refill a freed buffer in place (autograd's saved tensors point at this storage), then prefetch."""
+    def regather(self, use: _Use) -> None:
+        """Refill a freed buffer in place (autograd's saved tensors point at this storage), then prefetch.
+
+        Called by :class:`_RegatherBeforeBackward` before the unit's backward ops run."""
         flight = self._in_flight.pop(use.unit, None) or self._issue(use.unit, into=use)
         self._land(flight, use)
+        for obs in self._observers:
+            obs.gathered(use.unit, use.buffer)
         if self.prefetch:
             fp = use.forward_pass
             if fp.next_backward is None:  # backward order: the root first, then the units in reverse
@@ -322,7 +367,7 @@ class Zero3(_ShardOps, nn.Module):
             if nxt is not None and nxt.buffer.untyped_storage().nbytes() == 0 and nxt.unit not in self._in_flight:
                 self._in_flight[nxt.unit] = self._issue(nxt.unit, into=nxt)
 
-    def _prefetch_forward(self, unit: _Unit) -> None:
+    def _prefetch_forward(self, unit: Unit) -> None:
         if not self.prefetch:
             return
         self._seen.append(unit)
@@ -340,8 +385,10 @@ class Zero3(_ShardOps, nn.Module):
     # ------------------------------------------------------------------ gradients
 
     @torch.no_grad()
-    def _unit_grads_ready(self, use: _Use, grads) -> None:
-        """All of this use's gradients are in: free its weights, add the gradients; after the last use, reduce."""
+    def unit_grads_ready(self, use: _Use, grads) -> None:
+        """All of this use's gradients are in: free its weights, add the gradients; after the last use, reduce.
+
+        Called by :class:`_GatherUnit`'s backward."""
         self._free(use)  # every op that read this use of the weights has finished its backward
         unit, fp, n = use.unit, use.forward_pass, self.world_size
         grad_in = fp.grad_in.get(unit)
@@ -397,7 +444,7 @@ class Zero3(_ShardOps, nn.Module):
                 fp.order.append(use)
                 fulls = _GatherUnit.apply(use, self, *[sp.shard for sp in unit.params])
             else:  # no backward will come (eval, no_grad, frozen): gather without autograd
-                fulls = self._gather(use)
+                fulls = self.gather(use)
             self._prefetch_forward(unit)  # the next unit's all-gather runs while this one computes
             for sub, attr, i in slots:  # while the unit runs, its weights are the full tensors
                 full = fulls[i]
@@ -429,6 +476,118 @@ class Zero3(_ShardOps, nn.Module):
             outs[i] = w
         return outs[0] if isinstance(output, torch.Tensor) else type(output)(outs)
 
+    # ------------------------------------------------------------------ gradient clipping
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient norm of the *whole* model, as ``torch.nn.utils.clip_grad_norm_`` on one device.
+
+        Call after ``backward()`` and before ``optimizer.step()``. No rank has the whole
+        gradient — rank r holds the averaged gradient of its shard of every parameter — but a
+        p-norm is a sum over elements, and the shards partition the elements::
+
+            ‖g‖_p = ( Σ_ranks Σ_{own elements} |g|^p )^(1/p)     one all-reduce (SUM) of a scalar
+            ‖g‖_∞ = max_ranks max_{own elements} |g|              one all-reduce (MAX) of a scalar
+
+        Only the *real* elements of each shard count (padding is cut off; it holds zeros
+        anyway, but a max or a stray value there must not decide the norm). Every rank gets
+        the same total, so every rank scales its shard gradients in place by the same
+        ``min(1, max_norm / (total + 1e-6))`` — torch's formula — and the step is the
+        single-device one (up to the rounding of a sum taken in another order). Returns the
+        total norm (before clipping). Collective (tag ``"norm"``): call it on every rank, also
+        on one whose shards have no gradient.
+        """
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type={norm_type} must be > 0 (e.g. 2.0, or math.inf for the largest |g|)")
+        with_grad = [sp for sp in self._sharded.values() if sp.shard.grad is not None]
+        own = [sp.shard.grad[:sp.own_numel(self.rank)] for sp in with_grad]
+        local = torch.zeros((), device=self.device)  # a fresh tensor: the all-reduce works in place
+        if norm_type == math.inf:
+            for g in own:
+                if g.numel():
+                    local = torch.maximum(local, g.abs().max())
+            comm.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group, tag="norm")
+            total = local
+        else:
+            for g in own:
+                local += g.abs().pow(norm_type).sum()
+            comm.all_reduce(local, group=self.process_group, tag="norm")
+            total = local.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for sp in with_grad:
+            sp.shard.grad.mul_(coef)  # padding is zero and stays zero
+        return total
+
+    # ------------------------------------------------------------------ full state dicts
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unpadded tensors under the keys of the wrapped module's ``state_dict()`` (collective)."""
+        buffers = self.module.state_dict()  # buffers (and extra state); parameter keys hold local shards
+        gathered: dict[str, torch.Tensor] = {}
+        out = {}
+        for key in self._state_dict_keys:
+            sp = self._names.get(key)
+            if sp is None:
+                out[key] = buffers[key]
+                continue
+            if sp.name not in gathered:
+                full = torch.empty(sp.padded, device=self.device)
+                comm.all_gather(full, sp.shard.detach(), group=self.process_group, tag="state")
+                gathered[sp.name] = full[:sp.numel].view(sp.shape)
+            out[key] = gathered[sp.name]
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load full tensors (keys and shapes of the wrapped module's ``state_dict()``) into the shards.
+
+        The inverse of :meth:`full_state_dict`, and it also takes a plain single-device
+        model's ``state_dict()``. Not a collective: every rank is handed the same full
+        tensors and copies only its own slice — elements ``[r·S, (r+1)·S)`` of the flattened
+        tensor, zeros where that runs past the end (padding). Buffers go to the wrapped
+        module. A tied weight appears under two keys; as in ``nn.Module.load_state_dict`` both
+        are loaded into the one shard (the later key wins; :meth:`full_state_dict` writes the
+        same tensor under both). The shards stay the same ``nn.Parameter`` objects, so an
+        optimizer built over ``parameters()`` keeps pointing at them.
+
+        ``strict=True`` (default) raises on missing or unexpected keys; a shape mismatch
+        always raises.
+        """
+        keys = set(self._state_dict_keys)
+        missing = [k for k in self._state_dict_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Zero3.load_full_state_dict: missing keys {missing}, unexpected keys {unexpected} "
+                               f"(expected the wrapped module's state_dict() keys; pass strict=False to skip them)")
+        buffers = {}
+        for key, value in state_dict.items():
+            if key not in keys:
+                continue
+            sp = self._names.get(key)
+            if sp is None:  # a buffer (or extra state): the wrapped module still owns it
+                buffers[key] = value
+                continue
+            if tuple(value.shape) != tuple(sp.shape):
+                raise ValueError(f"Zero3.load_full_state_dict: {key} has shape {tuple(value.shape)} in the state "
+                                 f"dict, {tuple(sp.shape)} in the model")
+            size, own = sp.shard.numel(), sp.own_numel(self.rank)
+            lo = self.rank * size
+            sp.shard.zero_()  # the padding
+            sp.shard[:own].copy_(value.detach().reshape(-1)[lo:lo + own])
+        # the shards were filled above; strictness was checked against all keys already
+        self.module.load_state_dict(buffers, strict=False)
+
+    @property
+    def numel(self) -> int:
+        return sum(sp.numel for sp in self._sharded.values())
+
+    @property
+    def padded_numel(self) -> int:
+        """Ψ padded: Σ over unique parameters of the size rounded up to a multiple of N."""
+        return sum(sp.padded for sp in self._sharded.values())
+
     # ------------------------------------------------------------------ accounting
 
     def held_tensors(self) -> list[torch.Tensor]:
@@ -445,3 +604,24 @@ class Zero3(_ShardOps, nn.Module):
         size = torch.empty((), dtype=self.compute_dtype or torch.float32).element_size()
         return [dict(name=u.name, params=[sp.name for sp in u.params], numel=u.numel, padded=u.padded,
                      gathered_bytes=u.padded * size, root=u is self._root) for u in self.units]
+
+    def describe(self) -> str:
+        """The units chosen, one line each: name, parameters, Ψ and gathered bytes."""
+        lines = [f"Zero3(unit={self.unit!r}, prefetch={self.prefetch}) on {self.world_size} ranks: "
+                 f"{len(self.units)} unit(s)"]
+        for row in self.unit_table():
+            names = ", ".join(row["params"][:3]) + (" …" if len(row["params"]) > 3 else "")
+            lines.append(f"  {row['name']:<12} {len(row['params']):>3} params  Ψ {row['numel']:>9,}  "
+                         f"gathered {row['gathered_bytes']:>10,} B  ({names})")
+        return "\n".join(lines)
+
+    def extra_repr(self) -> str:
+        units = ", ".join(u.name for u in self.units[:6]) + (" …" if len(self.units) > 6 else "")
+        return f"unit={self.unit!r}, prefetch={self.prefetch}, world_size={self.world_size}, units=[{units}]"
+
+    # ------------------------------------------------------------------ instrumentation
+
+    def add_observer(self, observer: Zero3Observer) -> _ObserverHandle:
+        """Call ``observer.gathered`` / ``observer.freed`` at every gather and free; ``.remove()`` stops."""
+        self._observers.append(observer)
+        return _ObserverHandle(self._observers, observer)

@@ -20,6 +20,7 @@ from course_lib import comm
 from course_lib.experiments import common
 from course_lib.launch import spawn
 from course_lib.models import GPT
+from course_lib.results import ADAMW, BF16, EXACT, SGD
 
 WORLDS = [2, 4]
 BATCH = 8  # global batch, divisible by 2 and 4
@@ -169,15 +170,72 @@ def _errors() -> dict:
         "unknown-unit": catch(lambda: Zero3(gpt(), unit="block", units=[nn.Linear(3, 3)])),
         "nested-units": catch(lambda: Zero3(nested, unit="block", units=[nested.blocks[0], nested.blocks[0].attn])),
         "root-as-unit": catch(lambda: Zero3(nested, unit="block", units=[nested])),
-        "no-module-list": catch(lambda: Zero3(nn.Sequential(nn.Linear(3, 3)), unit="block")),
         "bad-unit": catch(lambda: Zero3(gpt(), unit="layer")),
         "prefetch-per-param": catch(lambda: Zero3(gpt(), unit="param", prefetch=True)),
     }
 
 
+class ToyModel(nn.Module):
+    """Stanford CS336's ToyModel shape: a few layers as attributes, no ModuleList, no Sequential."""
+
+    def __init__(self, d_in: int = 10, d_out: int = 5):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, 10, bias=False)
+        self.ln = nn.LayerNorm(10)
+        self.fc2 = nn.Linear(10, d_out, bias=False)
+
+    def forward(self, x):
+        return self.fc2(self.ln(torch.relu(self.fc1(x))))
+
+
+def any_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "sequential":
+        return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+    return ToyModel()
+
+
+def _any_models(steps: int = 4) -> dict:
+    """Zero3(model) with default units on an nn.Sequential MLP and a CS336-style toy model: SGD vs one device."""
+    import torch.distributed as dist
+
+    from course_lib.launch import device
+    from course_lib.zero3 import Zero3, Zero3Observer
+
+    class Count(Zero3Observer):
+        def __init__(self):
+            self.gathers, self.frees = 0, 0
+
+        def gathered(self, unit, buffer):
+            self.gathers += 1
+
+        def freed(self, unit, buffer):
+            self.frees += 1
+
+    dev, out = device(), {}
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, 10, generator=gen).to(dev), torch.randn(BATCH, 5, generator=gen).to(dev)
+    for kind in ("sequential", "toy"):
+        z = Zero3(any_model(kind).to(dev))
+        count = Count()
+        handle = z.add_observer(count)
+        opt = torch.optim.SGD(z.parameters(), lr=0.1)
+        xs, ys = common.shard_batch(x, y)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(z(xs), ys).backward()
+            opt.step()
+        handle.remove()
+        out[kind] = {"units": [u.name for u in z.units], "describe": z.describe(), "repr": repr(z),
+                     "gathers": count.gathers, "frees": count.frees, "world": dist.get_world_size(),
+                     "params": {k: v.detach().cpu().clone() for k, v in z.full_state_dict().items()}}
+    return out
+
+
 def run_all(names: list[str]) -> dict:
     out = {name: _train(CASES[name]) for name in names}
     out["errors"] = _errors()
+    out["any_model"] = _any_models()
     return out
 
 
@@ -189,6 +247,7 @@ def results(world: int) -> dict:
         per_rank = spawn(run_all, world, args=(list(CASES),), timeout=600)
         _RESULTS[world] = {name: dict(per_rank[0][name], all_ranks=[r[name] for r in per_rank]) for name in CASES}
         _RESULTS[world]["errors"] = per_rank[0]["errors"]
+        _RESULTS[world]["any_model"] = per_rank[0]["any_model"]
     return _RESULTS[world]
 
 
@@ -227,7 +286,7 @@ def grid(names):
 @grid(["sgd", "sgd-prefetch", "sgd-sublayer-units-prefetch"])
 def test_per_unit_sgd_equals_one_device_after_5_steps(world, name):
     got, ref = results(world)[name], reference(name)
-    assert common.max_abs_diff(got["params"], ref["params"]) <= 1e-6
+    SGD.assert_close(got["params"], ref["params"])
 
 
 ADAMW = ["adamw", "adamw-prefetch", "adamw-untied", "adamw-accumulate-prefetch", "adamw-resume-prefetch"]
@@ -238,13 +297,14 @@ def test_per_unit_adamw_equals_one_device_after_10_steps(world, name):
     got, ref = results(world)[name], reference(name)
     assert list(got["params"]) == list(ref["params"])  # the plain model's keys, the tied name included
     for k, v in ref["params"].items():
-        torch.testing.assert_close(got["params"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+        ADAMW.assert_close(got["params"][k], v, msg=k)
 
 
 @grid(["adamw-prefetch"])
 def test_every_rank_ends_with_the_same_full_weights(world, name):
     ranks = results(world)[name]["all_ranks"]
-    assert all(common.max_abs_diff(r["params"], ranks[0]["params"]) == 0.0 for r in ranks[1:])
+    for r in ranks[1:]:
+        EXACT.assert_close(r["params"], ranks[0]["params"])
 
 
 @grid(["adamw", "adamw-prefetch"])
@@ -260,8 +320,7 @@ def test_tied_weight_lies_in_the_root_unit_and_stays_tied(world, name):
 def test_bf16_compute_matches_bf16_single_device(world, name):
     got, ref = results(world)[name], reference(name)
     for k, v in ref["params"].items():
-        rel = ((got["params"][k] - v).norm() / v.norm()).item()
-        assert rel <= 1e-2, f"{k}: relative error {rel:.2e}"
+        BF16.assert_close(got["params"][k], v, msg=k)
     gathers = [r for r in got["forward"] + got["backward"] if r[0] == "all_gather"]
     assert gathers  # (their dtype is checked on the records in test_collectives_per_pass)
 
@@ -270,9 +329,9 @@ def test_bf16_compute_matches_bf16_single_device(world, name):
 def test_clip_grad_norm_is_the_single_device_norm(world, name):
     got, ref = results(world)[name], reference(name)
     assert min(ref["norms"]) > CLIP
-    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
+    ADAMW.assert_close(got["norms"], ref["norms"])
     for k, v in ref["params"].items():
-        torch.testing.assert_close(got["params"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+        ADAMW.assert_close(got["params"][k], v, msg=k)
 
 
 @grid(["adamw", "adamw-prefetch"])
@@ -280,7 +339,7 @@ def test_eval_forward_without_autograd_gives_the_same_loss_and_frees_everything(
     got, ref = results(world)[name], reference(name)
     with torch.no_grad():
         want = ref["model"](*common.step_batch(0, config(CASES[name]), BATCH, "cpu"))[1].item()
-    assert got["eval_loss"] == pytest.approx(want, rel=1e-5)
+    ADAMW.assert_close(got["eval_loss"], want)
     assert got["held_after_eval"] == 0 and got["held_after_backward"] == 0
 
 
@@ -308,8 +367,8 @@ def test_bytes_sent_per_step_are_exactly_3_psi_pad(world, name):
     model = GPT(config(CASES[name]))
     psi_pad = sum(math.ceil(p.numel() / world) * world for p in model.parameters())
     assert got["comm"]["psi_pad"] == psi_pad == sum(u["padded"] for u in got["units"])
-    assert got["comm"]["sent_per_step"] == pytest.approx(3 * psi_pad * 4 * (world - 1) / world, rel=1e-12)
-    assert got["comm"]["ratio"] == pytest.approx(1.0, rel=1e-12)  # the tied weight: once per unit, no extra
+    EXACT.assert_close(got["comm"]["sent_per_step"], 3 * psi_pad * 4 * (world - 1) / world)
+    EXACT.assert_close(got["comm"]["ratio"], 1.0)  # the tied weight: once per unit, no extra
 
 
 @grid(["probe-4-blocks", "probe-4-blocks-prefetch"])
@@ -337,7 +396,6 @@ def test_gathered_weights_peak_is_at_most_root_plus_two_largest_blocks(world, na
     ("unknown-unit", "ValueError", ["units[0] (Linear) is not a submodule of the wrapped GPT"]),
     ("nested-units", "ValueError", ["blocks.0.attn", "blocks.0", "nested"]),
     ("root-as-unit", "ValueError", ["wrapped module itself"]),
-    ("no-module-list", "ValueError", ["no nn.ModuleList", "units="]),
     ("bad-unit", "ValueError", ["unit='layer'", "'param'", "'block'"]),
     ("prefetch-per-param", "ValueError", ["unit='block'"]),
     ("recovers", "ValueError", ["shards back: True, gathered bytes: 0"]),
@@ -347,3 +405,26 @@ def test_bad_inputs_give_clear_errors(label, exc_type, words):
     assert got_type == exc_type, message
     for w in words:
         assert w in message, message
+
+
+# ----------------------------------------------------------------------------- any model, default units
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind,units", [("sequential", ["0", "2", "4"]), ("toy", ["(root)"])])
+def test_default_units_wrap_any_model_and_train_like_one_device(world, kind, units):
+    """A Sequential's layers are the units; a model without ModuleList/Sequential is one root unit."""
+    got = results(world)["any_model"][kind]
+    assert got["units"] == units
+    assert "unit='block'" in got["repr"] and all(u in got["describe"] for u in units)
+    assert got["gathers"] > 0 and got["frees"] >= got["gathers"]  # the observer saw every gather
+    model = any_model(kind)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, 10, generator=gen), torch.randn(BATCH, 5, generator=gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert list(got["params"]) == list(model.state_dict())
+    SGD.assert_close(got["params"], model.state_dict())
