@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from . import comm
 from .grad_buckets import GradBuckets, make_buckets
-from .sharding import ELEMENTWISE_OPTIMIZERS, _check_fp32, _check_optimizer_cls, _check_same_device  # noqa: F401
+from .sharding import ELEMENTWISE_OPTIMIZERS, check_fp32, check_optimizer_cls, check_same_device
 from .sharding import mark_reduced_by, reducer_of
 
 __all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS"]
@@ -132,13 +132,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_cap_mb: float | None = 25.0, **kwargs):
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage={stage!r} is not one of 1, 2 (use Zero3 for stage 3)")
-        _check_optimizer_cls(optimizer_cls)
+        check_optimizer_cls(optimizer_cls)
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be None (one bucket per param group) or > 0, got {bucket_cap_mb!r}")
         groups = self._param_groups(params)
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
-        _check_fp32([(f"parameter {i}", p) for i, p in enumerate(self.params)], "ZeroOptimizer")
-        self.device = _check_same_device(self.params, "ZeroOptimizer")
+        check_fp32([(f"parameter {i}", p) for i, p in enumerate(self.params)], "ZeroOptimizer")
+        self.device = check_same_device(self.params, "ZeroOptimizer")
         wrapper = reducer_of(self.params)
         if wrapper is not None:
             raise ValueError(f"these parameters belong to a module wrapped by {wrapper}, which already reduces "
@@ -446,3 +446,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         held = list(self.flat_params) + list(self._staging.values())
         held += self.flat_grads if self.stage == 1 else self.partition_grads
         return held
+
+    def transient_tensors(self) -> list[torch.Tensor]:
+        """Stage 2's communication memory right now: staging buckets still filling, and each
+        reduce-scatter in flight (its input and output). Empty between steps and in stage 1."""
+        transient = list(self._staging.values())
+        transient += [t for _bucket, _work, out, staging in self._inflight for t in (out, staging)]
+        return transient

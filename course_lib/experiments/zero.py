@@ -1,13 +1,25 @@
 """Chapter 03's measurements: each ZeRO stage's bytes held and sent against the formulas, clipping and resume.
 
-Rank functions (run them with ``launch.spawn``): :func:`zero_stage_report` (one stage: memory vs
-formula, communication vs 2Ψ/3Ψ, activations, equality with one device) and
-:func:`zero_clip_and_resume`. Accounting helpers, usable in any rank function:
-:func:`model_state_accounting` (bytes held) and :func:`comm_accounting` (bytes sent).
+Rank functions (run them with ``launch.spawn``), each returning a :class:`~course_lib.results.Result`
+whose rows are the chapter's claims:
+
+* :func:`zero_stage_report` — one stage: model-state bytes vs the ZeRO formula, bytes sent vs 2Ψ/3Ψ,
+  weights vs one device (:class:`StageReport`);
+* :func:`zero_clip_and_resume` — global-norm clipping vs one device, checkpoint/resume vs the
+  uninterrupted run (:class:`ClipResumeReport`);
+* :func:`zero_stage_profile` — every stage's step time, peak bytes per phase and which collectives
+  each phase issues (:class:`StageProfile`).
+
+The results also read like the dicts they replace (``report["ratio"]``, :class:`FieldAccess`).
+Accounting helpers, usable in any rank function: :func:`model_state_accounting` (bytes held) and
+:func:`comm_accounting` (bytes sent).
 """
 from __future__ import annotations
 
 import io
+import math
+import weakref
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -16,13 +28,47 @@ from .. import comm
 from ..ddp import DDP
 from ..formulas import zero_model_state_breakdown
 from ..launch import device
-from ..memory import SavedTensorMeter, model_state_bytes
+from ..memory import SavedTensorMeter, model_state_bytes, tensors_in, unique_storage_bytes
 from ..models import GPT, GPTConfig
+from ..results import ADAMW, EXACT, Result
 from ..zero import ZeroOptimizer
 from ..zero3 import Zero3
-from .common import OPTIMIZERS, check_global_batch, make_optimizer, shard_batch, state_diff, step_batch, zero_config
+from .common import (OPTIMIZERS, check_global_batch, make_optimizer, median_times, race, reference_run,
+                     shard_batch, state_diff, step_batch, train_step, zero_config)
 
-__all__ = ["zero_config", "model_state_accounting", "comm_accounting", "zero_stage_report", "zero_clip_and_resume"]
+__all__ = ["zero_config", "model_state_accounting", "comm_accounting", "zero_stage_report",
+           "zero_clip_and_resume", "zero_stage_profile", "FieldAccess", "StageReport",
+           "ClipResumeReport", "StageProfile", "MEMORY_FORMULA"]
+
+# per-rank model-state bytes of each stage, fp32 AdamW (0 = DDP)
+MEMORY_FORMULA = {0: "16Ψ", 1: "8Ψ + 8Ψ/N", 2: "4Ψ + 12Ψ/N", 3: "16Ψ/N"}
+
+
+class FieldAccess:
+    """Read a result's fields by name, as the dicts it replaces were read: ``report["ratio"]``."""
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name not in ("title", "checked")]
+
+    def __getitem__(self, name: str):
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.keys()
+
+    def get(self, name: str, default=None):
+        return getattr(self, name) if name in self.keys() else default
+
+    def pop(self, name: str, default=None):
+        """``default`` for a name that is not a field; a field cannot be removed (TypeError)."""
+        if name in self.keys():
+            raise TypeError(f"{type(self).__name__}.{name} is a field: a result's fields cannot be removed")
+        return default
+
+
+# --------------------------------------------------------------------------- accounting
 
 
 def model_state_accounting(model, optimizer, extra=()) -> dict:
@@ -66,108 +112,168 @@ def comm_accounting(log: comm.CommLog, wrapper, steps: int = 1) -> dict:
 
     ``log`` recorded ``steps`` full training steps; only tags ``"param"`` and ``"grad"``
     count (not the one-time ``"init"`` broadcast or the tiny ``"used"``/``"norm"`` all-reduces).
-    c = 2 for ZeRO-1/2 (reduce-scatter + all-gather = one all-reduce, as DDP) and 3 for ZeRO-3
-    (an extra all-gather in backward). ``wrapper`` is the :class:`ZeroOptimizer` or :class:`Zero3`.
-    The formula assumes fp32 traffic; with ``compute_dtype`` 16-bit the gathers are half.
+    c = 2 for DDP and ZeRO-1/2 (an all-reduce, or reduce-scatter + all-gather: the same bytes) and
+    3 for ZeRO-3 (an extra all-gather in backward). ``wrapper`` is the course's :class:`DDP`, a
+    :class:`ZeroOptimizer` or a :class:`Zero3`. The formula assumes fp32 traffic; with
+    ``compute_dtype`` 16-bit the gathers are half.
     """
     if isinstance(wrapper, ZeroOptimizer):
-        stage, c = wrapper.stage, 2
+        stage, c, n, psi_pad = wrapper.stage, 2, wrapper.world_size, wrapper.padded_numel
     elif isinstance(wrapper, Zero3):
-        stage, c = 3, 3
+        stage, c, n, psi_pad = 3, 3, wrapper.world_size, wrapper.padded_numel
+    elif isinstance(wrapper, DDP):
+        stage, c, n = 0, 2, dist.get_world_size()
+        psi_pad = sum(p.numel() for p in wrapper.parameters())
     else:
-        raise TypeError(f"wrapper must be a ZeroOptimizer or Zero3, got {type(wrapper).__name__}")
+        raise TypeError(f"wrapper must be a DDP, ZeroOptimizer or Zero3, got {type(wrapper).__name__}")
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
-    n, psi_pad = wrapper.world_size, wrapper.padded_numel
     sent = (log.total("ring_bytes", tag="param") + log.total("ring_bytes", tag="grad")) / steps
     formula = (n - 1) / n * c * psi_pad * 4
     return dict(stage=stage, world_size=n, psi_pad=psi_pad, sent_per_step=sent, formula=formula,
                 ratio=sent / formula if formula else float("nan"))
 
 
+# --------------------------------------------------------------------------- one stage, measured
 
-def _adamw_kwargs() -> dict:
-    return dict(OPTIMIZERS["adamw"][1])
+
+@dataclass
+class StageReport(FieldAccess, Result):
+    """One ZeRO stage (0 = DDP) on one rank: bytes held and sent against the formulas, weights vs one device."""
+
+    stage: int
+    world_size: int
+    psi: int
+    psi_pad: int
+    measured: dict  # model-state bytes after the last step: params, grads, optimizer, total
+    formula: float
+    formula_breakdown: dict
+    ratio: float  # measured / formula
+    comm_ratio: float  # bytes sent in the last step / (N−1)/N · c · Ψ_pad · 4
+    comm: list  # the last step's CommLog.summary()
+    activation_bytes: int  # saved for backward and held at the end of the last forward
+    losses: list  # this rank's loss per step
+    max_abs_diff: float  # max |Δparam| against one device on the full batches
+
+
+def _build(stage: int, model, dev, bucket_cap_mb, zero3_unit: str = "block"):
+    """(wrapped model, optimizer) for ZeRO ``stage``; 0 = DDP with one all-reduce per parameter."""
+    if stage == 0:
+        wrapped = DDP(model, bucket_cap_mb=None)  # per-parameter all-reduce in place: no bucket copies
+        return wrapped, make_optimizer("adamw", wrapped.parameters())
+    if stage in (1, 2):
+        adamw, options = OPTIMIZERS["adamw"]
+        return model, ZeroOptimizer(model.parameters(), adamw, stage=stage, bucket_cap_mb=bucket_cap_mb, **options)
+    if stage == 3:
+        wrapped = Zero3(model, unit=zero3_unit)
+        return wrapped, make_optimizer("adamw", wrapped.parameters())
+    raise ValueError(f"stage={stage} is not one of 0 (DDP), 1, 2, 3")
+
+
+def _traffic_formula(stage: int, config: GPTConfig, world: int, traffic: dict, zero3_unit: str):
+    """(bytes one rank sends per step, what that number is): c·Ψ_pad·4·(N−1)/N, plus the tied
+    weight's second use when ``Zero3`` gathers per parameter and use."""
+    c = 3 if stage == 3 else 2
+    formula, against = traffic["formula"], f"formula {c}Ψ_pad · 4 B · (N−1)/N"
+    if stage == 3 and zero3_unit == "param" and config.tie_weights:
+        tied_pad = math.ceil(config.vocab_size * config.d_model / world) * world
+        formula += (world - 1) / world * 2 * tied_pad * 4  # gathered once more in forward and backward
+        against += " + 2 gathers of the tied weight"
+    return formula, against
 
 
 def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config: GPTConfig | None = None,
-                      zero3_unit: str = "block") -> dict:
+                      zero3_unit: str = "block") -> StageReport:
     """Rank function: train ``steps`` AdamW steps at ZeRO ``stage`` (0 = DDP) and measure everything.
 
-    Returns, for this rank: model-state bytes measured vs the fp32 formula (after the last step,
-    before ``zero_grad``), the last step's communication (Σ ring bytes of tags "grad" and "param"
-    ÷ ((N−1)/N · c · Ψ_pad · 4), c = 2 for stages 0–2 and 3 for stage 3), the activation bytes
-    autograd saved in the last forward (ZeRO does not shard them), the loss curve and max|Δparam|
-    against one device trained on the full batches. ``zero3_unit``: ``Zero3``'s ``unit`` at stage 3
-    ("block": one all-gather per block + root, the default; "param": one per parameter and use).
+    Rows: model-state bytes after the last step (before ``zero_grad``) within 1 % of the fp32
+    formula (the excess: AdamW's 4-byte step counter per tensor; the shortfall: no state for padding);
+    the last step's bytes sent (Σ ring bytes of tags "grad" and "param") equal to
+    (N−1)/N · c · Ψ_pad · 4, c = 2 for stages 0–2 and 3 for stage 3; the weights equal to one
+    device trained on the full batches (``ADAMW``). Fields: those numbers, the activation bytes
+    autograd saved in the last forward (ZeRO does not shard them) and the loss curve.
+    ``zero3_unit``: ``Zero3``'s ``unit`` at stage 3 ("block": one all-gather per block + root, the
+    default; "param": one per parameter and use, so the tied weight is gathered twice per pass).
     """
     config = config or zero_config()
     world, dev = dist.get_world_size(), device()
     check_global_batch(global_batch, world)
     model = GPT(config, seed=0).to(dev)
-    if stage == 0:
-        wrapped = DDP(model, bucket_cap_mb=None)  # per-parameter all-reduce in place: no bucket copies
-        opt = make_optimizer("adamw", wrapped.parameters())
-    elif stage in (1, 2):
-        wrapped = model
-        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **_adamw_kwargs())
-    elif stage == 3:
-        wrapped = Zero3(model, unit=zero3_unit)
-        opt = make_optimizer("adamw", wrapped.parameters())
-    else:
-        raise ValueError(f"stage={stage} is not one of 0 (DDP), 1, 2, 3")
-    reference = GPT(config, seed=0).to(dev)
-    ref_opt = make_optimizer("adamw", reference.parameters())
+    wrapped, opt = _build(stage, model, dev, 25.0, zero3_unit)
+    activations = []
+
+    def forward(x, y):  # the wrapped model, counting what autograd saves for backward
+        with SavedTensorMeter(exclude=list(wrapped.parameters()) + list(model.parameters())) as meter:
+            out = wrapped(x, y)
+            activations.append(meter.live_bytes())  # held at the end of forward
+        return out
+
     losses = []
     for step in range(steps):
         x, y = step_batch(step, config, global_batch, dev)
-        opt.zero_grad(set_to_none=True)
         with comm.CommLog() as log:
-            with SavedTensorMeter(exclude=list(wrapped.parameters()) + list(model.parameters())) as meter:
-                _, loss = wrapped(*shard_batch(x, y))
-                activation_bytes = meter.live_bytes()  # held at the end of forward
-            loss.backward()
-            opt.step()
-        losses.append(loss.item())
-        ref_opt.zero_grad(set_to_none=True)
-        reference(x, y)[1].backward()
-        ref_opt.step()
+            losses.append(train_step(forward, opt, *shard_batch(x, y)))
     acct = model_state_accounting(wrapped if stage in (0, 3) else model, opt)
-    if stage == 0:
-        c = 2
-        psi = acct["psi_pad"]
-        sent = log.total("ring_bytes", tag="grad") + log.total("ring_bytes", tag="param")
-        comm_ratio = sent / ((world - 1) / world * c * psi * 4) if world > 1 else float("nan")
-    else:
-        comm_ratio = comm_accounting(log, opt if stage in (1, 2) else wrapped)["ratio"]
+    traffic = comm_accounting(log, opt if stage in (1, 2) else wrapped)
     full = wrapped.full_state_dict() if stage == 3 else dict(model.state_dict())
-    return {"stage": stage, "world_size": world, "psi": acct["psi"], "psi_pad": acct["psi_pad"],
-            "measured": acct["measured"], "formula": acct["formula"], "formula_breakdown": acct["formula_breakdown"],
-            "ratio": acct["ratio"], "comm_ratio": comm_ratio, "comm": log.summary(),
-            "activation_bytes": activation_bytes, "losses": losses, "max_abs_diff": state_diff(full, reference)}
+    reference, _, _ = reference_run(config, steps, global_batch, "adamw", dev=dev)
+    report = StageReport(
+        stage=stage, world_size=world, psi=acct["psi"], psi_pad=acct["psi_pad"], measured=acct["measured"],
+        formula=acct["formula"], formula_breakdown=acct["formula_breakdown"], ratio=acct["ratio"],
+        comm_ratio=traffic["ratio"], comm=log.summary(), activation_bytes=activations[-1], losses=losses,
+        max_abs_diff=state_diff(full, reference),
+        title=f"ZeRO stage {stage} (0 = DDP), N = {world}, rank {dist.get_rank()}")
+    report.within("model-state bytes per rank", acct["measured"]["total"], acct["formula"], 0.01,
+                  against=f"formula {MEMORY_FORMULA[stage]} (fp32 AdamW, Ψ padded)")
+    sent_formula, against = _traffic_formula(stage, config, world, traffic, zero3_unit)
+    sent = traffic["sent_per_step"]
+    report.condition("bytes sent per step (ring, grad + param)", sent,
+                     math.isclose(sent, sent_formula, rel_tol=1e-9), "= formula (float ring factor)",
+                     reference=sent_formula, against=against)
+    report.equal(f"weights after {steps} AdamW steps", full, reference.state_dict(), ADAMW)
+    return report
+
+
+# --------------------------------------------------------------------------- clipping and resume
+
+
+@dataclass
+class ClipResumeReport(FieldAccess, Result):
+    """ZeRO-1/2 with global-norm clipping, uninterrupted and resumed from a checkpoint, vs one device."""
+
+    stage: int
+    norms: list  # the global gradient norm ZeRO computed, per step (before clipping)
+    reference_norms: list  # torch.nn.utils.clip_grad_norm_ on one device
+    max_abs_diff_uninterrupted: float
+    max_abs_diff_resumed: float
+    resumed_equals_uninterrupted: bool
 
 
 def zero_clip_and_resume(stage: int = 2, steps: int = 6, resume_at: int = 3, max_norm: float = 0.5,
-                         global_batch: int = 8, config: GPTConfig | None = None) -> dict:
+                         global_batch: int = 8, config: GPTConfig | None = None) -> ClipResumeReport:
     """Rank function: ZeRO-``stage`` (1 or 2) with gradient clipping, checkpointed and resumed mid-run.
 
     Three runs on the same data: one device with ``torch.nn.utils.clip_grad_norm_`` (the
     reference), ZeRO uninterrupted, and ZeRO saved at ``resume_at`` (weights + every
     partition's optimizer state through ``torch.save``), rebuilt from a *different* init, loaded
-    and continued. Returns the gradient norms ZeRO computed (the true global norm, from an
-    all-reduce of squared partial norms) next to the reference's, and max|Δparam| of both runs.
+    and continued. Rows: clipping happened at every step; ZeRO's norms (the true global norm, from
+    an all-reduce of squared partial norms) and weights equal one device's (``ADAMW``); the
+    resumed weights equal the uninterrupted ones bit for bit (``EXACT``).
     """
-    from .common import reference_run
-
     config = config or zero_config()
     dev = device()
     check_global_batch(global_batch, dist.get_world_size())
     reference, _, ref_norms = reference_run(config, steps, global_batch, "adamw", max_norm=max_norm, dev=dev)
+    adamw, options = OPTIMIZERS["adamw"]
 
     def run(resume: bool):
         model = GPT(config, seed=0).to(dev)
-        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **_adamw_kwargs())
+        opt = ZeroOptimizer(model.parameters(), adamw, stage=stage, **options)
         norms = []
+
+        def clip():  # after backward: the global norm, assembled from every rank's partition
+            norms.append(opt.clip_grad_norm_(max_norm).item())
+
         for step in range(steps):
             if resume and step == resume_at:
                 blob = io.BytesIO()
@@ -176,47 +282,39 @@ def zero_clip_and_resume(stage: int = 2, steps: int = 6, resume_at: int = 3, max
                 saved = torch.load(blob, weights_only=True)
                 model = GPT(config, seed=123).to(dev)  # different weights: the checkpoint must restore everything
                 model.load_state_dict(saved["model"])
-                opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **_adamw_kwargs())
+                opt = ZeroOptimizer(model.parameters(), adamw, stage=stage, **options)
                 opt.load_state_dict(saved["optim"])
-            x, y = step_batch(step, config, global_batch, dev)
-            opt.zero_grad(set_to_none=True)
-            model(*shard_batch(x, y))[1].backward()
-            norms.append(opt.clip_grad_norm_(max_norm).item())
-            opt.step()
+            x, y = shard_batch(*step_batch(step, config, global_batch, dev))
+            train_step(model, opt, x, y, after_backward=clip)
         return model, norms
 
     straight, norms = run(resume=False)
     resumed, _ = run(resume=True)
-    return {"stage": stage, "norms": norms, "reference_norms": ref_norms,
-            "max_abs_diff_uninterrupted": state_diff(straight, reference),
-            "max_abs_diff_resumed": state_diff(resumed, reference),
-            "resumed_equals_uninterrupted": all(torch.equal(v, straight.state_dict()[k])
-                                                for k, v in resumed.state_dict().items())}
+    same = all(torch.equal(v, straight.state_dict()[k]) for k, v in resumed.state_dict().items())
+    report = ClipResumeReport(
+        stage=stage, norms=norms, reference_norms=ref_norms,
+        max_abs_diff_uninterrupted=state_diff(straight, reference),
+        max_abs_diff_resumed=state_diff(resumed, reference), resumed_equals_uninterrupted=same,
+        title=f"ZeRO-{stage}: clipping at max_norm {max_norm}, resumed at step {resume_at}")
+    report.condition("clipping scaled every step", min(ref_norms), min(ref_norms) > max_norm,
+                     f"> max_norm = {max_norm}", against="smallest norm on one device")
+    report.equal("global gradient norm per step", norms, ref_norms, ADAMW,
+                 against="clip_grad_norm_ on one device")
+    report.equal(f"weights after {steps} clipped steps", straight.state_dict(), reference.state_dict(), ADAMW)
+    report.equal("weights, resumed from the checkpoint", resumed.state_dict(), straight.state_dict(), EXACT,
+                 against="the uninterrupted run")
+    return report
 
 
 # --------------------------------------------------------------------------- time and peak memory per stage
-
-
-def _build_stage(stage: int, config: GPTConfig, dev, bucket_cap_mb: float):
-    """(model, wrapped, optimizer) for ZeRO ``stage`` (0 = DDP), as in :func:`zero_stage_report`."""
-    model = GPT(config, seed=0).to(dev)
-    if stage == 0:
-        wrapped = DDP(model, bucket_cap_mb=None)
-        return model, wrapped, make_optimizer("adamw", wrapped.parameters())
-    if stage in (1, 2):
-        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bucket_cap_mb=bucket_cap_mb,
-                            **_adamw_kwargs())
-        return model, model, opt
-    wrapped = Zero3(model)
-    return model, wrapped, make_optimizer("adamw", wrapped.parameters())
 
 
 class _Sampler:
     """Bytes held, by category, sampled from hooks: model states, transient comm buffers, live activations.
 
     * model states — parameters, their ``.grad``, optimizer state and the wrapper's persistent buffers;
-    * transient — ZeRO-2's gradient staging buckets (filling, or in flight in a reduce-scatter) and
-      ZeRO-3's gathered full weights (``Zero3.held_tensors``);
+    * transient — ZeRO-2's gradient staging buckets (filling, or in flight in a reduce-scatter:
+      ``ZeroOptimizer.transient_tensors``) and ZeRO-3's gathered full weights (``Zero3.held_tensors``);
     * activations — tensors saved for backward and not yet freed (weak references, so counting
       does not keep them alive).
     Samples are taken after every module's forward, as every gradient is accumulated, and at the
@@ -224,18 +322,17 @@ class _Sampler:
     """
 
     def __init__(self, stage, model, wrapped, opt):
-        import weakref
-
         self.stage, self.model, self.wrapped, self.opt = stage, model, wrapped, opt
-        self.phase, self.peak, self._saved, self._weakref = "forward", {}, [], weakref.ref
+        self.phase, self.peak, self._saved = "forward", {}, []
         leaves = list(wrapped.parameters()) if stage in (0, 3) else list(model.parameters())
         self._hooks = [m.register_forward_hook(lambda *_: self.sample()) for m in model.modules()]
         self._hooks += [p.register_post_accumulate_grad_hook(lambda _p: self.sample()) for p in leaves
                         if p.requires_grad]
         self.leaves = leaves
 
-    def _pack(self, t):
-        self._saved.append(self._weakref(t))
+    def pack(self, t):
+        """``saved_tensors_hooks`` pack: remember a weak reference to every tensor saved for backward."""
+        self._saved.append(weakref.ref(t))
         return t
 
     def _groups(self) -> dict:
@@ -244,21 +341,18 @@ class _Sampler:
         states = params + [p.grad for p in params if p.grad is not None]
         transient = []
         if stage in (1, 2):
-            staging = list(opt._staging.values()) + [t for _b, _w, out, st in opt._inflight for t in (out, st)]
-            states += [t for t in opt.held_tensors() if not any(t is s for s in staging)]
+            transient = opt.transient_tensors()
+            states += [t for t in opt.held_tensors() if not any(t is s for s in transient)]
             states += [s.param for s in opt.segments] + [s.param.grad for s in opt.segments if s.param.grad is not None]
-            states += list(_tensors(opt.optimizer.state))
-            transient = staging
+            states += list(tensors_in(opt.optimizer.state))
         else:
-            states += list(_tensors(opt.state))
+            states += list(tensors_in(opt.state))
             if stage == 3:
                 transient = self.wrapped.held_tensors()
         acts = [t for t in (r() for r in self._saved) if t is not None]
         return {"model states": states, "transient": transient, "activations": acts}
 
     def sample(self) -> None:
-        from ..memory import unique_storage_bytes
-
         snap = self.last = unique_storage_bytes(self._groups())
         snap["total"] = sum(snap.values())
         if snap["total"] > self.peak.get(self.phase, {"total": -1})["total"]:
@@ -269,14 +363,52 @@ class _Sampler:
             h.remove()
 
 
-def _tensors(obj):
-    from ..memory import tensors_in
+@dataclass
+class StageProfile(FieldAccess, Result):
+    """Every stage's step time, peak bytes per phase and the collectives each phase issues (one rank)."""
 
-    return tensors_in(obj)
+    world_size: int
+    micro_batch: int
+    step_s: dict  # stage → median seconds per step (max over ranks); {} without timing
+    peak: dict  # stage → phase → {"model states", "transient", "activations", "total"} at that phase's peak
+    calls: dict  # stage → phase → {collective: calls} (tags "grad" and "param")
+    activation_bytes: dict  # stage → bytes saved for backward, held at the end of forward
+    psi: int
+    units: list | None = None  # Zero3.unit_table() (stage 3)
+    buckets_stage1: int | None = None
+    buckets_stage2: int | None = None
+
+
+def _profile_rows(p: StageProfile) -> None:
+    """The profile's claims: when each stage communicates, what is transient, activations alike."""
+    calls = p.calls
+    if 1 in calls:
+        p.exact("stage 1: reduce-scatters during backward", calls[1]["backward"].get("reduce_scatter", 0), 0,
+                against="stage 1 reduces in step()")
+        p.exact("stage 1: reduce-scatters in step()", calls[1]["step"].get("reduce_scatter", 0), p.buckets_stage1,
+                against="one per bucket")
+    if 2 in calls:
+        p.exact("stage 2: reduce-scatters during backward", calls[2]["backward"].get("reduce_scatter", 0),
+                p.buckets_stage2, against="one per bucket")
+        staged = p.peak[2]["backward"]["transient"]
+        p.condition("stage 2: staging bytes in backward, after the step", (staged, p.peak[2]["after step"]["transient"]),
+                    staged > 0 and p.peak[2]["after step"]["transient"] == 0, "> 0, then 0")
+    if 3 in calls:
+        for phase in ("forward", "backward"):
+            p.exact(f"stage 3: all-gathers in {phase}", calls[3][phase].get("all_gather", 0), len(p.units),
+                    against="one per unit")
+        units = {u["name"]: u["gathered_bytes"] for u in p.units}
+        g3 = max(p.peak[3][ph]["transient"] for ph in ("forward", "backward"))
+        blocks, rest = divmod(g3 - units["(root)"], units["blocks.0"])
+        p.condition("stage 3: gathered weights at the peak", g3, rest == 0 and 1 <= blocks <= 2,
+                    "root + 1 block in use (+ 1 prefetched)")
+    acts = list(p.activation_bytes.values())
+    p.condition("activation bytes at every stage", acts[0], len(set(acts)) == 1 and acts[0] > 0,
+                "the same at every stage", against="ZeRO shards model states only")
 
 
 def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 5, bucket_cap_mb: float = 0.05,
-                       config: GPTConfig | None = None) -> dict:
+                       config: GPTConfig | None = None) -> StageProfile:
     """Rank function: every stage's step time, peak memory per phase and when it communicates.
 
     Each rank trains every stage on a per-rank micro-batch of ``micro_batch`` sequences (global
@@ -291,20 +423,22 @@ def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 
     * ``calls[stage][phase]``: collectives issued per phase, e.g. ``{"reduce_scatter": 4}``;
     * ``activation_bytes[stage]``: bytes saved for backward, held at the end of forward (weights
       excluded: they are model states, or stage 3's transient gathered units).
-    """
-    from .common import median_times, race
 
+    The measured step is written out phase by phase (not through ``train_step``): the sampler
+    and the collective counts switch phase between forward, backward and step.
+    """
     config = config or zero_config()
     world, dev = dist.get_world_size(), device()
-    built = {s: _build_stage(s, config, dev, bucket_cap_mb) for s in stages}
+    built = {}
+    for s in stages:
+        model = GPT(config, seed=0).to(dev)
+        built[s] = (model, *_build(s, model, dev, bucket_cap_mb))
     x, y = step_batch(0, config, micro_batch * world, dev)
     xl, yl = (t.clone() for t in shard_batch(x, y))  # the rank's own micro-batch, as a data loader delivers it
 
     def one_step(s):
         _model, wrapped, opt = built[s]
-        opt.zero_grad(set_to_none=True)
-        wrapped(xl, yl)[1].backward()
-        opt.step()
+        train_step(wrapped, opt, xl, yl)
 
     for s in stages:  # AdamW's state exists after the first step
         one_step(s)
@@ -315,7 +449,7 @@ def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 
         sampler = _Sampler(s, model, wrapped, opt)
         calls[s] = {}
         opt.zero_grad(set_to_none=True)
-        with comm.CommLog() as log_f, torch.autograd.graph.saved_tensors_hooks(sampler._pack, lambda t: t):
+        with comm.CommLog() as log_f, torch.autograd.graph.saved_tensors_hooks(sampler.pack, lambda t: t):
             _, loss = wrapped(xl, yl)
         sampler.sample()
         acts[s] = sampler.last["activations"]  # saved for backward, still held at the end of forward
@@ -338,14 +472,11 @@ def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 
                 if rec.tag in ("grad", "param"):
                     calls[s][phase][rec.op] = calls[s][phase].get(rec.op, 0) + 1
         peak[s] = sampler.peak
-    out = {"world_size": world, "micro_batch": micro_batch, "step_s": step_s, "peak": peak, "calls": calls,
-           "activation_bytes": acts, "psi": built[stages[0]][0].num_params()}
-    if 3 in built:
-        out["units"] = built[3][1].unit_table()
-    for s in (1, 2):
-        if s in built:
-            out[f"buckets_stage{s}"] = len(built[s][2].buckets)
-    return out
-
-
-__all__ += ["zero_stage_profile"]
+    profile = StageProfile(
+        world_size=world, micro_batch=micro_batch, step_s=step_s, peak=peak, calls=calls, activation_bytes=acts,
+        psi=built[stages[0]][0].num_params(), units=built[3][1].unit_table() if 3 in built else None,
+        buckets_stage1=len(built[1][2].buckets) if 1 in built else None,
+        buckets_stage2=len(built[2][2].buckets) if 2 in built else None,
+        title=f"ZeRO stages {', '.join(map(str, stages))}: one step at N = {world}, micro-batch {micro_batch}")
+    _profile_rows(profile)
+    return profile
