@@ -43,7 +43,7 @@ def main(argv=None) -> None:
               f"(own fp16 / own fp32 {tps['own_fp16'] / tps['own_bucketed']:.2f}, "
               f"torch fp16 / torch fp32 {tps['torch_fp16'] / tps['torch_ddp']:.2f})")
         return
-    from .experiments.common import zero_config
+    from .configs import zero_config
     from .launch import spawn
 
     cfg = zero_config(n_layer=ns.n_layer, d_model=ns.d_model, n_head=4, vocab_size=512, block_size=32)

@@ -23,6 +23,11 @@ Three versions of "average the gradients", side by side:
 :func:`torch_ddp` wraps a module with the real ``torch.nn.parallel.DistributedDataParallel``
 so the notebook can race the two.
 
+Instrumentation (timelines, meters) attaches from outside: ``DDP(..., observer=obj)`` calls the
+hooks of :class:`DDPObserver` at the points of a step (forward, each bucket's launch and completion,
+the wait at the end of backward); the algorithm has no branch for them. ``experiments/ddp.py``'s
+``DDPTimeline`` is the one chapter 02 draws.
+
 The rule that keeps every rank in step (buckets launched strictly in bucket order, a "used" flag
 all-reduce at the end of backward, zeros for gradients a rank does not have) lives in
 ``grad_buckets.py``, shared with ZeRO-2; read its docstring before changing the code.
@@ -40,8 +45,8 @@ from . import comm
 from .grad_buckets import GradBuckets, make_buckets
 from .sharding import mark_reduced_by
 
-__all__ = ["DDP", "naive_allreduce_gradients", "torch_ddp", "trainable_parameters", "make_buckets",
-           "fp16_compress_hook", "bf16_compress_hook", "COMM_HOOKS"]
+__all__ = ["DDP", "DDPObserver", "naive_allreduce_gradients", "torch_ddp", "trainable_parameters",
+           "make_buckets", "fp16_compress_hook", "bf16_compress_hook", "COMM_HOOKS"]
 
 
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -54,11 +59,34 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
+class DDPObserver:
+    """What an instrument sees of a :class:`DDP` step; every hook is a no-op here: override what you need.
+
+    Called in this order each synced step: ``on_forward_start()``, ``on_forward_end(output)``,
+    ``on_bucket_launch(i, work)`` per bucket (``work``: the async Work, in bucket order),
+    ``on_wait_start(t_end_compute)`` (backward's compute ended at ``t_end_compute``,
+    ``time.perf_counter`` seconds; the training thread now waits), ``on_bucket_done(i)`` per bucket
+    after its wait, and ``on_step_done()`` once every ``.grad`` holds the average.
+    """
+
+    def on_forward_start(self) -> None: ...
+
+    def on_forward_end(self, output) -> None: ...
+
+    def on_bucket_launch(self, i: int, work) -> None: ...
+
+    def on_wait_start(self, t_end_compute: float) -> None: ...
+
+    def on_bucket_done(self, i: int) -> None: ...
+
+    def on_step_done(self) -> None: ...
+
+
 class DDP(nn.Module):
     """Data-parallel wrapper: after ``loss.backward()`` returns, every ``.grad`` is the average over ranks.
 
-    ``DDP(module, bucket_cap_mb=25.0, process_group=None, record_timeline=False,
-    gradient_as_bucket_view=False, find_unused_parameters=False, comm_hook=None)``
+    ``DDP(module, bucket_cap_mb=25.0, process_group=None, gradient_as_bucket_view=False,
+    find_unused_parameters=False, comm_hook=None, observer=None)``
 
     * At wrap time every parameter and buffer is broadcast from rank 0, so all ranks start
       identical even if they were initialised differently. (Buffers are broadcast only here;
@@ -95,18 +123,16 @@ class DDP(nn.Module):
     * ``no_sync()``: backward passes inside it only accumulate local gradients; the next
       synced backward reduces the accumulated sum once. The decision is taken at forward
       time (as in torch DDP): run both forward and backward inside the context.
-    * ``record_timeline=True`` appends ``(kind, name, t_start, t_end)`` tuples to ``.timeline``
-      (``time.perf_counter`` seconds): ``"compute"`` forward / backward, ``"comm"`` one per
-      bucket from launch until the collective completed (on gloo it runs in a background
-      thread; the end is taken from the Work's future), and ``"wait"`` for the time the
-      training thread sat blocked at the end of backward (waiting, then copying back).
+    * ``observer``: a :class:`DDPObserver` (also settable later as ``.observer``) told about each
+      step's forward, bucket launches and completions, and the wait — how timelines are recorded
+      without touching the algorithm.
 
     See ``grad_buckets.py`` for the rule that keeps the ranks' collectives matched.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0, process_group=None,
-                 record_timeline: bool = False, gradient_as_bucket_view: bool = False,
-                 find_unused_parameters: bool = False, comm_hook=None):
+                 gradient_as_bucket_view: bool = False, find_unused_parameters: bool = False,
+                 comm_hook=None, observer: DDPObserver | None = None):
         super().__init__()
         if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
             raise ValueError(f"bucket_cap_mb must be None (one all-reduce per parameter) or a size >= 0 in MiB, "
@@ -123,8 +149,7 @@ class DDP(nn.Module):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.bucket_cap_mb = bucket_cap_mb
-        self.record_timeline = record_timeline
-        self.timeline: list[tuple[str, str, float, float]] = []
+        self.observer = observer if observer is not None else DDPObserver()
         self._sync_enabled = True  # False inside no_sync()
         self._armed = False  # set at forward: will the next backward reduce?
 
@@ -148,7 +173,14 @@ class DDP(nn.Module):
                 for p in params:
                     self._slot[p] = flat[offset:offset + p.numel()].view_as(p)
                     offset += p.numel()
-        self._inflight: list[tuple] = []  # (bucket, work, buffer, event, finish)
+        self._inflight: list[tuple] = []  # (bucket, work, buffer, finish)
+        # How the averages reach .grad at the end of backward: one writer per mode.
+        if bucket_cap_mb is None:
+            self._write_grad = self._grad_reduced_in_place
+        elif gradient_as_bucket_view:
+            self._write_grad = self._grad_as_bucket_view
+        else:
+            self._write_grad = self._grad_copied_back
         self._grad_buckets = GradBuckets(groups, self._copy_in, self._launch, self._finish_backward,
                                          process_group=process_group, armed=lambda: self._armed,
                                          find_unused=find_unused_parameters, names=names)
@@ -173,23 +205,10 @@ class DDP(nn.Module):
             self._armed = self._sync_enabled
             self._grad_buckets.reset()
             self._inflight = []
-        t0 = time.perf_counter()
+        self.observer.on_forward_start()
         out = self.module(*args, **kwargs)
-        if self.record_timeline:
-            self.timeline.append(("compute", "forward", t0, time.perf_counter()))
-            self._mark_backward_start(out)
+        self.observer.on_forward_end(out)
         return out
-
-    def _mark_backward_start(self, out) -> None:
-        """A hook on each output's gradient fires when backward begins (for the timeline only)."""
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        for t in outs:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._note_backward_start)
-
-    def _note_backward_start(self, grad):
-        if self._grad_buckets.backward_start is None:
-            self._grad_buckets.backward_start = time.perf_counter()
 
     @contextmanager
     def no_sync(self):
@@ -225,45 +244,47 @@ class DDP(nn.Module):
             p = self._bucket_params[i][0]
             buf = p.grad if p.grad is not None else torch.zeros_like(p)
         buf.div_(self.world_size)  # sum of grad/N over ranks = the average
-        event = ["comm", f"bucket {i}", time.perf_counter(), None]
         if self.comm_hook is None:
             work, finish = comm.all_reduce(buf, group=self.process_group, async_op=True, tag="grad"), None
         else:
             work, finish = self.comm_hook(buf, self.process_group)
-        if self.record_timeline:
-            work.get_future().add_done_callback(lambda _fut, ev=event: ev.__setitem__(3, time.perf_counter()))
-        self._inflight.append((i, work, buf, event, finish))
+        self.observer.on_bucket_launch(i, work)
+        self._inflight.append((i, work, buf, finish))
 
     def _finish_backward(self, used_anywhere: dict, t_end_compute: float) -> None:
         """End of backward: wait for every bucket and write the averages back into ``.grad``."""
-        t_wait = time.perf_counter()
-        for i, work, buf, event, finish in self._inflight:
+        self.observer.on_wait_start(t_end_compute)
+        for i, work, buf, finish in self._inflight:
             work.wait()
             if finish is not None:
                 finish()
-            if event[3] is None:
-                event[3] = time.perf_counter()
+            self.observer.on_bucket_done(i)
             for p in self._bucket_params[i]:
-                if not used_anywhere[p]:
+                if used_anywhere[p]:
+                    self._write_grad(p, buf)
+                else:
                     p.grad = None  # no rank has a gradient: the optimizer must skip it, as on one device
-                elif self._flat[i] is not None:
-                    if self.gradient_as_bucket_view:
-                        if p.grad is None or p.grad.data_ptr() != self._slot[p].data_ptr():
-                            p.grad = self._slot[p]
-                    elif p.grad is None:
-                        p.grad = self._slot[p].clone()
-                    else:
-                        p.grad.copy_(self._slot[p])
-                elif p.grad is None:
-                    p.grad = buf  # per-parameter mode: the zeros we reduced are now the average
-        if self.record_timeline:
-            now = time.perf_counter()
-            start = self._grad_buckets.backward_start
-            self.timeline.append(("compute", "backward", start if start is not None else t_end_compute,
-                                  t_end_compute))
-            self.timeline.extend(tuple(ev) for _, _, _, ev, _ in self._inflight)
-            self.timeline.append(("wait", "wait + copy back", t_wait, now))
         self._inflight = []
+        self.observer.on_step_done()
+
+    # ------------------------------------------------------------------ the three gradient writers
+
+    def _grad_reduced_in_place(self, p: nn.Parameter, buf: torch.Tensor) -> None:
+        """Per parameter: ``.grad`` itself was reduced; a rank without one takes the reduced zeros."""
+        if p.grad is None:
+            p.grad = buf
+
+    def _grad_copied_back(self, p: nn.Parameter, buf: torch.Tensor) -> None:
+        """Bucketed (the default): copy the average out of the bucket into ``.grad``."""
+        if p.grad is None:
+            p.grad = self._slot[p].clone()
+        else:
+            p.grad.copy_(self._slot[p])
+
+    def _grad_as_bucket_view(self, p: nn.Parameter, buf: torch.Tensor) -> None:
+        """``gradient_as_bucket_view``: ``.grad`` is the bucket's view (nothing to copy)."""
+        if p.grad is None or p.grad.data_ptr() != self._slot[p].data_ptr():
+            p.grad = self._slot[p]
 
 
 # --------------------------------------------------------------------------- gradient compression

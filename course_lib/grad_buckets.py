@@ -45,6 +45,7 @@ from . import comm
 
 __all__ = ["make_buckets", "GradBuckets"]
 
+
 def make_buckets(params: list, cap_bytes: float) -> list[list]:
     """Pack parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own).
 
@@ -105,7 +106,6 @@ class GradBuckets:
         self.next = 0  # next bucket to launch (launch order = bucket order)
         self.fired: set[nn.Parameter] = set()  # parameters whose hook ran in this backward
         self.callback_queued = False
-        self.backward_start: float | None = None
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: ``p.grad`` is final for this backward."""
@@ -114,8 +114,6 @@ class GradBuckets:
         if not self.callback_queued:  # first hook of this backward: make sure we finish it
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.callback_queued = True
-            if self.backward_start is None:
-                self.backward_start = time.perf_counter()
         i = self._bucket_of[p]
         self._copy_in(i, p)
         self.fired.add(p)

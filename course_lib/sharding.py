@@ -6,13 +6,15 @@
 * Not under a **data-parallel wrapper**: DDP reduces gradients itself, so ZeRO on top would reduce
   them twice. :func:`mark_reduced_by` leaves the wrapper's name on each parameter it reduces
   (``ddp.DDP``, ``ddp.torch_ddp``, ``ZeroOptimizer`` call it) and :func:`reducer_of` reads it back,
-  in O(parameters).
+  in O(parameters). The marks are the only record: this module imports no technique, so any
+  technique may import it.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "mark_reduced_by", "reducer_of"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_optimizer_cls", "check_same_device", "check_fp32",
+           "mark_reduced_by", "reducer_of", "check_not_reduced"]
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and
 # its state (plus per-tensor scalars such as the step count). Only those can be cut into
@@ -24,7 +26,7 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, 
                           torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
 
 
-def _check_optimizer_cls(optimizer_cls) -> None:
+def check_optimizer_cls(optimizer_cls) -> None:
     names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be an element-wise torch.optim.Optimizer class (each element's "
@@ -35,7 +37,7 @@ def _check_optimizer_cls(optimizer_cls) -> None:
                          f"tensor when every element's update depends on that element alone. Supported: {names}")
 
 
-def _check_same_device(tensors, who: str) -> torch.device:
+def check_same_device(tensors, who: str) -> torch.device:
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"{who}: parameters are on several devices {sorted(map(str, devices))}; "
@@ -43,20 +45,12 @@ def _check_same_device(tensors, who: str) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _check_fp32(named, who: str) -> None:
+def check_fp32(named, who: str) -> None:
     for name, p in named:
         if p.dtype != torch.float32:
             raise ValueError(f"{who} keeps fp32 parameters (master weights); {name} is {p.dtype}. "
                              f"Keep the model in fp32"
                              + (" and pass compute_dtype=torch.bfloat16 for 16-bit compute" if who == "Zero3" else ""))
-
-
-def _is_data_parallel_module(module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from .ddp import DDP as CourseDDP
-
-    return isinstance(module, (DistributedDataParallel, CourseDDP))
 
 
 _MARK = "_course_reduced_by"
@@ -75,3 +69,21 @@ def reducer_of(params) -> str | None:
         if owner is not None:
             return owner
     return None
+
+
+def check_not_reduced(params, who: str) -> None:
+    """Raise if a wrapper already reduces these parameters' gradients (``who`` would reduce them twice)."""
+    wrapper = reducer_of(params)
+    if wrapper is not None:
+        raise ValueError(f"{who} does its own gradient reduction, but these parameters belong to a module "
+                         f"wrapped by {wrapper}, which already reduces them: wrap the plain module, "
+                         f"and do not wrap it with {wrapper} as well")
+
+
+def _is_data_parallel_module(module) -> bool:
+    """True when a wrapper has marked ``module``'s parameters (a DDP-wrapped module, or its ``.module``)."""
+    return reducer_of(module.parameters()) is not None
+
+
+# Old private names, kept until zero.py and zero3.py import the public ones.
+_check_optimizer_cls, _check_same_device, _check_fp32 = check_optimizer_cls, check_same_device, check_fp32

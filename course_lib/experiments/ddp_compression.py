@@ -18,7 +18,7 @@ from .. import comm
 from ..ddp import DDP, make_buckets, torch_ddp, trainable_parameters
 from ..launch import device
 from ..models import GPT, GPTConfig
-from .common import bench_config, make_optimizer, shard_batch, small_config, step_batch
+from .common import bench_config, make_optimizer, shard_batch, small_config, step_batch, train_step
 
 __all__ = ["COMPRESSION_VARIANTS", "compression_accuracy", "gradient_allreduce_time", "predict_gradient_allreduce"]
 
@@ -50,7 +50,7 @@ def _try_torch_bf16_hook(config: GPTConfig, bucket_cap_mb: float) -> str:
     try:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
         x, y = shard_batch(*step_batch(0, config, 2 * dist.get_world_size(), device()))
-        model(x, y)[1].backward()
+        train_step(model, make_optimizer("sgd", model.parameters()), x, y)
         return "ran"
     except Exception as e:  # noqa: BLE001 — we report whatever torch says, verbatim
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -75,12 +75,10 @@ def compression_accuracy(steps: int = 40, global_batch: int = 16, bucket_cap_mb:
         opt = make_optimizer("adamw", model.parameters(), lr=3e-3)
         for step in range(steps):
             x, y = shard_batch(*step_batch(step, config, global_batch, dev))
-            opt.zero_grad(set_to_none=True)
             with comm.CommLog() as log:
-                model(x, y)[1].backward()
+                train_step(model, opt, x, y)
             if step == steps - 1 and variant.startswith("own_"):
                 grad_bytes[variant] = log.total("tensor_bytes", tag="grad")
-            opt.step()
         with torch.no_grad():
             loss[variant] = model(x_eval, y_eval)[1].item()
     return {"loss": loss, "grad_bytes_per_step": grad_bytes, "steps": steps,
@@ -91,15 +89,14 @@ def gradient_allreduce_time(config: GPTConfig | None = None, bucket_cap_mb: floa
                             warmup: int = 2) -> dict:
     """Rank function: seconds for the gradient all-reduce of ``config``'s model alone, bucket by bucket.
 
-    Real gradients (one backward) packed into DDP's buckets, then the buckets all-reduced back to
+    Real gradients (one SGD step's) packed into DDP's buckets, then the buckets all-reduced back to
     back, blocking (no backward running beside them). Median over ``repeats`` of the max over ranks.
     Returns ``{"bucket_bytes": [...], "measured_s", "rounds_s"}``.
     """
     config = config or bench_config()
     dev = device()
     model = GPT(config, seed=0).to(dev)
-    x, y = step_batch(0, config, 8, dev)
-    model(x, y)[1].backward()
+    train_step(model, make_optimizer("sgd", model.parameters()), *step_batch(0, config, 8, dev))
     flats = [torch.cat([p.grad.reshape(-1) for p in b])
              for b in make_buckets([p for _, p in trainable_parameters(model)], bucket_cap_mb * 2**20)]
     rounds = []

@@ -76,9 +76,10 @@ for rank_rows in eq:
         key = (r.variant, r.optimizer)
         if key not in worst or r.max_abs_diff > worst[key].max_abs_diff:
             worst[key] = r
+STATED = {"sgd": 1e-6, "adamw": 1e-5}  # the bound this cell states; r.passed: its named tolerance
 for (v, o), r in worst.items():
-    for claim, ok in r.claims().items():
-        print(f"{v:<15} {o:<6} {claim}: {ok}")
+    ok = r.passed and r.max_abs_diff <= STATED[o]
+    print(f"{v:<15} {o:<6} max|Δparam| vs one device on the full batch ≤ {STATED[o]:.0e}: {ok}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -358,7 +359,7 @@ acc = spawn(ddp.accumulation_with_no_sync, 2, kwargs=dict(micro_batches=4))[0]
 print(f"4 micro-batches per step: {acc.grad_allreduces} gradient all-reduces = one per bucket "
       f"({acc.buckets} buckets), not 4 × {acc.buckets}")
 print("accumulated step equals one device on the whole batch (max|Δ| ≤ 1e-6):",
-      acc.claims()["accumulated step equals one device on the whole batch (max|Δ| ≤ 1e-6)"])
+      acc.passed and acc.max_abs_diff <= 1e-6)
 
 # %% [markdown]
 # ## 10. The same code on GPUs and under torchrun
