@@ -444,3 +444,71 @@ def ddp_timeline(timelines: dict, ax=None, title: str | None = None, unit: str =
 
 
 __all__ += ["ddp_timeline"]
+
+
+# --------------------------------------------------------------------------- the planner widget
+
+
+def planner_widget(params_billions: float = 7.0, layers: int = 32, hidden: int = 4096, heads: int = 32,
+                   seq_len: int = 2048, gpu_memory_gb: float = 80.0, gpus_per_node: int = 8, nodes: int = 1,
+                   micro_batch: int = 1):
+    """An ipywidgets form over ``plan.recommend``: model and cluster in, the plan (or the error) out.
+
+    Its text representation is the plan for the current values, so a headless run (nbval) stores
+    deterministic text.
+    """
+    import html
+
+    import ipywidgets as widgets
+
+    from .plan import Cluster, Model, PlanError, recommend
+
+    style = {"description_width": "initial"}
+    boxes = {"params_billions": widgets.BoundedFloatText(value=params_billions, min=1e-6, max=1e5, step=0.5,
+                                                         description="Ψ (billions)", style=style),
+             "layers": widgets.BoundedIntText(value=layers, min=1, max=10**4, description="layers", style=style),
+             "hidden": widgets.BoundedIntText(value=hidden, min=1, max=10**6, description="hidden", style=style),
+             "heads": widgets.BoundedIntText(value=heads, min=1, max=10**4, description="heads", style=style),
+             "seq_len": widgets.BoundedIntText(value=seq_len, min=1, max=10**7, description="seq", style=style),
+             "micro_batch": widgets.BoundedIntText(value=micro_batch, min=1, max=10**4, description="micro-batch",
+                                                   style=style),
+             "gpu_memory_gb": widgets.BoundedFloatText(value=gpu_memory_gb, min=0.1, max=10**4, step=8,
+                                                       description="GB per GPU", style=style),
+             "gpus_per_node": widgets.BoundedIntText(value=gpus_per_node, min=1, max=1024, description="GPUs/node",
+                                                     style=style),
+             "nodes": widgets.BoundedIntText(value=nodes, min=1, max=10**5, description="nodes", style=style)}
+    out = widgets.HTML()
+
+    def text() -> str:
+        v = {k: w.value for k, w in boxes.items()}
+        try:
+            model = Model(v["params_billions"] * 1e9, v["layers"], v["hidden"], v["heads"], v["seq_len"])
+            return str(recommend(model, Cluster(v["gpu_memory_gb"], v["gpus_per_node"], v["nodes"]),
+                                 micro_batch=v["micro_batch"]))
+        except PlanError as err:
+            return f"PlanError: {err}"
+
+    class PlannerWidget(widgets.VBox):
+        def __repr__(self) -> str:
+            return text()
+
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            data = bundle[0] if isinstance(bundle, tuple) else bundle
+            data["text/plain"] = text()
+            return bundle
+
+    def update(*_):
+        out.value = f"<pre style='font-size: 12px'>{html.escape(text())}</pre>"
+
+    for w in boxes.values():
+        w.observe(update, names="value")
+    names = list(boxes)
+    form = PlannerWidget([widgets.HBox([boxes[k] for k in names[:3]]), widgets.HBox([boxes[k] for k in names[3:6]]),
+                          widgets.HBox([boxes[k] for k in names[6:]]), out])
+    update()
+    return form
+
+
+
+__all__ += ["planner_widget"]

@@ -7,6 +7,8 @@
 * :func:`comparison_rows` / :func:`comparison_table` — parent side: one row per technique.
 * :func:`plan_vs_measured` — ``plan.memory_per_gpu`` (fp32, the course model) against the bytes measured above.
 * :data:`FIXED_CASES` / :func:`fixed_cases` — the planner's fixed cases and what each must give.
+* :func:`review_result` / :func:`planner_result` — all of the above as a ``results.Result`` table
+  (quantity | measured | reference | tolerance | verdict), what the tests assert.
 * :func:`deepspeed_mapping` — DeepSpeed's ``zero_optimization`` configs next to the course's own ZeRO.
 """
 from __future__ import annotations
@@ -15,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..models import GPT, equality_config
-from ..plan import Cluster, Layout, Model, PlanError, memory_per_gpu, recommend
-from .common import parallel_config, zero_config
+from ..plan import Cluster, Layout, Model, PlanError, memory_per_gpu, recommend, zero_paper_table
+from ..results import ADAMW
+from .common import Result, parallel_config, zero_config
 
 __all__ = ["review_suite", "comparison_rows", "comparison_table", "plan_vs_measured", "FIXED_CASES", "fixed_cases",
-           "deepspeed_mapping", "deepspeed_model_config", "MICRO_BATCH"]
+           "review_result", "planner_result", "deepspeed_mapping", "deepspeed_model_config", "MICRO_BATCH"]
 
 MICRO_BATCH = 2  # sequences per rank in the activation measurement
 
@@ -42,14 +45,17 @@ def review_suite(bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1
     ``bubbles`` (``sleep_bubbles``: each stage sleeps ``bubble_ms`` forward / backward; the median of 3
     steps per rank, so one stall on a busy machine does not move it).
     """
-    from . import zero, fsdp, pipeline, tensor_parallel
+    from .fsdp import fsdp2_vs_zero3
+    from .pipeline import sleep_bubbles
+    from .tensor_parallel import tp_step
+    from .zero import zero_stage_profile, zero_stage_report
 
-    zero = [zero.zero_stage_report(stage) for stage in range(4)]
-    profile = zero.zero_stage_profile(micro_batch=MICRO_BATCH, rounds=0)
-    fsdp = fsdp.fsdp2_vs_zero3(steps=1)
-    tp = tensor_parallel.tp_step()
+    zero = [zero_stage_report(stage) for stage in range(4)]
+    profile = zero_stage_profile(micro_batch=MICRO_BATCH, rounds=0)
+    fsdp = fsdp2_vs_zero3(steps=1)
+    tp = tp_step()
     t_f, t_b = (v / 1e3 for v in bubble_ms)
-    bubbles = pipeline.sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=3)
+    bubbles = sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=3)
     bubbles.pop("timelines")
     profile.pop("peak_trace", None)
     return _plain({"world_size": dist.get_world_size(), "zero": zero, "profile": profile, "fsdp": fsdp, "tp": tp,
@@ -180,6 +186,70 @@ def fixed_cases() -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------- the checked table
+
+
+def review_result(res: dict) -> Result:
+    """Every check of the review as rows: :func:`comparison_rows` at their formulas, FSDP2 = our ZeRO-3,
+    activations equal at every stage, the bubbles at (p−1)/(m+p−1), and :func:`plan_vs_measured`.
+
+    ZeRO's equality with one device comes from ``zero_stage_report``'s max|Δparam| only (its tensors
+    stay on the ranks), so that row holds it to :data:`~course_lib.results.ADAMW`'s absolute bound.
+    """
+    out = Result(title=f"chapter 09 review: every technique at N = {res['world_size']}")
+    for r in comparison_rows(res):
+        name = r["technique"]
+        if r["memory_ratio"] == r["memory_ratio"]:  # not NaN: the pipeline has no byte formula here
+            out.within(f"{name}: model states per rank / formula", r["memory_ratio"], 1.0, 0.01,
+                       f"formula {r['memory']}")
+            out.within(f"{name}: sent per step / formula", r["traffic_ratio"], 1.0, 0.01, f"formula {r['traffic']}")
+    for z in res["zero"]:
+        name = "DDP" if z["stage"] == 0 else f"ZeRO-{z['stage']}"
+        out.condition(f"{name} (ours): final parameters vs one device", z["max_abs_diff"],
+                      z["max_abs_diff"] <= ADAMW.atol, f"max|Δ| ≤ {ADAMW.atol:.0e} ({ADAMW.name})",
+                      against="one device")
+    held = [z["measured"]["total"] for z in res["zero"]]
+    out.condition("memory per rank: DDP > ZeRO-1 > ZeRO-2 > ZeRO-3", held,
+                  all(a > b for a, b in zip(held, held[1:])), "strictly decreasing")
+    f, z3 = res["fsdp"]["fsdp2"], res["fsdp"]["zero3"]
+    out.within("FSDP2 model states per rank", f["memory"]["total"], z3["memory"]["total"], 0.02, "our ZeRO-3")
+    out.within("FSDP2 sent per step / formula", f["comm_ratio"], z3["comm_ratio"], 0.01, "our ZeRO-3")
+    acts = res["profile"]["activation_bytes"]
+    for s in range(1, 4):
+        out.exact(f"ZeRO-{s} activation bytes per rank", acts[s], acts[0], "DDP (ZeRO shards no activations)")
+    p, margin = res["world_size"], res["bubbles"]["margin"]
+    for r in res["bubbles"]["rows"]:
+        worst = max(r["per_rank"], key=lambda b: abs(b - r["formula"]))
+        out.condition(f"{r['schedule']} m={r['m']}: bubble of the worst rank", worst,
+                      all(abs(b - r["formula"]) <= margin for b in r["per_rank"]), f"within ±{margin}",
+                      r["formula"], "formula (p−1)/(m+p−1)")
+        if r["schedule"] == "gpipe":
+            out.exact(f"gpipe m={r['m']}: peak live micro-batches", r["peak_live"], r["m"], "m (all of them)")
+        else:
+            out.condition(f"1f1b m={r['m']}: peak live micro-batches", r["peak_live"], r["peak_live"] <= p,
+                          f"≤ p = {p}")
+    for r in plan_vs_measured(res):
+        out.within(f"{r['layout']}: model states, measured / planner", r["measured_states"],
+                   r["predicted_states"], 0.01, "plan.memory_per_gpu (fp32)")
+        if r["measured_activations"] is not None:
+            out.within(f"{r['layout']}: activations, measured / planner", r["measured_activations"],
+                       r["predicted_activations"], 0.01, "plan.memory_per_gpu (fp32)")
+    return out
+
+
+def planner_result() -> Result:
+    """The chooser's own checks: the ZeRO paper's table (rounded to 0.1 GB) and every fixed case."""
+    out = Result(title="the strategy chooser: the ZeRO paper and the fixed cases")
+    paper = zero_paper_table(7.5e9, 64)
+    for (name, gb), want in zip(paper.items(), (120.0, 31.4, 16.6, 1.9)):
+        out.exact(f"{name}: model states per GPU (GB, 0.1), Ψ = 7.5B, N = 64", round(gb, 1), want,
+                  "ZeRO paper, Figure 1")
+    for c in fixed_cases():
+        got = c["plan"].layout.name() if c["plan"] is not None else f"PlanError: …{c['error'].split(': ')[-1][:60]}"
+        out.condition(c["case"], got, c["ok"], c["expected"])
+    return out
+
+
 # --------------------------------------------------------------------------- DeepSpeed in context
 
 
@@ -191,7 +261,6 @@ def deepspeed_model_config():
     noise — the comparison with one device would then measure Adam, not DeepSpeed (chapter 03).
     """
     return equality_config(vocab_size=32, block_size=16, n_layer=2, n_head=3, d_model=27)
-
 
 
 def deepspeed_mapping() -> list[dict]:

@@ -252,7 +252,7 @@ for make in bad:
 # Try your own: the widget below recomputes as you type (it starts at the 7B case).
 
 # %%
-plan.planner_widget()
+viz.planner_widget()
 
 # %% [markdown]
 # Two notes the planner prints as numbers. If after ZeRO-3 memory still runs out because of **long sequences**, the
@@ -351,7 +351,7 @@ Markdown(H.api_table_markdown())
 hvd_ok = H.horovod_available()
 if hvd_ok:
     cmp = H.compare_frameworks()
-    for pair, d in cmp.table():
+    for pair, d in cmp.diffs.items():
         print(f"{pair:<28} max|Δparam| = {d:.1e}")
     print("wall time with start-up (s):", {k: round(v, 1) for k, v in cmp.seconds.items()})
 else:
@@ -420,5 +420,5 @@ print("memory ratios (measured/formula): " + ", ".join(f"{k} {v:.3f}" for k, v i
 print("bubble measured (max over ranks): " + ", ".join(f"{r['schedule']} m={r['m']} {max(r['per_rank']):.3f}"
                                                       for r in suite["bubbles"]["rows"]))
 if hvd_ok:
-    print("Horovod: " + ", ".join(f"{pair} max|Δparam| {d:.1e}" for pair, d in cmp.table() if pair.startswith("horovod")))
+    print("Horovod: " + ", ".join(f"{pair} max|Δparam| {d:.1e}" for pair, d in cmp.diffs.items() if pair.startswith("horovod")))
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
