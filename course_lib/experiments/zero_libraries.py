@@ -57,18 +57,22 @@ from __future__ import annotations
 
 import contextlib
 import io
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..configs import small_config
 from ..data import make_batch
 from ..formulas import zero_model_state_breakdown
 from ..launch import device
 from ..memory import model_state_bytes, storage_bytes, tensors_in
 from ..models import GPT, GPTConfig, tiny_config
+from ..results import ADAMW, Result
+from ..train import shard_batch, train_step
+from .zero import FieldAccess
 from .zero_deepspeed import deepspeed_available, full_params, import_deepspeed, psi_padded, snapshot, \
     torch_extensions_dir
-from .common import shard_batch, small_config
 
 __all__ = [
     "torch_zero1_memory",
@@ -83,10 +87,21 @@ __all__ = [
     "deepspeed_table",
     "zero1_table",
     "reference_training",
+    "Zero1Memory",
+    "DeepSpeedZero",
 ]
 
-LR, WEIGHT_DECAY = 3e-3, 0.1  # the course's AdamW settings (as in ddp / zero)
+# This section's AdamW: lr 3e-3, weight decay 0.1, torch's default eps (not configs.OPTIMIZERS["adamw"];
+# the libraries' runs predate it, and their numbers in chapters 03 and 09 are these)
+LR, WEIGHT_DECAY = 3e-3, 0.1
 SEQ_LEN = 16
+
+
+def _mean_loss(local: float) -> float:
+    """The loss of the whole global batch, as one device would see it: the mean of the ranks' fp32 losses."""
+    total = torch.tensor(local, device=device())  # fp32, as the loss itself
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
 
 
 def _batch(step: int, config: GPTConfig, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +132,23 @@ def zero1_partition(sizes: list[int], world_size: int) -> list[list[int]]:
     return owned
 
 
-def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_batch: int = 4) -> dict:
+@dataclass
+class Zero1Memory(FieldAccess, Result):
+    """torch's ``ZeroRedundancyOptimizer`` on one rank, with every rank's optimizer bytes (the whole table)."""
+
+    rank: int
+    world_size: int
+    psi: int
+    losses: list  # mean over the global batch, per step
+    per_rank: list  # [{"rank", "param_numel", "n_tensors", "optimizer_bytes", "names"}, ...]
+    total_optimizer_bytes: int
+    ideal_bytes: float  # 8Ψ/N: fp32 AdamW split evenly
+    imbalance: float  # max / mean of optimizer_bytes
+    max_over_ideal: float
+    model_state: dict  # this rank's model-state bytes (memory.model_state_bytes)
+
+
+def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_batch: int = 4) -> Zero1Memory:
     """Rank function: torch's ``ZeroRedundancyOptimizer`` (ZeRO-1) on the tiny GPT; per-rank optimizer bytes.
 
     Gradients are averaged by torch DDP (``gradient_as_bucket_view=True``: each ``.grad`` is a
@@ -133,12 +164,9 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
     Measured after ``steps`` steps (so AdamW's state exists), on every rank:
     ``optimizer_bytes`` = unique storages in the local optimizer's state (``exp_avg``,
     ``exp_avg_sq`` and a 4-byte ``step`` per tensor), ``param_numel`` / ``n_tensors`` owned.
-    Every rank returns the whole table (gathered with ``all_gather_object``)::
-
-        {"rank", "world_size", "psi", "losses",
-         "per_rank": [{"rank", "param_numel", "n_tensors", "optimizer_bytes", "names"}, ...],
-         "total_optimizer_bytes", "ideal_bytes" (= 8Ψ/N: fp32 AdamW split evenly),
-         "imbalance" (= max/mean of optimizer_bytes), "max_over_ideal", "model_state": {...}}
+    Every rank returns the whole table (gathered with ``all_gather_object``). Rows: the ranks'
+    optimizer bytes add up to one device's AdamW state exactly (8Ψ + 4 B per tensor), and each
+    rank owns what the greedy rule :func:`zero1_partition` predicts.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -150,16 +178,7 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
                                   weight_decay=WEIGHT_DECAY)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(step, config, micro_batch)
-        _, loss = ddp(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # keep the bucket views: grads stay one DDP-owned copy
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        losses.append(mean_loss.item() / world)
+    losses = [_mean_loss(train_step(ddp, opt, *_batch(step, config, micro_batch))) for step in range(steps)]
 
     local = opt.optim  # this rank's AdamW, over the parameters it owns
     owned = [p for g in local.param_groups for p in g["params"]]
@@ -167,14 +186,22 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
             "optimizer_bytes": storage_bytes(tensors_in(local.state)), "names": [names[id(p)] for p in owned]}
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
-    psi = sum(p.numel() for p in model.parameters())
+    sizes = [p.numel() for p in model.parameters()]
+    psi = sum(sizes)
     total = sum(r["optimizer_bytes"] for r in per_rank)
     ideal = 8 * psi / world
-    return dict(rank=rank, world_size=world, psi=psi, losses=losses, per_rank=per_rank,
-                total_optimizer_bytes=total, ideal_bytes=ideal,
-                imbalance=max(r["optimizer_bytes"] for r in per_rank) / (total / world),
-                max_over_ideal=max(r["optimizer_bytes"] for r in per_rank) / ideal,
-                model_state=model_state_bytes(model, local))
+    result = Zero1Memory(
+        rank=rank, world_size=world, psi=psi, losses=losses, per_rank=per_rank, total_optimizer_bytes=total,
+        ideal_bytes=ideal, imbalance=max(r["optimizer_bytes"] for r in per_rank) / (total / world),
+        max_over_ideal=max(r["optimizer_bytes"] for r in per_rank) / ideal,
+        model_state=model_state_bytes(model, local),
+        title=f"torch ZeroRedundancyOptimizer (ZeRO-1), N = {world}, Ψ = {psi:,}")
+    result.exact("optimizer bytes, summed over ranks", total, 8 * psi + 4 * len(sizes),
+                 against="one device's AdamW: 8Ψ + 4 B per tensor")
+    predicted = sorted(sum(sizes[i] for i in owned) for owned in zero1_partition(sizes, world))
+    result.exact("elements owned per rank (sorted)", sorted(r["param_numel"] for r in per_rank), predicted,
+                 against="zero1_partition: largest first, to the least loaded")
+    return result
 
 
 # =========================================================================== DeepSpeed
@@ -230,8 +257,57 @@ def deepspeed_expected_bytes(psi_pad: int, world_size: int, stage: int) -> dict:
                 expected=formula["total"] + master)
 
 
+@dataclass
+class DeepSpeedZero(FieldAccess, Result):
+    """DeepSpeed ZeRO at one stage on one rank: bytes by category, decomposed; training vs one device."""
+
+    stage: int
+    world_size: int
+    rank: int
+    psi: int
+    psi_pad: int
+    losses: list  # mean over the global batch, per step
+    optimizer_type: str
+    held: dict  # snapshot after the last engine.backward, before engine.step
+    peak: dict  # the largest snapshot during the last backward
+    measured: dict  # the peak's model states: params, grads, master, optimizer, total
+    buffers: int
+    buffers_detail: dict
+    formula: float
+    formula_breakdown: dict
+    fp32_master: int
+    master_expected: float
+    expected: float
+    grad_overhang: int
+    in_flight_grads: int
+    adam_step: int
+    rest: float
+    bounds: dict
+    ratio: float  # measured / formula
+    ratio_expected: float  # measured / (formula + 4Ψ_pad/N)
+    params: dict | None = None  # full weights by name (with return_params)
+
+
+def _deepspeed_rows(r: DeepSpeedZero, reference: dict, params: dict) -> None:
+    """Every byte named (formula + master + overhang + in-flight + Adam steps), and training = one device."""
+    m, f = r.measured, r.formula_breakdown
+    if r.stage > 0:
+        r.exact("fp32 master partition (B)", r.fp32_master, 4 * r.psi_pad // r.world_size,
+                against="4Ψ_pad/N, kept even for an fp32 model")
+    r.exact("parameter bytes", m["params"], f["params"], against="formula")
+    r.exact("optimizer bytes", m["optimizer"], f["optimizer"] + r.adam_step, against="formula + Adam step counters")
+    r.condition("gradient overhang (B)", r.grad_overhang, 0 <= r.grad_overhang <= r.bounds["grad_overhang"],
+                f"0 … {r.bounds['grad_overhang']:,} (2 × largest tensor)")
+    r.condition("in-flight gradients (B)", r.in_flight_grads, 0 <= r.in_flight_grads <= r.bounds["in_flight_grads"],
+                f"0 … {r.bounds['in_flight_grads']:,} (bucket + largest tensor)")
+    pad = 4 * (r.psi_pad - r.psi)
+    r.condition("unexplained bytes", r.rest, abs(r.rest) <= pad, f"|rest| ≤ {pad} (4 B × padding)")
+    r.equal("mean loss per step", r.losses, reference["losses"], ADAMW)
+    r.equal(f"weights after {len(r.losses)} steps", params, reference["params"], ADAMW)
+
+
 def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, offload_optimizer: bool = False,
-                   *, micro_batch: int = 4, bucket_elements: int = 1024, return_params: bool = False) -> dict:
+                   *, micro_batch: int = 4, bucket_elements: int = 1024, return_params: bool = False) -> DeepSpeedZero:
     """Rank function: train the tiny GPT with DeepSpeed ZeRO ``stage`` (0-3); measure what each rank holds.
 
     The process group our launcher created is reused: ``deepspeed.initialize(...,
@@ -264,10 +340,14 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
     bucket as they arrive -- only the peak shows that difference. ``held`` is the snapshot after
     ``engine.backward`` (before ``engine.step``), when every category exists.
 
-    Returns (per rank) ``{"stage", "world_size", "rank", "psi", "psi_pad", "losses" (mean over the
-    global batch), "optimizer_type", "held", "peak"}`` plus ``deepspeed_decomposition``'s keys
-    (``measured``, ``formula``, ``fp32_master``, ``in_flight_grads``, ``rest``, ``ratio`` ...)
-    and, with ``return_params``, ``"params"``: the full weights by name after training.
+    Returns (per rank) a :class:`DeepSpeedZero`: ``stage``, ``world_size``, ``rank``, ``psi``,
+    ``psi_pad``, ``losses`` (mean over the global batch), ``optimizer_type``, ``held``, ``peak``, plus
+    ``deepspeed_decomposition``'s keys (``measured``, ``formula``, ``fp32_master``,
+    ``in_flight_grads``, ``rest``, ``ratio`` ...) and, with ``return_params``, ``params``: the full
+    weights by name after training. Rows: the master partition is 4Ψ_pad/N, parameter and
+    optimizer bytes are the formula's (+ Adam's step counters), overhang and in-flight gradients
+    within their bounds, nothing unexplained beyond padding, and losses and weights equal
+    :func:`reference_training` (one device, ``ADAMW``).
 
     What the tiny GPT shows at N = 2 (Ψ = 26,272): stage 1 measures formula + 4Ψ/N + 4 bytes
     (ratio 1.17 = 14/12); stage 3 ``held`` is exactly 20Ψ/N (ratio 1.25); stages 2/3 add
@@ -311,20 +391,21 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
             for h in hooks:
                 h.remove()
         engine.step()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)  # the loss of the whole global batch, as one device would see it
-        losses.append(mean_loss.item() / world)
+        losses.append(_mean_loss(loss.item()))
 
     psi_pad = psi_padded(engine, psi, stage, world)
     largest = max(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    out = dict(stage=stage, world_size=world, rank=rank, psi=psi, psi_pad=psi_pad, losses=losses,
-               optimizer_type=type(engine.optimizer).__name__, held=held, peak=peak,
-               **deepspeed_decomposition(peak, psi_pad, world, stage, bucket_elements=bucket_elements,
-                                         largest_numel=largest))
-    if return_params:
-        out["params"] = full_params(engine, deepspeed, stage)
+    params = full_params(engine, deepspeed, stage)
+    result = DeepSpeedZero(
+        stage=stage, world_size=world, rank=rank, psi=psi, psi_pad=psi_pad, losses=losses,
+        optimizer_type=type(engine.optimizer).__name__, held=held, peak=peak,
+        **deepspeed_decomposition(peak, psi_pad, world, stage, bucket_elements=bucket_elements,
+                                  largest_numel=largest),
+        params=params if return_params else None,
+        title=f"DeepSpeed ZeRO stage {stage}, N = {world}, rank {rank} (bytes at the peak of backward)")
     engine.destroy()
-    return out
+    _deepspeed_rows(result, reference_training(config, steps, micro_batch * world), params)
+    return result
 
 
 def deepspeed_decomposition(peak: dict, psi_pad: int, world_size: int, stage: int, *, bucket_elements: int,
@@ -366,7 +447,8 @@ def deepspeed_decomposition(peak: dict, psi_pad: int, world_size: int, stage: in
                 ratio=measured["total"] / exp["formula"], ratio_expected=measured["total"] / exp["expected"])
 
 
-def deepspeed_zero_stages(stages=(0, 1, 2, 3), config: GPTConfig | None = None, steps: int = 3, **kwargs) -> list[dict]:
+def deepspeed_zero_stages(stages=(0, 1, 2, 3), config: GPTConfig | None = None, steps: int = 3,
+                          **kwargs) -> list[DeepSpeedZero]:
     """Rank function: ``deepspeed_zero`` for several stages in one process (one spawn, one DeepSpeed import).
 
     Each stage builds a fresh model and engine (``engine.destroy()`` after each); returns the
@@ -378,7 +460,8 @@ def deepspeed_zero_stages(stages=(0, 1, 2, 3), config: GPTConfig | None = None, 
 def reference_training(config: GPTConfig | None = None, steps: int = 3, global_batch: int = 8) -> dict:
     """Single-device AdamW on the full batch -- what ``deepspeed_zero`` at any stage should equal.
 
-    Returns ``{"losses", "params"}``; run it in the notebook / test process (no ranks needed).
+    Returns ``{"losses", "params"}``; needs no ranks (``deepspeed_zero`` runs it for its equality rows,
+    a notebook or test may run it in its own process).
     """
     config = config or small_config()
     model = GPT(config, seed=0)
@@ -386,11 +469,7 @@ def reference_training(config: GPTConfig | None = None, steps: int = 3, global_b
     losses = []
     for step in range(steps):
         x, y = make_batch(global_batch, min(SEQ_LEN, config.block_size), config.vocab_size, seed=step)
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, x, y))
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
