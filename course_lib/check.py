@@ -9,6 +9,10 @@ is reported as *unsolved* (with its hint), never as a crash of the checker.
 An exercise registered with ``launcher="parent"`` (chapters 07–08: Ray) is checked by calling its runner
 here, in the caller's process: the runner starts its own run (a real ``TorchTrainer``) and returns the
 problems it found. An exception from that run — Ray wraps a worker's — is reported the same way.
+
+The registry, :data:`EXERCISES`, is data (:mod:`course_lib.quiz.exercises`): each checker is named
+``"course_lib.checks.<module>:<function>"`` and imported only when its exercise is checked.
+A pass of the learner's own code is recorded in the progress file (:mod:`course_lib.quiz.progress`).
 """
 from __future__ import annotations
 
@@ -20,9 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .checks import collectives, single_device, ddp, zero, fsdp, pipeline
-from .checks import tensor_parallel, ray_train, ray_data
-from .launch import RankError, RankTimeout, spawn
+from .quiz.exercises import EXERCISES, Exercise
+from .quiz.progress import record_exercise
 
 __all__ = ["check", "CheckResult", "EXERCISES", "Exercise", "worker_error"]
 
@@ -44,67 +47,6 @@ class CheckResult:
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the sentence, not the dataclass
         p.text(str(self))
-
-
-@dataclass(frozen=True)
-class Exercise:
-    module: str  # file under exercises/ and solutions/
-    function: str
-    summary: str
-    runner: Callable  # rank function(fn) -> list of failure strings on this rank (empty = ok), in checks/
-    world_sizes: tuple = (2, 3)
-    # "spawn": ``runner`` runs on every rank of ``spawn(world_size)`` for each of ``world_sizes``;
-    # "parent": ``check`` calls ``runner(fn)`` once in this process, and the runner starts its own run
-    # (e.g. a real Ray ``TorchTrainer``) and returns the list of failure strings (empty = ok).
-    launcher: str = "spawn"
-
-
-# --------------------------------------------------------------------------- the registry
-# The rank-side checkers live in ``checks/<topic>.py``, one module per ``exercises/`` file.
-
-EXERCISES: dict[str, Exercise] = {
-    "ring_all_reduce": Exercise("collectives", "ring_all_reduce",
-                                "ch00: sum a tensor over ranks with send/recv around a ring",
-                                collectives.check_ring_all_reduce),
-    "count_model_state_bytes": Exercise("single_device", "count_model_state_bytes",
-                                        "ch01: bytes of params, grads and optimizer state over unique storages",
-                                        single_device.check_count_model_state_bytes, world_sizes=(1,)),
-    "allreduce_gradients": Exercise("ddp", "allreduce_gradients",
-                                    "ch02: average every gradient over ranks after backward (naive DDP)",
-                                    ddp.check_allreduce_gradients),
-    "bucketed_reducer": Exercise("ddp", "BucketedReducer",
-                                 "ch02: async all-reduce of gradient buckets launched during backward",
-                                 ddp.check_bucketed_reducer),
-    "zero1_step": Exercise("zero", "Zero1Step",
-                           "ch03: ZeRO-1 step: reduce-scatter gradients, step own shard, all-gather parameters",
-                           zero.check_zero1_step),
-    "sharded_linear": Exercise("zero", "ShardedLinear",
-                               "ch03: ZeRO-3 for one nn.Linear: gather before use, free after, reduce-scatter "
-                               "the weight gradient", zero.check_sharded_linear),
-    "fsdp2_wrap_blocks": Exercise("fsdp", "wrap_blocks",
-                                  "ch04: FSDP2 units — fully_shard every block, then the root",
-                                  fsdp.check_fsdp2_wrap_blocks),
-    "sharded_checkpoint": Exercise("fsdp", "ShardedCheckpoint",
-                                   "ch04: save and restore FSDP2 model + optimizer shards with DCP",
-                                   fsdp.check_sharded_checkpoint),
-    "one_f_one_b_schedule": Exercise("pipeline", "one_f_one_b_schedule",
-                                     "ch05: the 1F1B action order of one pipeline stage (compared, then run)",
-                                     pipeline.check_one_f_one_b_schedule, world_sizes=(2,)),
-    "column_parallel_linear": Exercise("tensor_parallel", "column_parallel_linear",
-                                       "ch06: y_i = x W_iᵀ + b_i, all-reduce of ∂L/∂x in backward (f)",
-                                       tensor_parallel.check_column_parallel_linear, world_sizes=(2, 4)),
-    "row_parallel_linear": Exercise("tensor_parallel", "row_parallel_linear",
-                                    "ch06: y = Σ_i x_i W_iᵀ by all-reduce (g), bias once; no backward communication",
-                                    tensor_parallel.check_row_parallel_linear, world_sizes=(2, 4)),
-    "ray_train_loop": Exercise("ray_train", "ray_train_loop",
-                               "ch07: the plain PyTorch loop as a Ray Train train_loop_per_worker (prepare_model, "
-                               "prepare_data_loader, set_epoch, report + checkpoint), run in a real TorchTrainer",
-                               ray_train.check_ray_train_loop, world_sizes=(2,), launcher="parent"),
-    "ray_data_pipeline": Exercise("ray_data", "fit_with_ray_data",
-                                  "ch08: a map_batches tokeniser streamed by Ray Data into a TorchTrainer "
-                                  "(datasets=, resources_per_worker)", ray_data.check_ray_data_pipeline,
-                                  world_sizes=(2,), launcher="parent"),
-}
 
 
 # --------------------------------------------------------------------------- parent side
@@ -149,10 +91,12 @@ def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckR
         return CheckResult(name, "error", f"could not import {package}/{ex.module}.py: {type(exc).__name__}: {exc}")
     if ex.launcher == "parent":
         return _recorded(_check_in_parent(name, ex, fn), package)
-    details = []
+    from .launch import RankError, RankTimeout, spawn  # torch: imported when a check runs
+
+    runner, details = ex.runner, []
     for world in ex.world_sizes:
         try:
-            per_rank = spawn(ex.runner, world, args=(fn,), timeout=timeout)
+            per_rank = spawn(runner, world, args=(fn,), timeout=timeout)
         except RankError as err:
             if err.exc_type == "NotImplementedError":
                 hint = str(err.__cause__ or "").strip() or "still a TODO"
@@ -173,8 +117,6 @@ def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckR
 def _recorded(result: CheckResult, package: str) -> CheckResult:
     """A pass of the learner's own code (``exercises/``) goes into the progress file: ``course-lib progress``."""
     if result.passed and package == "exercises":
-        from .exam import record_exercise
-
         try:
             record_exercise(result.name)
         except OSError:

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="check torch/ray, backend, cores, compiler; spawn 2 ranks")
     q = sub.add_parser("quiz", help="O/X quiz in the terminal")
-    q.add_argument("--chapter", type=int, required=True)
+    q.add_argument("--chapter", required=True, help="a topic (ddp) or a notebook number (2)")
     q.add_argument("--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English")
     q.add_argument("-n", type=int, default=None, help="number of statements")
     q.add_argument("--shuffle", action="store_true")
@@ -111,10 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.cmd == "quiz":
         from .quiz import run_terminal_quiz
 
-        run_terminal_quiz(ns.chapter, lang=ns.lang, n=ns.n, shuffle=ns.shuffle)
+        try:
+            run_terminal_quiz(ns.chapter, lang=ns.lang, n=ns.n, shuffle=ns.shuffle)
+        except ValueError as exc:  # an unknown chapter, or -n out of range
+            parser.error(str(exc))
         return 0
     if ns.cmd == "exam":
-        from .exam import run_terminal_exam
+        from .quiz import run_terminal_exam
 
         try:
             run_terminal_exam(lang=ns.lang, n=ns.n, seed=ns.seed)
@@ -122,17 +125,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
         return 0
     if ns.cmd == "progress":
-        from .exam import progress_report
+        from .quiz import progress_report
 
         print(progress_report(lang=ns.lang))
         return 0
     if ns.cmd == "check":
-        from .check import EXERCISES, check
+        from .quiz import EXERCISES
 
         if not ns.name:
             for name, ex in EXERCISES.items():
-                print(f"{name:<24} {ex.summary}")
+                print(f"{name:<24} {ex.chapter}: {ex.summary}")
             return 0
+        from .check import check
+
         result = check(ns.name, package="solutions" if ns.solutions else "exercises")
         print(result)
         return 0 if result.passed else 1

@@ -1,6 +1,7 @@
 """The final O/X exam and course progress: the form (14 seeds, every chapter, never two of a group), grading with
 per-topic scores, missed traps and sections to reread, the widget, the text fallback, the terminal exam and the
-``course-lib exam`` / ``course-lib progress`` commands, and a real ``check()`` pass landing in the progress file."""
+``course-lib exam`` / ``course-lib progress`` commands, ``course-lib quiz --chapter`` by topic or number, the exercise
+registry (data, checkers resolved when used), and a real ``check()`` pass landing in the progress file."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import exam as x
+from course_lib import chapters as course
 from course_lib import quiz as q
+
+x = q  # the exam's API is the quiz package's (course_lib.exam is an alias of it)
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPED = {item["id"]: item["group"] for item in q.load_bank() if item.get("group")}
@@ -26,7 +29,7 @@ def course_home(tmp_path, monkeypatch):
     home = tmp_path / "course_home"
     monkeypatch.setenv("COURSE_LIB_HOME", str(home))
     monkeypatch.delenv("COURSE_LANG", raising=False)
-    monkeypatch.setattr(q, "_language", None)
+    q.set_language(None)
     return home
 
 
@@ -54,6 +57,9 @@ def test_form_has_40_items_all_14_seeds_every_chapter_and_one_per_group(seed):
     assert max(per_chapter.values()) - min(per_chapter.values()) <= 1, per_chapter  # drawn evenly
     order = [i["id"] for i in q.load_bank()]
     assert [i["id"] for i in form] == sorted((i["id"] for i in form), key=order.index)  # bank order
+    small = x.exam_items(n=30, seed=seed)  # a shorter form: the same draw, stopped earlier
+    assert len(small) == 30 and {i["id"] for i in small} <= {i["id"] for i in form}
+    assert sum(bool(i.get("seed")) for i in small) == 14
 
 
 def test_form_is_deterministic_varies_with_the_seed_and_reaches_every_grouped_item():
@@ -66,7 +72,8 @@ def test_form_is_deterministic_varies_with_the_seed_and_reaches_every_grouped_it
 
 def test_form_size_bounds():
     assert len(x.exam_items(n=14)) == 14 and all(i.get("seed") for i in x.exam_items(n=14))
-    largest = len(q.exam_form())  # every item the one-per-group rule allows
+    largest = len(x.exam_items(n=None))  # every item the one-per-group rule allows
+    assert largest > 40
     assert len(x.exam_items(n=largest)) == largest
     for bad in (13, largest + 1, 40.0, True, "40"):
         with pytest.raises(ValueError, match=r"between 14 \(the seed statements\) and"):
@@ -88,7 +95,8 @@ def test_grade_all_right_then_some_wrong_scores_per_topic_traps_and_reread(cours
     assert (result.score, result.total) == (37, 40)
     assert result.missed == [i["id"] for i in wrong]
     assert result.missed_traps == list(dict.fromkeys(i["trap"] for i in wrong))
-    assert result.reread == tuple(dict.fromkeys((i["trap"], i["teaches"]) for i in wrong))
+    assert result.reread == tuple(dict.fromkeys((i["trap"], q.section_of(i)) for i in wrong))
+    assert all(where[:2].isdigit() and where[2] == "#" for _, where in result.reread)  # "NN#anchor"
     topics = result.by_topic()
     assert sum(n for _, n in topics.values()) == 40
     expected = collections.Counter(i["topic"] for i in form)
@@ -111,7 +119,8 @@ def test_report_is_deterministic_and_names_topics_traps_and_sections(course_home
     table_start = lines.index("Score by topic:")
     weakest = lines[table_start + 1].split()
     assert weakest[0] == miss["topic"]  # weakest topic first
-    assert lines[-1] == f"Reread: {miss['teaches']} ({miss['trap']})"
+    topic, anchor = miss["teaches"].split("#")
+    assert lines[-1] == f"Reread: {course.number(topic):02d}#{anchor} ({miss['trap']})"
     assert not any(line.startswith("By topic:") for line in lines)  # the table replaces the one-line summary
     korean = repr(x.grade_exam(answers, seed=2, lang="ko", record=False)).splitlines()
     assert korean[0] == "O/X 시험 결과: 39/40 정답 (98%)" and korean[-1].startswith("다시 읽을 곳: ")
@@ -144,7 +153,7 @@ def test_grading_records_last_and_best_exam_score_beside_the_quizzes(course_home
     stored = json.loads((course_home / "progress.json").read_text(encoding="utf-8"))
     assert stored["exam"] == {"best": {"score": 40, "total": 40, "seed": 0},
                               "last": {"score": 20, "total": 40, "seed": 0}, "attempts": 2}
-    assert stored["quiz"]["ch03"]["attempts"] == 1  # the quiz section survives exam writes
+    assert stored["quiz"]["zero"]["attempts"] == 1  # the quiz section survives exam writes
 
 
 # -- displays ---------------------------------------------------------------------------------------
@@ -163,7 +172,7 @@ def test_widget_feedback_running_score_then_topics_traps_reread_and_record(cours
     assert widget.finished
     summary = widget.summary.value
     assert "Final score 39/40" in summary and "Score by topic" in summary
-    assert f"Reread: {items[0]['teaches']}" in summary and items[0]["trap"] in summary
+    assert f"Reread: {q.section_of(items[0])}" in summary and items[0]["trap"] in summary
     assert q.progress()["exam"]["last"] == {"score": 39, "total": 40, "seed": 0}
     widget.set_lang("ko")
     assert "최종 O/X 시험" in widget.header.value and "주제별 점수" in widget.summary.value
@@ -178,7 +187,8 @@ def test_widget_and_text_listings_are_deterministic():
     assert lines[0] == "Final O/X exam — chapters 00–09 (40 statements, form 0)"
     assert lines[-1] == q.WIDGET_HINT
     first_plain = next(n for n, i in enumerate(form) if not i.get("seed"))
-    assert f"{first_plain + 1:2d}. [{form[first_plain]['chapter']:02d}] {form[first_plain]['statement']['en']}" in lines
+    plain = form[first_plain]
+    assert f"{first_plain + 1:2d}. [{course.number(plain['chapter']):02d}] {plain['statement']['en']}" in lines
     shown = x.final_exam(seed=3)  # pytest is not a kernel: the text fallback
     assert isinstance(shown, x.ExamText)
     assert repr(shown).splitlines()[-1] == ("(answer with grade_exam({item_id: 'O' or 'X'}, n=40, seed=3) or: "
@@ -203,7 +213,7 @@ def test_terminal_exam_with_scripted_input(course_home):
     assert (result.score, result.total) == (2, 3)
     assert "Please answer O or X" in out and "Final score 2/3" in out
     assert f"Missed traps: {form[1]['trap']}" in out and "Score by topic:" in out
-    assert f"Reread: {form[1]['teaches']} ({form[1]['trap']})" in out
+    assert f"Reread: {q.section_of(form[1])} ({form[1]['trap']})" in out
     assert q.progress()["exam"]["last"] == {"score": 2, "total": 3, "seed": 0}
 
 
@@ -219,7 +229,7 @@ def test_cli_exam_and_progress(course_home):
     done = run_cli(["exam", "-n", "14", "--seed", "4", "--lang", "ko"], answers, course_home)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("최종 O/X 시험 — 00–09장 전체 (14문항, 시험지 4)")
-    assert "최종 점수 13/14" in done.stdout and f"다시 읽을 곳: {form[-1]['teaches']}" in done.stdout
+    assert "최종 점수 13/14" in done.stdout and f"다시 읽을 곳: {q.section_of(form[-1])}" in done.stdout
     bad = run_cli(["exam", "-n", "3"], "", course_home)
     assert bad.returncode == 2 and "between 14 (the seed statements)" in bad.stderr
     q.record_score(2, 10, 17)
@@ -239,16 +249,18 @@ def test_cli_exam_and_progress(course_home):
 def test_course_progress_lists_every_chapter_and_exercise():
     from course_lib.check import EXERCISES
 
-    assert x.exercise_chapters() == {name: int(ex.module[2:4]) for name, ex in EXERCISES.items()}
+    assert EXERCISES is q.EXERCISES  # one registry, read by the checker and by progress
+    assert x.exercise_chapters() == {name: ex.chapter for name, ex in EXERCISES.items()}
+    assert x.exercise_chapters()["count_model_state_bytes"] == "single-device"
     state = x.course_progress()
     assert list(state.quizzes) == q.chapters() and all(v is None for v in state.quizzes.values())
     assert list(state.exercises) == list(EXERCISES) and not any(ok for _, ok in state.exercises.values())
-    assert state.exercises["ring_all_reduce"] == (0, False) and state.exam is None
+    assert state.exercises["ring_all_reduce"] == ("collectives", False) and state.exam is None
     q.record_score(0, 3, 4)
     x.record_exercise("ring_all_reduce")
     x.record_exercise("ring_all_reduce")
     state = x.course_progress()
-    assert state.quizzes[0] == (3, 4, 1) and state.exercises["ring_all_reduce"] == (0, True)
+    assert state.quizzes["collectives"] == (3, 4, 1) and state.exercises["ring_all_reduce"] == ("collectives", True)
     assert q.progress()["exercises"]["ring_all_reduce"] == {"passed": True, "passes": 2}
     korean = x.progress_report(state, "ko").splitlines()
     assert korean[-1].startswith("완료: 퀴즈 1/10, 연습 문제 1/")
@@ -263,4 +275,47 @@ def test_a_passing_check_of_the_learners_exercise_is_recorded_and_the_solution_i
     run = learner_answer("single_device", (ROOT / "solutions" / "single_device.py").read_text(encoding="utf-8"))
     assert run("count_model_state_bytes").passed
     assert q.progress()["exercises"] == {"count_model_state_bytes": {"passed": True, "passes": 1}}
-    assert x.course_progress().exercises["count_model_state_bytes"] == (1, True)
+    assert x.course_progress().exercises["count_model_state_bytes"] == ("single-device", True)
+
+
+def test_the_exam_alias_module_is_the_quiz_packages_api():
+    from course_lib import exam
+
+    for name in ("final_exam", "grade_exam", "exam_items", "run_terminal_exam", "progress_report"):
+        assert getattr(exam, name) is getattr(q, name), name
+
+
+# -- the exercise registry --------------------------------------------------------------------------
+
+
+def test_the_registry_is_data_and_imports_no_checker_until_one_is_used():
+    """Importing the checker (or listing exercises) imports neither torch nor a checks module; a runner
+    resolves its "module:function" name to the checker in course_lib/checks/<module>.py."""
+    code = ("import sys, course_lib.check as c, course_lib.quiz as q\n"
+            "print(sorted(m for m in sys.modules if m.startswith('course_lib.checks') or m == 'torch'))\n"
+            "ex = c.EXERCISES['allreduce_gradients']\n"
+            "print(ex.checker, ex.runner.__module__, ex.runner.__name__)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    assert first == "[]"
+    assert second == ("course_lib.checks.ddp:check_allreduce_gradients course_lib.checks.ddp "
+                      "check_allreduce_gradients")
+    for name, ex in q.EXERCISES.items():
+        module, function = ex.checker.split(":")
+        assert module == f"course_lib.checks.{ex.module}", name
+        assert course.chapter(ex.chapter).topic == ex.chapter, name
+
+
+def test_cli_quiz_takes_a_topic_or_a_number(course_home):
+    items = q.load_bank("ddp")
+    answers = "".join(f"{i['answer']}\n" for i in items)
+    by_topic = run_cli(["quiz", "--chapter", "ddp"], answers, course_home)
+    assert by_topic.returncode == 0, by_topic.stderr
+    assert by_topic.stdout.startswith(f"Chapter 02 O/X quiz — {q.chapter_title('ddp')} ({len(items)} statements)")
+    assert f"Final score {len(items)}/{len(items)}" in by_topic.stdout
+    by_number = run_cli(["quiz", "--chapter", "2", "-n", "1"], "q\n", course_home)
+    assert by_number.returncode == 0 and by_number.stdout.splitlines()[0].startswith("Chapter 02 O/X quiz")
+    assert q.progress()["quiz"]["ddp"]["attempts"] == 1  # the run that answered nothing recorded nothing
+    bad = run_cli(["quiz", "--chapter", "nope"], "", course_home)
+    assert bad.returncode == 2 and "unknown chapter 'nope'; available chapters: collectives (00)" in bad.stderr
