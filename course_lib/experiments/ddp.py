@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,8 @@ from ..results import SGD, for_optimizer
 from .common import (Result, bench_config, check_global_batch, make_optimizer, race, shard_batch, small_config,
                      step_batch, train_step)
 
-__all__ = ["bench_config", "VARIANTS", "RACE_VARIANTS", "EQUALITY_OPTIMIZERS", "EqualityResult",
-           "AccumulationResult", "DDPTimeline", "equality_with_single_device", "accumulation_with_no_sync",
+__all__ = ["bench_config", "VARIANTS", "RACE_VARIANTS", "EQUALITY_OPTIMIZERS", "Measurements", "EqualityResult",
+           "AccumulationResult", "TimelineResult", "DDPTimeline", "equality_with_single_device", "accumulation_with_no_sync",
            "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines", "ddp_benchmark", "scaling",
            "format_throughput"]
 
@@ -80,6 +80,56 @@ class AccumulationResult(Result):
     grad_allreduces: int
     buckets: int
     max_abs_diff: float
+
+
+@dataclass
+class Measurements(Result):
+    """A :class:`Result` that also reads as the numbers it measured: ``res["loss"]``, ``res[0]``, ``len(res)``.
+
+    ``values`` is what the notebook plots and prints (a dict, or a list of rows); the rows are the checks.
+    """
+
+    values: dict | list = field(default_factory=dict)
+
+    def __getitem__(self, key):
+        return self.values[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.values
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def keys(self):
+        return self.values.keys()
+
+    def items(self):
+        return self.values.items()
+
+
+@dataclass
+class TimelineResult(Measurements):
+    """:func:`ddp_timelines`: ``res[variant]`` is its events; rows: who overlaps, who buckets."""
+
+    def check_overlap(self) -> None:
+        """Rows: the async variants launch during backward, the blocking ones after; buckets are fewer."""
+        for key, overlaps in (("overlapped", True), ("per_param", True), ("naive", False),
+                              ("blocking_bucketed", False)):
+            lead = _comm_lead(self.values[key])  # > 0: the first all-reduce began before backward ended
+            rule = "> 0 (launched during backward)" if overlaps else "≤ 0 (after backward)"
+            self.condition(f"{key}: backward end − first all-reduce launch (s)", lead,
+                           lead > 0 if overlaps else lead <= 0, rule)
+        n = {k: sum(e[0] == "comm" for e in self.values[k]) for k in ("overlapped", "per_param")}
+        self.condition("all-reduces per step, bucketed vs per parameter", f"{n['overlapped']} vs {n['per_param']}",
+                       n["overlapped"] < n["per_param"], "fewer with buckets")
+
+
+def _comm_lead(events) -> float:
+    backward_end = max(b for kind, _, _, b in events if kind == "compute")
+    return backward_end - min(a for kind, _, a, _ in events if kind == "comm")
 
 
 def _params(model) -> dict:
@@ -333,7 +383,7 @@ class _Clock:
 
 
 def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 2.0,
-                  steps: int = 3) -> dict:
+                  steps: int = 3) -> TimelineResult:
     """Rank function: one step's compute/communication timeline for the four ways to average gradients.
 
     Overlap and bucketing, each alone and together: ``"naive"`` (per parameter, blocking, after
@@ -342,6 +392,7 @@ def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_c
     backward). Events are ``(kind, name, t_start, t_end)`` in seconds from the start of that
     step's forward (the last of ``steps`` SGD steps, after warm-up). Kinds: ``compute`` (forward,
     backward), ``comm`` (one collective, launch to completion), ``wait`` (training thread blocked).
+    Returns a :class:`TimelineResult` (``res[variant]`` the events; its rows: who overlaps).
     """
     config = config or bench_config()
     rank, dev = dist.get_rank(), device()
@@ -379,7 +430,9 @@ def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_c
             train_step(ddp, opt, x, y)
         t0 = min(e[2] for e in timeline.events)
         out[key] = [(k, n, a - t0, b - t0) for k, n, a, b in timeline.events]
-    return out
+    result = TimelineResult(values=out)
+    result.check_overlap()
+    return result
 
 
 # --------------------------------------------------------------------------- parent side
