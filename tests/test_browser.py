@@ -1,6 +1,6 @@
 """The quiz as a learner sees it: JupyterLab from this venv, in Debian's headless Chromium (raw DevTools, no driver).
 
-One JupyterLab on a free port opens a notebook with the chapter 00 quiz in English and in Korean, runs it, clicks
+One JupyterLab on a free port opens a notebook with the collectives (00) quiz in English and in Korean, runs it, clicks
 the right answer to statement 1 and the wrong one to statement 2 with real mouse events, and the verdicts, the
 explanation and the running score must appear inside each cell's output area (``.jp-OutputArea``; the cell source
 holds none of them); the final exam's widget (third cell) answers a click the same way. A Korean font must be
@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.exam import exam_items
-from course_lib.quiz import _UI as QUIZ_UI
-from course_lib.quiz import load_bank
+from course_lib.quiz import UI as QUIZ_UI
+from course_lib.quiz import exam_items, load_bank
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("COURSE_LIB_CACHE", ROOT / ".cache")) / "test-artifacts" / "browser"
@@ -53,7 +52,7 @@ def test_a_korean_font_is_installed():
 def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
     started = time.monotonic()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    items = load_bank(0)[:3]
+    items = load_bank("collectives")[:3]
     env = dict(os.environ, COURSE_LIB_HOME=str(tmp_path / "home"))  # the kernel's clicks record nothing real
     exam = exam_items(n=14)
     with lab_driver.Lab({"quiz.ipynb": lab_driver.quiz_notebook(("en", "ko"), exam_n=14)}, env=env) as lab:
@@ -91,6 +90,6 @@ def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
 def test_the_korean_check_fails_without_cjk_fonts():
     """The control: in a Chromium whose fontconfig sees DejaVu only, the same Korean line is a row of boxes that
     the pixel check cannot tell from boxes or from other syllables -- so the check above can fail."""
-    text = load_bank(0)[2]["statement"]["ko"]
+    text = load_bank("collectives")[2]["statement"]["ko"]
     pixels = lab_driver.korean_renders_without_cjk_fonts(text)
     assert pixels["vs_boxes"] < 0.005 and pixels["vs_other_syllables"] < 0.005, pixels

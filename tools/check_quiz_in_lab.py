@@ -9,9 +9,10 @@ no browser download, no driver package: a websocket to Chromium's DevTools port 
   (the port it picked is read back from ``DevToolsActivePort``), each in its own process group. ``close()``
   ends both groups and every process they started (kernels run in their own sessions: they are found as
   descendants and by the scratch folder in their command line) and returns what was left alive (nothing).
-* :func:`check_quiz` opens a scratch notebook with ``quiz(0, lang=...)`` cells, runs them, clicks the right
-  answer to statement 1 and the wrong one to statement 2 with real mouse events, and returns what each cell's
-  output area (``.jp-OutputArea``) shows, with a screenshot per language.
+* :func:`check_quiz` opens a scratch notebook with ``quiz('collectives', lang=...)`` cells, runs
+  them, clicks the right answer to statement 1 and the wrong one to statement 2 with real mouse
+  events, and returns what each cell's output area (``.jp-OutputArea``) shows, with a screenshot
+  per language.
 * :func:`korean_renders` compares the pixels of a Korean line, drawn in the quiz statement's own font, with
   the same line whose Hangul is replaced by other syllables and by missing-glyph boxes: with no Korean font
   all three are the same row of boxes.
@@ -306,11 +307,14 @@ UI = {"en": {"right": "✔ correct", "wrong": "✘ wrong", "score": "Score 1/2 �
 
 
 def quiz_notebook(langs=("en", "ko"), n: int = 3, exam_n: int | None = None) -> nbformat.NotebookNode:
-    """One ``quiz(0, lang=..., n=n)`` cell per language, then (``exam_n``) a ``final_exam(n=exam_n)`` cell."""
-    cells = [nbformat.v4.new_code_cell(f"from course_lib.quiz import quiz\nquiz(0, lang={lang!r}, n={n})")
+    """One ``quiz('collectives', lang=..., n=n)`` cell per language, then (``exam_n``) a
+    ``final_exam(n=exam_n)`` cell."""
+    cells = [nbformat.v4.new_code_cell("from course_lib.quiz import quiz\n"
+                                       f"quiz('collectives', lang={lang!r}, n={n})")
              for lang in langs]
     if exam_n is not None:
-        cells.append(nbformat.v4.new_code_cell(f"from course_lib.exam import final_exam\nfinal_exam(n={exam_n})"))
+        cells.append(nbformat.v4.new_code_cell("from course_lib.quiz import final_exam\n"
+                                               f"final_exam(n={exam_n})"))
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     return nb
@@ -326,9 +330,10 @@ def _button(cell: int, statement: int, value: str) -> str:
 
 
 def check_quiz(lab: Lab, notebook: str, langs, items, out_dir: Path | None = None) -> dict:
-    """Run every cell of ``notebook`` (one ``quiz(0, lang=...)`` per language), click the right answer to
-    statement 1 and the wrong one to statement 2 in each, and return ``{lang: output-area text}`` plus
-    ``"screenshots"``. ``items`` are the quiz's statements (to know the right answers)."""
+    """Run every cell of ``notebook`` (one ``quiz('collectives', lang=...)`` per language), click
+    the right answer to statement 1 and the wrong one to statement 2 in each, and return
+    ``{lang: output-area text}`` plus ``"screenshots"``. ``items`` are the quiz's statements (to
+    know the right answers)."""
     page = lab.open(notebook)
     try:
         # Start the run without awaiting its promise (it resolves only once the kernel has run every cell).
@@ -455,7 +460,7 @@ def main(out_dir: str = ".cache/test-artifacts/browser") -> int:
     out.mkdir(parents=True, exist_ok=True)
     print("Korean font (fc-match :lang=ko):", korean_font() or "none")
     with Lab({"quiz.ipynb": quiz_notebook()}) as lab:
-        found = check_quiz(lab, "quiz.ipynb", ("en", "ko"), load_bank(0)[:3], out)
+        found = check_quiz(lab, "quiz.ipynb", ("en", "ko"), load_bank("collectives")[:3], out)
         for lang in ("en", "ko"):
             print(f"--- {lang} output area ---\n{found[lang]}")
     print("left alive:", lab.left_alive, "screenshots:", [str(p) for p in found["screenshots"].values()])
