@@ -75,15 +75,6 @@ def check_not_reduced(params, who: str) -> None:
     """Raise if a wrapper already reduces these parameters' gradients (``who`` would reduce them twice)."""
     wrapper = reducer_of(params)
     if wrapper is not None:
-        raise ValueError(f"{who} does its own gradient reduction, but these parameters belong to a module "
-                         f"wrapped by {wrapper}, which already reduces them: wrap the plain module, "
-                         f"and do not wrap it with {wrapper} as well")
-
-
-def _is_data_parallel_module(module) -> bool:
-    """True when a wrapper has marked ``module``'s parameters (a DDP-wrapped module, or its ``.module``)."""
-    return reducer_of(module.parameters()) is not None
-
-
-# Old private names, kept until zero.py and zero3.py import the public ones.
-_check_optimizer_cls, _check_same_device, _check_fp32 = check_optimizer_cls, check_same_device, check_fp32
+        raise ValueError(f"{who} does its own gradient reduction, but {wrapper} already reduces these "
+                         f"parameters' gradients (it wraps their module): give {who} a model that no "
+                         f"data-parallel wrapper has wrapped")
