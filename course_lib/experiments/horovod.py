@@ -14,7 +14,9 @@ API for notebook 09 (everything returns to the parent; workers never print):
   (``horovodrun -np N --gloo``), by ``course_lib.ddp.DDP`` and by torch DDP (both via
   ``launch.spawn``) and on one device (``common.reference_run``), rank r starting from seed r and
   taking its ``1/N`` of the same batches; ``.diffs`` holds max|Δparam| for every pair,
-  ``.rank_spread`` the largest difference between one run's ranks, ``.claims()`` the checks.
+  ``.rank_spread`` the largest difference between one run's ranks; it is a ``results.Result``:
+  ``print(cmp)`` shows the checked rows (pairs within ``for_optimizer(optimizer)``: SGD or ADAMW),
+  ``.claims()`` their verdicts.
   A catch it measures: ``hvd.broadcast_optimizer_state`` on a fresh optimizer first takes one step
   on zero gradients to create the state. SGD with momentum does not move; AdamW applies weight decay
   and counts a step, so with ``optimizer="adamw"`` Horovod ends ≈2e-3 away from the others — and
@@ -49,8 +51,9 @@ import torch
 import torch.distributed as dist
 
 from ..ddp import DDP, torch_ddp
-from ..launch import _write_atomic, device, spawn
+from ..launch import device, spawn, write_atomic
 from ..models import GPT, GPTConfig
+from ..results import EXACT, Row, Tolerance, for_optimizer
 from .common import (OPTIMIZERS, Result, check_global_batch, make_optimizer, max_abs_diff, mean_over_ranks,
                      shard_batch, small_config, step_batch, train_step)
 
@@ -153,10 +156,10 @@ def _worker_main(run_dir: str) -> None:
             job = pickle.load(f)
         out = pickle.dumps(_horovod_train(hvd, **job))
         hvd.join()  # every rank finished before anyone leaves
-        _write_atomic(os.path.join(run_dir, f"rank{rank}.ok"), out)
+        write_atomic(os.path.join(run_dir, f"rank{rank}.ok"), out)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        _write_atomic(os.path.join(run_dir, f"rank{rank}.err"),
-               pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc())))
+        write_atomic(os.path.join(run_dir, f"rank{rank}.err"),
+                     pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc())))
         os._exit(1)
 
 
@@ -312,6 +315,8 @@ class FrameworkComparison(Result):
 
     ``diffs`` covers every pair of :data:`FRAMEWORKS` plus ``"horovod vs one device after a
     zero-gradient step"``; ``init_step_effect`` is how far that step alone moves one device's run.
+    ``states`` keeps each run's rank-0 final parameters, which the rows compare with
+    :attr:`tolerance` (the named tolerance of the optimizer, ``results.for_optimizer``).
     """
 
     world_size: int
@@ -323,26 +328,34 @@ class FrameworkComparison(Result):
     losses: dict = field(default_factory=dict)  # framework -> global-batch loss per step
     seconds: dict = field(default_factory=dict)  # framework -> wall time with start-up (timing: varies)
     init_step_effect: float = 0.0  # max|Δ| one device vs one device after a zero-gradient step
+    states: dict = field(default_factory=dict, repr=False)  # framework -> rank 0's final state_dict
 
     @property
-    def tolerance(self) -> float:
-        return 1e-6 if self.optimizer == "sgd" else 1e-5  # as chapter 02 (COURSE_DESIGN: equality tests)
+    def tolerance(self) -> Tolerance:
+        return for_optimizer(self.optimizer)
 
-    def table(self) -> list[tuple[str, float]]:
-        """``[(pair, max|Δparam|), ...]`` in :attr:`diffs` order (for printing)."""
-        return list(self.diffs.items())
-
-    def claims(self) -> dict[str, bool]:
+    def checks(self) -> list[Row]:
         """Every pair equal within :attr:`tolerance` — except Horovod's, when the zero-gradient step
-        moved the optimizer (AdamW): then they must differ, and Horovod must equal one device after it."""
-        tol, moved, out = self.tolerance, self.init_step_effect > self.tolerance, {}
+        moved the optimizer (AdamW): then they must differ, and Horovod must equal one device after it.
+
+        The quantity texts name the tolerance's absolute part (the printed claims of notebook 09);
+        the tolerance column names the whole rule.
+        """
+        tol = self.tolerance
+        moved = not tol.ok(self.states[INIT_STEP], self.states["one device"])
+        rows = []
         for pair, d in self.diffs.items():
-            if moved and pair.startswith("horovod vs") and not pair.endswith(INIT_STEP):
-                out[f"{pair}: max|Δparam| > {tol:.0e} (the zero-gradient step moved {self.optimizer})"] = d > tol
+            a, b = pair.split(" vs ", 1)
+            same = tol.ok(self.states[a], self.states[b])
+            if moved and a == "horovod" and b != INIT_STEP:
+                rows.append(Row(f"{pair}: max|Δparam| > {tol.atol:.0e} (the zero-gradient step moved "
+                                f"{self.optimizer})", d, None, b, f"outside {tol}", not same))
             else:
-                out[f"{pair}: max|Δparam| ≤ {tol:.0e}"] = d <= tol
-        out["every run's ranks end with identical parameters"] = all(s == 0.0 for s in self.rank_spread.values())
-        return out
+                rows.append(Row(f"{pair}: max|Δparam| ≤ {tol.atol:.0e}", d, None, b, str(tol), same))
+        spread = max(self.rank_spread.values(), default=0.0)
+        rows.append(Row("every run's ranks end with identical parameters", spread, None, "rank 0 of each run",
+                        str(EXACT), all(s == 0.0 for s in self.rank_spread.values())))
+        return list(self.checked) + rows
 
 
 def compare_frameworks(steps: int = 5, global_batch: int = 16, optimizer: str = "sgd", world_size: int = 2, *,
@@ -369,6 +382,7 @@ def compare_frameworks(steps: int = 5, global_batch: int = 16, optimizer: str = 
         out.seconds[name], states[name] = time.perf_counter() - t0, [state]
     for name, per_rank in states.items():
         out.rank_spread[name] = max((max_abs_diff(s, per_rank[0]) for s in per_rank[1:]), default=0.0)
+        out.states[name] = per_rank[0]
     for i, a in enumerate(FRAMEWORKS):
         for b in FRAMEWORKS[i + 1:]:
             out.diffs[f"{a} vs {b}"] = max_abs_diff(states[a][0], states[b][0])
