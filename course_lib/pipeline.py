@@ -20,12 +20,14 @@ Read top to bottom:
 3. **The runner** — :class:`PipelineRunner` executes a schedule with real activations sent forward
    and gradients sent backward (``comm.isend`` / ``comm.irecv``, so :class:`~course_lib.comm.CommLog`
    counts the bytes), accumulates gradients over micro-batches and divides them by ``m`` (torch's
-   ``scale_grads=True``), and records a timeline of :class:`Event` s (each F, B and each wait).
-4. **Metrics** — :func:`bubble_fractions` (idle time / whole step time, per rank), peak live
-   micro-batches, and peak **live** activation bytes: :class:`LiveActivationMeter` counts the bytes
-   autograd saved for backward and has *not yet released* (a saved tensor leaves the count when the
-   backward that used it has run), so GPipe's ``m`` live micro-batches and 1F1B's ``≤ p`` show up in
-   bytes.
+   ``scale_grads=True``). It measures nothing itself.
+4. **Observers** — what measures a step attaches from outside through :class:`PipelineObserver`
+   (hooks around every F, B and wait, and a context around every forward): :class:`Timeline`
+   (:class:`Event` s, for :func:`bubble_fractions` and Gantt charts), :class:`LiveMicrobatches` and
+   :class:`LiveActivationMeter` — the bytes autograd saved for backward and has *not yet released*
+   (a saved tensor leaves the count when the backward that used it has run), so GPipe's ``m`` live
+   micro-batches and 1F1B's ``≤ p`` show up in bytes. :func:`measured_step` runs a step with all three
+   and returns a :class:`StepStats`.
 
 Why sends are asynchronous: on gloo a blocking ``send`` returns only once the receiver has posted its
 ``recv``. In 1F1B stage 0 sends micro-batch 1's activation while stage 1 sends micro-batch 0's
@@ -40,6 +42,7 @@ the sender's order, each as late as possible.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Callable, NamedTuple, Sequence
@@ -49,14 +52,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
-from .pipeline_schedules import (SCHEDULES, Action, Event, _check_m, bubble_fractions,  # noqa: F401
+from .pipeline_schedules import (SCHEDULES, Action, Event, bubble_fractions, check_microbatches,
                                  check_schedule, gpipe, interleaved_one_f_one_b, make_schedules, one_f_one_b,
                                  peak_live_microbatches, simulate)
 
 __all__ = ["Action", "Event", "balanced_split", "GPTStage", "split_gpt", "split_layers", "split_microbatches",
            "gpt_loss", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "make_schedules", "check_schedule",
-           "simulate", "peak_live_microbatches", "bubble_fractions", "LiveActivationMeter", "StepStats",
-           "PipelineRunner", "SCHEDULES"]
+           "check_microbatches", "simulate", "peak_live_microbatches", "bubble_fractions", "PipelineRunner",
+           "PipelineObserver", "Timeline", "LiveMicrobatches", "LiveActivationMeter", "StepStats",
+           "measured_step", "SCHEDULES"]
 
 
 # =========================================================================== stages
@@ -136,7 +140,7 @@ def split_gpt(model, num_stages: int, num_chunks: int = 1) -> list[GPTStage]:
 
 def split_microbatches(x: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
     """``x`` cut along the batch dimension into ``num_microbatches`` equal micro-batches."""
-    _check_m(num_microbatches)
+    check_microbatches(num_microbatches)
     if x.shape[0] % num_microbatches:
         raise ValueError(f"batch of {x.shape[0]} is not divisible into num_microbatches={num_microbatches} equal "
                          "micro-batches")
@@ -148,63 +152,48 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-# =========================================================================== live activations
-
-
-class _Saved:
-    """What autograd keeps for one saved tensor while a :class:`LiveActivationMeter` is active."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-
-class LiveActivationMeter:
-    """Bytes saved for backward and not yet released, counted as they come and go.
-
-    Inside ``with meter.saving():`` every tensor autograd saves is wrapped in a small holder that
-    autograd owns; once the backward that used it has run (``retain_graph=False``), autograd drops the
-    holder and it leaves the count. :meth:`live_bytes` sums the unique storages of the holders still
-    alive, leaving out ``exclude`` (the stage's parameters: a Linear saves its weight, a model state).
-    """
-
-    def __init__(self, exclude=()):
-        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
-        self._alive: weakref.WeakSet = weakref.WeakSet()
-
-    def _pack(self, t: torch.Tensor):
-        holder = _Saved(t)
-        self._alive.add(holder)
-        return holder
-
-    @staticmethod
-    def _unpack(holder: _Saved) -> torch.Tensor:
-        return holder.tensor
-
-    def saving(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def live_bytes(self) -> int:
-        storages = {}
-        for h in list(self._alive):
-            st = h.tensor.untyped_storage()
-            if st.data_ptr() not in self._excluded:
-                storages[st.data_ptr()] = st.nbytes()
-        return sum(storages.values())
-
-
 # =========================================================================== the runner
 
 
-class StepStats(NamedTuple):
-    """What one :meth:`PipelineRunner.step` measured on this rank."""
+class PipelineObserver:
+    """What a :class:`PipelineRunner` tells the outside while it runs a step; every hook does nothing here.
 
-    losses: list  # per micro-batch (last stage only; else empty)
-    events: list  # Event(kind, microbatch, chunk, start, end), perf_counter seconds
-    peak_live_microbatches: int
-    peak_live_bytes: int
-    live_bytes: list  # (time, live activation bytes) after every action
+    * ``begin(kind, microbatch, chunk)`` / ``end(...)`` bracket every forward (``kind`` "F"), backward
+      ("B") and wait for a peer's message ("wait", chunk −1): ``end`` comes after the computation and
+      before its result is sent;
+    * ``forward()`` is a context manager entered around every forward (and the loss on the last stage):
+      the place for saved-tensor hooks.
+    """
+
+    def begin(self, kind: str, microbatch: int, chunk: int) -> None:
+        pass
+
+    def end(self, kind: str, microbatch: int, chunk: int) -> None:
+        pass
+
+    def forward(self):
+        return contextlib.nullcontext()
+
+
+class _Fanout(PipelineObserver):
+    """Several observers as one, in order."""
+
+    def __init__(self, observers: Sequence[PipelineObserver]):
+        self.observers = list(observers)
+
+    def begin(self, kind, microbatch, chunk):
+        for o in self.observers:
+            o.begin(kind, microbatch, chunk)
+
+    def end(self, kind, microbatch, chunk):
+        for o in self.observers:
+            o.end(kind, microbatch, chunk)
+
+    def forward(self):
+        stack = contextlib.ExitStack()
+        for o in self.observers:
+            stack.enter_context(o.forward())
+        return stack
 
 
 class PipelineRunner:
@@ -264,21 +253,21 @@ class PipelineRunner:
             posted[msg] = (comm.irecv(buf, self.ranks[peer], tag="activation" if msg[0] == "act" else "grad"), buf)
         return posted.pop(key)
 
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepStats:
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+             observers: Sequence[PipelineObserver] = ()) -> list[float]:
+        """One training step's forwards and backwards; returns the loss per micro-batch (last stage, else [])."""
         p, m, last = self.p, self.m, self.p * self.v - 1
         x_mb = split_microbatches(inputs, m) if self.stage == 0 else None
         y_mb = split_microbatches(targets, m) if (last % p) == self.stage else None
-        meter = LiveActivationMeter(exclude=self.params)
+        obs = _Fanout(observers)
         posted, cursor = {}, {peer: 0 for peer in self._incoming}
-        stage_in, stage_out, sends = {}, {}, []
-        events, trace, losses = [], [], []
-        live = peak_live = peak_bytes = 0
+        stage_in, stage_out, sends, losses = {}, {}, [], []
 
         def wait_for(key, peer):
-            t0 = time.perf_counter()
+            obs.begin("wait", key[1], -1)
             work, buf = self._recv(key, peer, posted, cursor)
             work.wait()
-            events.append(Event("wait", key[1], -1, t0, time.perf_counter()))
+            obs.end("wait", key[1], -1)
             return buf
 
         for a in self.schedules[self.stage]:
@@ -289,38 +278,135 @@ class PipelineRunner:
                         x = x_mb[a.microbatch]
                     else:
                         x = wait_for(("act", a.microbatch, s), (s - 1) % p).requires_grad_()
-                    t0 = time.perf_counter()
-                    with meter.saving():
+                    obs.begin("F", a.microbatch, a.chunk)
+                    with obs.forward():
                         out = mod(x)
                         if s == last:
                             out = self.loss_fn(out, y_mb[a.microbatch])
-                    t1 = time.perf_counter()
+                    obs.end("F", a.microbatch, a.chunk)
                     stage_in[key], stage_out[key] = x, out
                     if s == last:
                         losses.append(out.item())
                     else:
                         sends.append((comm.isend(out.detach(), self.ranks[(s + 1) % p], tag="activation"), out))
-                    live += 1
                 else:
                     grad = None if s == last else wait_for(("grad", a.microbatch, s), (s + 1) % p)
-                    t0 = time.perf_counter()
+                    obs.begin("B", a.microbatch, a.chunk)
                     out, x = stage_out.pop(key), stage_in.pop(key)
                     torch.autograd.backward(out, grad_tensors=grad)
-                    t1 = time.perf_counter()
+                    obs.end("B", a.microbatch, a.chunk)
                     if s > 0:
                         sends.append((comm.isend(x.grad, self.ranks[(s - 1) % p], tag="grad"), x.grad))
                     del out, x
-                    live -= 1
             except Exception as exc:
                 raise RuntimeError(f"pipeline stage {s} (rank {self.ranks[self.stage]}) failed in {a!r}: "
                                    f"{type(exc).__name__}: {exc}") from exc
-            events.append(Event(a.op, a.microbatch, a.chunk, t0, t1))
-            nbytes = meter.live_bytes()
-            trace.append((t1, nbytes))
-            peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, nbytes)
         for work, _ in sends:  # keep each sent tensor alive until its send completed
             work.wait()
         for q in self.params:  # accumulated over m micro-batches of mean losses → the mean over the batch
             if q.grad is not None:
                 q.grad.div_(m)
-        return StepStats(losses, events, peak_live, peak_bytes, trace)
+        return losses
+
+
+# =========================================================================== observers
+
+
+class Timeline(PipelineObserver):
+    """Every F, B and wait of a step as an :class:`Event` (``perf_counter`` seconds, one clock per machine)."""
+
+    def __init__(self):
+        self.events: list[Event] = []
+        self._start = 0.0
+
+    def begin(self, kind, microbatch, chunk):
+        self._start = time.perf_counter()
+
+    def end(self, kind, microbatch, chunk):
+        self.events.append(Event(kind, microbatch, chunk, self._start, time.perf_counter()))
+
+
+class LiveMicrobatches(PipelineObserver):
+    """Micro-batches whose forward ran and whose backward has not: ``live`` now, ``peak`` over the step."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def end(self, kind, microbatch, chunk):
+        self.live += {"F": 1, "B": -1}.get(kind, 0)
+        self.peak = max(self.peak, self.live)
+
+
+class _Saved:
+    """What autograd keeps for one saved tensor while a :class:`LiveActivationMeter` is active."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class LiveActivationMeter(PipelineObserver):
+    """Bytes saved for backward and not yet released, counted as they come and go.
+
+    Inside ``with meter.saving():`` (the runner enters it around every forward) every tensor autograd
+    saves is wrapped in a small holder that autograd owns; once the backward that used it has run
+    (``retain_graph=False``), autograd drops the holder and it leaves the count. :meth:`live_bytes`
+    sums the unique storages of the holders still alive, leaving out ``exclude`` (the stage's
+    parameters: a Linear saves its weight, a model state). As an observer it samples the count after
+    every F and B: ``trace`` [(time, bytes)] and ``peak``.
+    """
+
+    def __init__(self, exclude=()):
+        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self._alive: weakref.WeakSet = weakref.WeakSet()
+        self.trace: list[tuple[float, int]] = []
+        self.peak = 0
+
+    def _pack(self, t: torch.Tensor):
+        holder = _Saved(t)
+        self._alive.add(holder)
+        return holder
+
+    @staticmethod
+    def _unpack(holder: _Saved) -> torch.Tensor:
+        return holder.tensor
+
+    def saving(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def live_bytes(self) -> int:
+        storages = {}
+        for h in list(self._alive):
+            st = h.tensor.untyped_storage()
+            if st.data_ptr() not in self._excluded:
+                storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
+
+    # -- as an observer
+    def forward(self):
+        return self.saving()
+
+    def end(self, kind, microbatch, chunk):
+        if kind in ("F", "B"):
+            nbytes = self.live_bytes()
+            self.trace.append((time.perf_counter(), nbytes))
+            self.peak = max(self.peak, nbytes)
+
+
+class StepStats(NamedTuple):
+    """What one :func:`measured_step` measured on this rank."""
+
+    losses: list  # per micro-batch (last stage only; else empty)
+    events: list  # Event(kind, microbatch, chunk, start, end), perf_counter seconds
+    peak_live_microbatches: int
+    peak_live_bytes: int
+    live_bytes: list  # (time, live activation bytes) after every F and B
+
+
+def measured_step(runner: PipelineRunner, inputs: torch.Tensor | None = None,
+                  targets: torch.Tensor | None = None) -> StepStats:
+    """``runner.step`` with a :class:`Timeline`, :class:`LiveMicrobatches` and :class:`LiveActivationMeter`."""
+    timeline, live, meter = Timeline(), LiveMicrobatches(), LiveActivationMeter(exclude=runner.params)
+    losses = runner.step(inputs, targets, observers=(timeline, live, meter))
+    return StepStats(losses, timeline.events, live.peak, meter.peak, meter.trace)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-__all__ = ["Action", "Event", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "make_schedules", "check_schedule",
-           "simulate", "peak_live_microbatches", "bubble_fractions", "SCHEDULES"]
+__all__ = ["Action", "Event", "check_microbatches", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
+           "make_schedules", "check_schedule", "simulate", "peak_live_microbatches", "bubble_fractions",
+           "SCHEDULES"]
 
 
 class Action(NamedTuple):
@@ -32,7 +33,8 @@ class Action(NamedTuple):
         return f"{self.op}{self.microbatch}" + (f"@{self.chunk}" if self.chunk else "")
 
 
-def _check_m(num_microbatches) -> None:
+def check_microbatches(num_microbatches) -> None:
+    """Raise unless ``num_microbatches`` is an int ≥ 1 (schedules and the runner's batch split share it)."""
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
 
@@ -40,7 +42,7 @@ def _check_m(num_microbatches) -> None:
 def _check_args(num_stages, num_microbatches, stage) -> None:
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be an int >= 1")
-    _check_m(num_microbatches)
+    check_microbatches(num_microbatches)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage={stage} must be in 0 … num_stages−1 = {num_stages - 1}")
 

@@ -42,8 +42,11 @@ Read top to bottom:
    used on a sequence shard (LayerNorm weights, position embedding, row biases) get *partial* gradients:
    :func:`allreduce_sequence_parallel_grads` sums them over the TP group.
 
-6. :func:`tensor_parallel_gpt` builds the TP form of a tiny GPT from its full weights (PyTorch's
-   DTensor version of the same plan: ``experiments/tensor_parallel.py``).
+6. :func:`tensor_parallel_gpt` builds the TP form of a tiny GPT from its full weights.
+
+7. **The same plan with DTensor** (torchtitan style): :func:`dtensor_plan` is the
+   ``parallelize_module`` plan for the GPT, :func:`parallelize_gpt` applies it to a "tp" mesh, and
+   :func:`dtensor_sequence_parallel_plan` is the sequence-parallel plan for the GPT's blocks.
 """
 from __future__ import annotations
 
@@ -59,7 +62,8 @@ from . import comm
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_last_dim", "split_last_dim", "gather_sequence", "scatter_sequence",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "qkv_rows", "parallelize_mlp", "parallelize_attention", "TensorParallelGPT", "tensor_parallel_gpt",
-           "allreduce_sequence_parallel_grads", "check_mesh", "tp_shard_dim"]
+           "allreduce_sequence_parallel_grads", "dtensor_plan", "parallelize_gpt",
+           "dtensor_sequence_parallel_plan"]
 
 
 def _size_rank(group) -> tuple[int, int]:
@@ -433,17 +437,53 @@ def allreduce_sequence_parallel_grads(model: nn.Module, process_group=None) -> i
     return len(grads)
 
 
-def tp_shard_dim(name: str) -> int | None:
-    """Along which dim a full parameter is split in the TP GPT (0 rows, 1 columns, None replicated)."""
-    if name.endswith(("c_attn.weight", "c_fc.weight", "lm_head.weight", "wte.weight", "c_attn.bias", "c_fc.bias")):
-        return 0
-    if name.endswith("c_proj.weight"):
-        return 1
-    return None
+# =========================================================================== 7. the same plan with DTensor
 
 
-def check_mesh(shape: tuple[int, ...], world_size: int) -> None:
-    """Raise unless the mesh's sizes multiply to the world size."""
-    if math.prod(shape) != world_size:
-        raise ValueError(f"mesh shape {tuple(shape)} has {math.prod(shape)} ranks but world_size={world_size}: "
-                         f"the product of the mesh dimensions must equal the number of ranks")
+def dtensor_plan(n_layer: int, loss_parallel: bool = True) -> dict:
+    """A ``parallelize_module`` plan for the tiny GPT (untied), as torchtitan writes one for Llama.
+
+    ``c_attn`` is ColwiseParallel: ``Shard(0)`` of its weight is a contiguous row block, which is
+    whole heads because the GPT lays q, k, v out head by head. ``loss_parallel=True`` keeps the head's
+    logits a DTensor sharded on V (``use_local_output=False``), which ``loss_parallel()`` needs.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=not loss_parallel)}
+    for i in range(n_layer):
+        plan.update({f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
+                     f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()})
+    return plan
+
+
+def parallelize_gpt(gpt: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module:
+    """``parallelize_module(gpt, tp_mesh, dtensor_plan(...))``; refuses a tied GPT (it would silently untie)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if gpt.lm_head.weight is gpt.wte.weight:
+        raise ValueError("tied embedding and head: parallelize_module re-wraps the second module's parameter and "
+                         "silently unties them; use an untied config (parallel_config) or re-tie after it")
+    return parallelize_module(gpt, tp_mesh, dtensor_plan(gpt.config.n_layer, loss_parallel))
+
+
+def dtensor_sequence_parallel_plan(n_layer: int) -> dict:
+    """The plan for the GPT's ``blocks`` with sequence parallelism (torchtitan's): activations ``Shard(1)``.
+
+    LayerNorms are ``SequenceParallel()`` (their weight gradients become ``Partial``: DTensor defers
+    the all-reduce over TP), attention and MLP gather the sequence first (``PrepareModuleInput``), and
+    the row-parallel outputs are reduce-scattered back to ``Shard(1)``.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {}
+    for i in range(n_layer):
+        plan.update({f"{i}.ln_1": SequenceParallel(), f"{i}.ln_2": SequenceParallel(), f"{i}.attn": gather,
+                     f"{i}.mlp": gather, f"{i}.attn.c_attn": ColwiseParallel(), f"{i}.mlp.c_fc": ColwiseParallel(),
+                     f"{i}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+                     f"{i}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))})
+    return plan

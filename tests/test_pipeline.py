@@ -1,8 +1,9 @@
 """Pipeline parallelism: schedules valid, training equal to one device, bubbles as the formula says, live memory.
 
 Every distributed case runs inside ONE spawn per world size (each spawn costs seconds on 2 cores):
-``_suite`` trains every configuration and returns its stage weights and measurements; the
-parametrized tests read the case they name and compare with a single-device run computed here.
+``_suite`` trains every configuration (world 4 also PP × DP) and returns its results; the
+parametrized tests read the case they name, check its rows (each rank compared itself with one
+device) and compare the merged stages with a single-device run computed here.
 """
 import functools
 
@@ -10,13 +11,15 @@ import pytest
 import torch
 
 from course_lib.experiments import pipeline as E
-from course_lib.experiments.common import parallel_config, reference_run, state_diff
+from course_lib.configs import parallel_config
 from course_lib.formulas import pipeline_bubble, pipeline_p2p_bytes
 from course_lib.launch import RankError, spawn
 from course_lib.models import GPT
-from course_lib.pipeline import (Action, PipelineRunner, check_schedule, gpipe, interleaved_one_f_one_b,
-                                 make_schedules, one_f_one_b, peak_live_microbatches, simulate, split_gpt,
-                                 split_microbatches)
+from course_lib.pipeline import (Action, LiveMicrobatches, PipelineObserver, PipelineRunner, Timeline,
+                                 check_schedule, gpipe, interleaved_one_f_one_b, make_schedules, measured_step,
+                                 one_f_one_b, peak_live_microbatches, simulate, split_gpt, split_microbatches)
+from course_lib.results import EXACT, SGD, for_optimizer
+from course_lib.train import reference_run, step_batch
 
 STEPS, BATCH, M = 10, 16, 4
 OPTS = ["sgd", "adamw"]
@@ -33,8 +36,11 @@ def _suite(world: int) -> dict:
         out[("interleaved", "sgd")] = E.pipeline_training("interleaved", "sgd", STEPS, M, BATCH, num_chunks=2)
         for sched in ("gpipe", "1f1b", "interleaved"):
             out[("torch", sched)] = E.torch_pipelining_grads(sched, M, BATCH)
-        out["bubbles"] = E.sleep_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.02, t_b=0.04, steps=5, warmup=1)
+        out["bubbles"] = E.measure_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.02, t_b=0.04, steps=5, warmup=1)
         out["timelines"] = E.gpt_timelines(("gpipe", "1f1b"), num_microbatches=8, global_batch=16, steps=2)
+    if world == 4:  # 2 stages × 2 replicas
+        out["pp_dp"] = E.pp_dp_training(num_stages=2, schedule="1f1b", optimizer="sgd", steps=5,
+                                        num_microbatches=2, global_batch=16)
     return out
 
 
@@ -44,14 +50,8 @@ def suite(world: int) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def pp_dp() -> list[dict]:
-    return spawn(E.pp_dp_training, 4, kwargs=dict(num_stages=2, schedule="1f1b", optimizer="sgd", steps=5,
-                                                   num_microbatches=2, global_batch=16), timeout=120)
-
-
-@functools.lru_cache(maxsize=None)
-def reference(opt: str, steps: int = STEPS):
-    return reference_run(parallel_config(), steps, BATCH, opt)[0]
+def reference(opt: str, steps: int = STEPS) -> dict:
+    return reference_run(parallel_config(), steps, BATCH, opt)[0].state_dict()
 
 
 # =========================================================================== schedules (no ranks)
@@ -174,6 +174,43 @@ def _raising_stage():
     runner.step(x, x)
 
 
+class _Calls(PipelineObserver):
+    """Counts every hook: an observer written outside the runner."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin(self, kind, microbatch, chunk):
+        self.calls.append(("begin", kind, microbatch))
+
+    def end(self, kind, microbatch, chunk):
+        self.calls.append(("end", kind, microbatch))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_observers_see_every_action_and_change_nothing(name):
+    """One stage (p = 1: no messages, no process group): observed and unobserved steps give the same bits."""
+    config, m = parallel_config(), 4
+    x, y = step_batch(0, config, 8, "cpu")
+    grads = []
+    for observe in (False, True):
+        stage = split_gpt(GPT(config, seed=0), 1)[0]
+        runner = PipelineRunner([stage], 0, make_schedules(name, 1, m), m,
+                                activation_shape=(2, config.block_size, config.d_model), device="cpu")
+        calls, timeline, live = _Calls(), Timeline(), LiveMicrobatches()
+        losses = runner.step(x, y, observers=(calls, timeline, live) if observe else ())
+        grads.append({n: q.grad.clone() for n, q in stage.named_parameters()})
+    EXACT.assert_close(grads[1], grads[0], "observers must not change the step")
+    want = [(h, a.op, a.microbatch) for a in make_schedules(name, 1, m)[0] for h in ("begin", "end")]
+    assert calls.calls == want  # no waits on one stage
+    assert [(e.kind, e.microbatch) for e in timeline.events] == [(a.op, a.microbatch) for a in runner.schedules[0]]
+    assert live.peak == peak_live_microbatches(runner.schedules[0]) and live.live == 0
+    assert len(losses) == m
+    stats = measured_step(runner, x, y)
+    assert stats.peak_live_microbatches == live.peak and stats.peak_live_bytes > 0
+    assert len(stats.live_bytes) == 2 * m and stats.live_bytes[-1][1] == 0  # every saved tensor released
+
+
 def test_a_stage_raising_mid_schedule_names_the_stage_and_does_not_hang():
     with pytest.raises(RankError, match=r"pipeline stage 1 \(rank 1\) failed in F1: RuntimeError: boom") as err:
         spawn(_raising_stage, 2, timeout=60)
@@ -187,34 +224,36 @@ def test_a_stage_raising_mid_schedule_names_the_stage_and_does_not_hang():
 @pytest.mark.parametrize("opt", OPTS)
 @pytest.mark.parametrize("sched", SCHEDULES)
 def test_pipeline_training_matches_single_device(sched, opt, world):
-    got = E.merge_states([r[(sched, opt)] for r in suite(world)])
-    ref = reference(opt).state_dict()
+    results = [r[(sched, opt)] for r in suite(world)]
+    for r in results:  # each rank against one device trained on that rank
+        r.assert_passed()
+    got, ref = E.merge_states(results), reference(opt)
     assert set(got) == set(ref)  # every parameter on exactly one stage
-    if opt == "sgd":
-        assert state_diff(got, ref) <= 1e-6
-    else:
-        for k in ref:
-            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5)
+    for_optimizer(opt).assert_close(got, ref, f"{sched}, {opt}, p={world}")
 
 
 def test_interleaved_training_matches_single_device():
-    got = E.merge_states([r[("interleaved", "sgd")] for r in suite(2)])
-    assert state_diff(got, reference("sgd")) <= 1e-6
+    results = [r[("interleaved", "sgd")] for r in suite(2)]
+    for r in results:
+        r.assert_passed()
+    SGD.assert_close(E.merge_states(results), reference("sgd"), "interleaved 1F1B")
 
 
 @pytest.mark.parametrize("sched", ["gpipe", "1f1b", "interleaved"])
-def test_torch_pipelining_gives_our_gradients(sched):
+def test_torch_pipelining_gives_our_gradients_bit_for_bit(sched):
     for r in suite(2):
-        assert r[("torch", sched)]["max_grad_diff"] <= 1e-6
+        r[("torch", sched)].assert_passed()  # EXACT: the same operations in the same order
+        assert r[("torch", sched)].max_grad_diff == 0.0
 
 
 def test_pp_times_dp_matches_single_device():
-    res = pp_dp()
-    ref = reference_run(parallel_config(), 5, BATCH, "sgd")[0]
+    res = [r["pp_dp"] for r in suite(4)]
+    for r in res:  # its stage vs one device, one all-reduce per parameter and step, one group
+        r.assert_passed()
+    ref = reference("sgd", 5)
     for replica in (0, 1):
-        got = E.merge_states([r for r in res if r["replica"] == replica])
-        assert state_diff(got, ref) <= 1e-6
-    assert all(r["grad_allreduces"] > 0 and len(r["groups"]) == 1 for r in res)  # within its stage's DP group only
+        SGD.assert_close(E.merge_states([r for r in res if r.replica == replica]), ref, f"replica {replica}")
+    assert len({g for r in res for g in r.groups}) == 2  # stage 0's group and stage 1's, never across stages
 
 
 # =========================================================================== bubbles and memory, measured
@@ -224,34 +263,43 @@ def test_pp_times_dp_matches_single_device():
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 def test_sleep_bubble_within_005_of_formula(sched, m):
     res = suite(2)[0]["bubbles"]
-    row = next(r for r in res["rows"] if r["schedule"] == sched and r["m"] == m)
-    for b in row["per_rank"]:
-        assert abs(b - pipeline_bubble(2, m)) <= 0.05, (sched, m, row)
+    row = next(r for r in res.checks() if r.quantity.startswith(f"{sched}, p=2, m={m}:"))
+    assert row.reference == pipeline_bubble(2, m)
+    assert row.verdict, row  # the rank farthest from the formula is within 0.05 of it
+    per_rank = next(r for r in res.rows if r["schedule"] == sched and r["m"] == m)["per_rank"]
+    assert all(abs(b - row.reference) <= abs(row.measured - row.reference) for b in per_rank)
+
+
+def test_bubble_result_survives_as_dict_and_back():
+    res = suite(2)[0]["bubbles"]
+    again = E.BubbleResult(**res.as_dict())
+    assert again.claims() == res.claims() and len(again.claims()) == 8
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 def test_live_microbatches_gpipe_m_1f1b_at_most_p_minus_stage(m):
     res = suite(2)[0]["bubbles"]
-    assert next(r for r in res["rows"] if r["schedule"] == "gpipe" and r["m"] == m)["peak_live"] == m
-    assert next(r for r in res["rows"] if r["schedule"] == "1f1b" and r["m"] == m)["peak_live"] <= 2  # rank 0: p − 0
+    assert next(r for r in res.rows if r["schedule"] == "gpipe" and r["m"] == m)["peak_live"] == m
+    assert next(r for r in res.rows if r["schedule"] == "1f1b" and r["m"] == m)["peak_live"] <= 2  # rank 0: p − 0
 
 
 def test_one_f_one_b_holds_fewer_live_activation_bytes_than_gpipe():
     for r in suite(2):
         t = r["timelines"]
-        assert t["gpipe"]["peak_live"] == 8
-        assert t["1f1b"]["peak_live"] == 2 - t["rank"]
-        assert t["1f1b"]["peak_live"] == t["1f1b"]["predicted_peak_live"]
+        t.assert_passed()  # live micro-batches as predicted, bytes sent as the formula, the bytes ratio
+        g, o = t.schedules["gpipe"], t.schedules["1f1b"]
+        assert g["peak_live"] == 8
+        assert o["peak_live"] == 2 - t.rank
         # bytes follow the live micro-batches: 8 vs 2 (rank 0), 8 vs 1 (rank 1), with a margin
-        ratio = t["gpipe"]["peak_live_bytes"] / t["1f1b"]["peak_live_bytes"]
-        assert ratio >= 0.8 * 8 / t["1f1b"]["peak_live"]
+        assert g["peak_live_bytes"] / o["peak_live_bytes"] >= 0.8 * 8 / o["peak_live"]
 
 
 def test_p2p_bytes_match_prediction():
     for r in suite(2):
-        want = pipeline_p2p_bytes(2, 8, r["timelines"]["activation_bytes"], stage=r["timelines"]["rank"])
+        t = r["timelines"]
+        want = pipeline_p2p_bytes(2, 8, t.activation_bytes, stage=t.rank)
         for sched in ("gpipe", "1f1b"):
-            assert r["timelines"][sched]["sent_bytes"] == want
+            assert t.schedules[sched]["sent_bytes"] == want
 
 
 def test_exercise_checker_rejects_gpipe_order_naming_the_first_wrong_action(learner_answer):

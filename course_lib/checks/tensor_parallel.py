@@ -4,8 +4,10 @@ For several shapes (2-D and 3-D inputs, with and without bias) each rank feeds i
 ``nn.Linear`` (built here from a seed, the same on every rank) to the learner's function, runs a
 backward with a fixed output gradient, and compares with the unsplit layer computed on this rank:
 the output, ``∂L/∂x`` (column: the full input; row: this rank's block) and the weight/bias
-gradients of its slice. It also counts the collectives (``CollectiveCounter``): column parallel
-communicates only in backward, row parallel only in forward — one all-reduce each.
+gradients of its slice, within :data:`~course_lib.results.SGD` (a technique's outputs and gradients
+against one device before any update: only the order of fp32 additions may differ). It also counts
+the collectives (``CollectiveCounter``): column parallel communicates only in backward, row parallel
+only in forward — one all-reduce each.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.nn as nn
 
 from ..comm import CollectiveCounter
 from ..launch import device
+from ..results import SGD, max_abs_diff
 
 __all__ = ["check_column_parallel_linear", "check_row_parallel_linear"]
 
@@ -26,8 +29,10 @@ def _close(name, got, want, rank, shape) -> list[str]:
         return [f"rank {rank}, x{shape}: {name} is None (did backward return it?)"]
     if tuple(got.shape) != tuple(want.shape):
         return [f"rank {rank}, x{shape}: {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"]
-    err = (got - want).abs().max().item()
-    return [] if err <= 1e-5 else [f"rank {rank}, x{shape}: {name} differs from the unsplit nn.Linear by {err:.3g}"]
+    if SGD.ok(got, want):
+        return []
+    return [f"rank {rank}, x{shape}: {name} differs from the unsplit nn.Linear by {max_abs_diff(got, want):.3g} "
+            f"(beyond {SGD})"]
 
 
 def _check(fn, kind: str) -> list[str]:

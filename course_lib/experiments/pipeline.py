@@ -1,16 +1,24 @@
 """Chapter 05's measurements: pipelines equal to one device, bubbles, live activations, torch's pipelining.
 
-Rank functions (run them with ``launch.spawn``): :func:`pipeline_training` (our GPipe / 1F1B /
-interleaved 1F1B trained for some steps; returns this rank's stage weights for a single-device
-comparison in the parent), :func:`sleep_bubbles` (each stage a fixed sleep around a tiny real layer:
-the bubble measured against ``(p−1)/(m+p−1)``), :func:`gpt_timelines` (the real GPT: timelines,
-bubbles, live micro-batches and live activation bytes, p2p bytes), :func:`pp_dp_training`
-(2 stages × 2 replicas), :func:`torch_pipelining_grads` (``torch.distributed.pipelining`` on the
-same stages: gradients equal to ours) and :func:`zero_bubble_order` (torch's zero-bubble action
-order). Parent-side: :func:`merge_states`, :class:`BubbleResult`.
+Rank functions (run them with ``launch.spawn``), each returning a :class:`~course_lib.results.Result`:
+
+* :func:`pipeline_training` — our GPipe / 1F1B / interleaved 1F1B trained for some steps: this rank's
+  stage weights (:class:`StageResult`), checked against one device trained on this rank;
+* :func:`measure_bubbles` — each stage a fixed sleep around a tiny real layer: the bubble measured
+  against ``(p−1)/(m+p−1)`` (:class:`BubbleResult`; :func:`sleep_bubbles` is its ``as_dict()``);
+* :func:`gpt_timelines` — the real GPT: timelines, bubbles, live micro-batches and live activation
+  bytes, p2p bytes (:class:`TimelineResult`);
+* :func:`pp_dp_training` — 2 stages × 2 replicas (:class:`PPDPResult`);
+* :func:`torch_pipelining_grads` — ``torch.distributed.pipelining`` on the same stages: gradients
+  equal to ours (:class:`TorchPipeliningResult`);
+* :func:`zero_bubble_order` — torch's zero-bubble action order (:class:`ZeroBubbleResult`).
+
+Parent-side: :func:`merge_states`. Timelines and memory are measured by the runner's observers
+(:func:`~course_lib.pipeline.measured_step`), p2p bytes by :class:`~course_lib.comm.CommLog`.
 """
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,15 +28,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from ..formulas import pipeline_bubble, pipeline_p2p_bytes
 from ..launch import device
 from ..models import GPT, GPTConfig
-from ..pipeline import (PipelineRunner, bubble_fractions, gpt_loss, make_schedules, peak_live_microbatches,
-                        split_gpt, split_layers, split_microbatches)
-from ..formulas import pipeline_bubble
-from .common import Result, make_optimizer, parallel_config, shard_batch, step_batch
+from ..pipeline import (PipelineRunner, bubble_fractions, gpt_loss, make_schedules, measured_step,
+                        peak_live_microbatches, split_gpt, split_layers, split_microbatches)
+from ..results import EXACT, Result, Row, for_optimizer, max_abs_diff
+from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch
 
-__all__ = ["parallel_config", "pipeline_training", "merge_states", "SleepLayer", "sleep_bubbles", "BubbleResult",
-           "gpt_timelines", "pp_dp_training", "torch_pipelining_grads", "zero_bubble_order"]
+__all__ = ["parallel_config", "StageResult", "pipeline_training", "merge_states", "SleepLayer", "BubbleResult",
+           "measure_bubbles", "sleep_bubbles", "TimelineResult", "gpt_timelines", "PPDPResult", "pp_dp_training",
+           "TorchPipeliningResult", "torch_pipelining_grads", "ZeroBubbleResult", "zero_bubble_order"]
 
 
 def _stage_chunks(config: GPTConfig, p: int, v: int, rank: int, dev) -> list[nn.Module]:
@@ -44,16 +54,36 @@ def _runner(config, schedule, p, m, v, stage, micro, chunks, ranks=None):
                           ranks=ranks, device=device())
 
 
+def _state(chunks) -> dict:
+    return {k: t.detach().cpu() for c in chunks for k, t in c.state_dict().items()}
+
+
+def _one_device(config, steps, global_batch, optimizer, keys) -> dict:
+    """One device trained on the full batches, on this rank: the entries ``keys`` of its state dict."""
+    ref = reference_run(config, steps, global_batch, optimizer)[0].state_dict()
+    return {k: ref[k] for k in keys}
+
+
 # =========================================================================== equality with one device
 
 
+@dataclass
+class StageResult(Result):
+    """One rank's stage weights after pipeline training (``state``: its part of the GPT's state dict)."""
+
+    rank: int
+    state: dict = field(repr=False)
+    losses: list  # per step, the mean over micro-batches (last stage only; else None)
+
+
 def pipeline_training(schedule: str = "1f1b", optimizer: str = "sgd", steps: int = 10, num_microbatches: int = 4,
-                      global_batch: int = 16, config: GPTConfig | None = None, num_chunks: int = 1) -> dict:
+                      global_batch: int = 16, config: GPTConfig | None = None, num_chunks: int = 1) -> StageResult:
     """Rank function: train the GPT as a pipeline of ``world`` stages; return this rank's stage weights.
 
     Every rank builds the same full model (seed 0), keeps its stage(s), and runs ``steps``
-    optimizer steps on ``step_batch(k)`` split into ``num_microbatches``. The parent merges the
-    stages' state dicts (:func:`merge_states`) and compares them with ``reference_run`` on one device.
+    optimizer steps on ``step_batch(k)`` split into ``num_microbatches``. The row compares this
+    rank's weights with one device trained on the full batches (``reference_run``, here on the
+    rank); the parent can merge the stages' state dicts (:func:`merge_states`) into the whole model.
     """
     config = config or parallel_config()
     p, rank, dev, v = dist.get_world_size(), dist.get_rank(), device(), num_chunks
@@ -66,21 +96,24 @@ def pipeline_training(schedule: str = "1f1b", optimizer: str = "sgd", steps: int
     for step in range(steps):
         x, y = step_batch(step, config, global_batch, dev)
         opt.zero_grad(set_to_none=True)
-        stats = runner.step(x, y)
+        mb_losses = runner.step(x, y)
         opt.step()
-        losses.append(sum(stats.losses) / num_microbatches if stats.losses else None)
-    state = {k: t.detach().cpu() for c in chunks for k, t in c.state_dict().items()}
-    return {"rank": rank, "state": state, "losses": losses}
+        losses.append(sum(mb_losses) / num_microbatches if mb_losses else None)
+    state = _state(chunks)
+    res = StageResult(rank, state, losses, title=f"{schedule}, p={p}, m={num_microbatches}, stage {rank}")
+    res.equal(f"stage {rank}'s weights after {steps} {optimizer} steps", state,
+              _one_device(config, steps, global_batch, optimizer, state), for_optimizer(optimizer))
+    return res
 
 
-def merge_states(results: list[dict]) -> dict:
-    """The full model's state dict from every rank's :func:`pipeline_training` result (keys are disjoint)."""
+def merge_states(results: list) -> dict:
+    """The full model's state dict from every rank's :class:`StageResult` (keys are disjoint)."""
     merged = {}
     for r in results:
-        overlap = set(merged) & set(r["state"])
+        overlap = set(merged) & set(r.state)
         if overlap:
             raise ValueError(f"two stages hold the same parameter(s): {sorted(overlap)[:3]}")
-        merged.update(r["state"])
+        merged.update(r.state)
     return merged
 
 
@@ -119,7 +152,11 @@ class SleepLayer(nn.Module):
 
 @dataclass
 class BubbleResult(Result):
-    """Measured bubble per (schedule, m): per-rank fractions (median over steps) and the formula."""
+    """Measured bubble per (schedule, m): per-rank fractions (median over steps) and the formula.
+
+    One row per (schedule, m): the rank whose bubble is farthest from the formula, within ``margin``
+    (absolute) of it.
+    """
 
     p: int
     t_f: float
@@ -128,13 +165,14 @@ class BubbleResult(Result):
     timelines: dict = field(default_factory=dict)  # "schedule/m" -> per-rank events, seconds from step start
     margin: float = 0.05
 
-    def claims(self) -> dict[str, bool]:
-        out = {}
+    def checks(self) -> list[Row]:
+        out = list(self.checked)
         for r in self.rows:
-            ok = all(abs(b - r["formula"]) <= self.margin for b in r["per_rank"])
             formula = "(p−1)/(v·m+p−1)" if r["schedule"] == "interleaved" else "(p−1)/(m+p−1)"
-            out[f"{r['schedule']}, p={self.p}, m={r['m']}: every rank's bubble within {self.margin} of "
-                f"{formula} = {r['formula']:.3f}"] = ok
+            worst = max(r["per_rank"], key=lambda b: abs(b - r["formula"]))
+            out.append(Row(f"{r['schedule']}, p={self.p}, m={r['m']}: every rank's bubble within {self.margin} of "
+                           f"{formula} = {r['formula']:.3f}", worst, r["formula"], f"formula {formula}",
+                           f"±{self.margin} (absolute)", abs(worst - r["formula"]) <= self.margin))
         return out
 
 
@@ -144,20 +182,27 @@ def _timed_step(runner, chunks, x, y):
         c.zero_grad(set_to_none=True)
     dist.barrier()
     with comm.CommLog() as log:
-        stats = runner.step(x, y)
+        stats = measured_step(runner, x, y)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, stats.events)
     return stats, log, gathered
 
 
-def sleep_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: float = 0.02, t_b: float = 0.04,
-                  steps: int = 3, warmup: int = 1, width: int = 8, micro_batch: int = 2, num_chunks: int = 2) -> dict:
+def _from_start(gathered) -> list:
+    """Every rank's events as tuples, in seconds from the step's earliest start."""
+    t0 = min(e.start for tl in gathered for e in tl)
+    return [[(e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0) for e in tl] for tl in gathered]
+
+
+def measure_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: float = 0.02, t_b: float = 0.04,
+                    steps: int = 3, warmup: int = 1, width: int = 8, micro_batch: int = 2,
+                    num_chunks: int = 2) -> BubbleResult:
     """Rank function: every stage one :class:`SleepLayer` (``t_f`` forward, ``t_b`` backward); measure bubbles.
 
     For each schedule and ``m``: ``warmup`` + ``steps`` pipeline steps, each after a barrier; per step
     and rank, bubble = 1 − busy / (latest end − earliest start over all ranks) from ``perf_counter``
     (one clock for all processes on a machine), gathered on every rank; the median over ``steps``.
-    Returns ``BubbleResult.as_dict()`` (rank 0's is the one to read) plus the last step's timelines.
+    Every rank returns the same bubbles (rank 0's is the one to read) plus the last step's timelines.
     """
     p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
@@ -179,31 +224,67 @@ def sleep_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: f
             per_rank = [statistics.median(s[r] for s in per_step) for r in range(p)]
             res.rows.append({"schedule": name, "m": m, "per_rank": per_rank, "formula": pipeline_bubble(p, m, v),
                              "peak_live": stats.peak_live_microbatches, "messages_sent": log.count(op="send")})
-            t0 = min(e.start for tl in gathered for e in tl)
-            res.timelines[f"{name}/{m}"] = [[(e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0) for e in tl]
-                                            for tl in gathered]
-    return res.as_dict()
+            res.timelines[f"{name}/{m}"] = _from_start(gathered)
+    return res
+
+
+def sleep_bubbles(*args, **kwargs) -> dict:
+    """:func:`measure_bubbles` as a plain dict (``BubbleResult(**d)`` rebuilds it; chapter 09 reads it so)."""
+    return measure_bubbles(*args, **kwargs).as_dict()
 
 
 # =========================================================================== the real GPT: timelines and memory
 
 
+@dataclass
+class TimelineResult(Result):
+    """The GPT pipeline on one rank: per schedule, timelines, bubbles, live micro-batches and bytes, p2p bytes.
+
+    ``schedules[name]`` holds ``events`` (every rank's, seconds from the step's start), ``bubble`` (per
+    rank), ``peak_live`` and ``predicted_peak_live`` (this stage), ``peak_live_bytes``, ``sent_bytes``,
+    ``sends`` and ``recv_bytes`` (this rank, per step). Rows: live micro-batches as the schedule
+    predicts, bytes sent as :func:`~course_lib.formulas.pipeline_p2p_bytes`, and GPipe's live bytes
+    over 1F1B's following their live micro-batches. Bubbles are reported, not checked (unequal stages).
+    """
+
+    p: int
+    m: int
+    rank: int
+    activation_bytes: int  # one micro-batch's boundary activation
+    schedules: dict = field(default_factory=dict)
+
+    def checks(self) -> list[Row]:
+        rows = Result()
+        for name, s in self.schedules.items():
+            rows.exact(f"{name}: peak live micro-batches on stage {self.rank}", s["peak_live"],
+                       s["predicted_peak_live"], "the schedule's order")
+            rows.exact(f"{name}: bytes stage {self.rank} sends per step", s["sent_bytes"],
+                       pipeline_p2p_bytes(self.p, self.m, self.activation_bytes, stage=self.rank),
+                       "formula pipeline_p2p_bytes")
+        if "gpipe" in self.schedules and "1f1b" in self.schedules:
+            g, o = self.schedules["gpipe"], self.schedules["1f1b"]
+            ratio, live = g["peak_live_bytes"] / o["peak_live_bytes"], g["peak_live"] / o["peak_live"]
+            rows.condition("peak live activation bytes GPipe / 1F1B", ratio, ratio >= 0.8 * live,
+                           "≥ 0.8 × the live micro-batches' ratio", reference=live, against="live micro-batches")
+        return [*self.checked, *rows.checked]
+
+
 def gpt_timelines(schedules=("gpipe", "1f1b"), num_microbatches: int = 8, global_batch: int = 32, steps: int = 3,
-                  config: GPTConfig | None = None) -> dict:
+                  config: GPTConfig | None = None) -> TimelineResult:
     """Rank function: the GPT pipeline's real timelines, bubbles, live micro-batches / bytes and p2p bytes.
 
-    For each schedule: ``steps`` steps (the first a warm-up), after a barrier each. Returns, per
-    schedule: every rank's events of the last step (seconds from its start), the bubble per rank
-    (median over the measured steps), this rank's peak live micro-batches and peak live activation
-    bytes, the predicted peak (:func:`~course_lib.pipeline.peak_live_microbatches` of the schedule),
-    the bytes this rank sent per step (``CommLog``), and one micro-batch activation's bytes.
+    For each schedule: ``steps`` steps (the first a warm-up), after a barrier each. Per schedule:
+    every rank's events of the last step (seconds from its start), the bubble per rank (median over
+    the measured steps), this rank's peak live micro-batches and peak live activation bytes, the
+    predicted peak (:func:`~course_lib.pipeline.peak_live_microbatches` of the schedule) and the bytes
+    this rank sent per step (``CommLog``).
     """
     config = config or parallel_config()
     p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     m = num_microbatches
     micro = global_batch // m
     chunks = _stage_chunks(config, p, 1, rank, dev)
-    out = {"p": p, "m": m, "rank": rank, "activation_bytes": micro * config.block_size * config.d_model * 4}
+    res = TimelineResult(p, m, rank, micro * config.block_size * config.d_model * 4)
     for name in schedules:
         runner = _runner(config, name, p, m, 1, rank, micro, chunks)
         bubbles = []
@@ -212,29 +293,38 @@ def gpt_timelines(schedules=("gpipe", "1f1b"), num_microbatches: int = 8, global
             stats, log, gathered = _timed_step(runner, chunks, x, y)
             if i > 0:
                 bubbles.append(bubble_fractions(gathered))
-        t0 = min(e.start for tl in gathered for e in tl)
-        out[name] = {
-            "events": [[(e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0) for e in tl] for tl in gathered],
+        res.schedules[name] = {
+            "events": _from_start(gathered),
             "bubble": [statistics.median(b[r] for b in bubbles) for r in range(p)],
             "peak_live": stats.peak_live_microbatches, "peak_live_bytes": stats.peak_live_bytes,
             "predicted_peak_live": peak_live_microbatches(runner.schedules[rank]),
             "sent_bytes": log.total("tensor_bytes", op="send"), "sends": log.count(op="send"),
             "recv_bytes": log.total("tensor_bytes", op="recv"),
         }
-    return out
+    return res
 
 
 # =========================================================================== PP × DP
 
 
+@dataclass
+class PPDPResult(StageResult):
+    """One rank of PP × DP: its stage weights, its coordinates, its gradient all-reduces and their groups."""
+
+    replica: int
+    stage: int
+    grad_allreduces: int
+    groups: list  # the process groups its all-reduces ran in
+
+
 def pp_dp_training(num_stages: int = 2, schedule: str = "1f1b", optimizer: str = "sgd", steps: int = 5,
-                   num_microbatches: int = 2, global_batch: int = 16, config: GPTConfig | None = None) -> dict:
+                   num_microbatches: int = 2, global_batch: int = 16, config: GPTConfig | None = None) -> PPDPResult:
     """Rank function: ``world / num_stages`` pipeline replicas × ``num_stages`` stages (rank = replica·p + stage).
 
     Replica ``d`` trains on its ``1/dp`` of each global batch; after the pipeline step each stage's
     gradients are all-reduced (and averaged) within that stage's data-parallel group — the ranks
-    holding the same stage in every replica. Returns this rank's stage weights (replica 0's suffice
-    for the comparison; every replica's are returned so the parent can check they agree).
+    holding the same stage in every replica. Rows: this rank's stage against one device on the full
+    batches, one all-reduce per parameter and step, all of them in one group.
     """
     config = config or parallel_config()
     world, rank, dev, p = dist.get_world_size(), dist.get_rank(), device(), num_stages
@@ -248,31 +338,54 @@ def pp_dp_training(num_stages: int = 2, schedule: str = "1f1b", optimizer: str =
     runner = _runner(config, schedule, p, num_microbatches, 1, stage, micro, chunks,
                      ranks=[replica * p + s for s in range(p)])
     opt = make_optimizer(optimizer, runner.params)
+    losses = []
     with comm.CommLog() as log:
         for step in range(steps):
             x, y = shard_batch(*step_batch(step, config, global_batch, dev), rank=replica, world_size=dp)
             opt.zero_grad(set_to_none=True)
-            runner.step(x, y)
+            mb_losses = runner.step(x, y)
             for q in runner.params:
                 comm.all_reduce(q.grad, group=dp_groups[stage], tag="grad")
                 q.grad.div_(dp)
             opt.step()
-    state = {k: t.detach().cpu() for c in chunks for k, t in c.state_dict().items()}
-    return {"rank": rank, "replica": replica, "stage": stage, "state": state,
-            "grad_allreduces": log.count(op="all_reduce", tag="grad"), "groups": sorted({r.group for r in log.records
-                                                                                      if r.op == "all_reduce"})}
+            losses.append(sum(mb_losses) / num_microbatches if mb_losses else None)
+    state = _state(chunks)
+    res = PPDPResult(rank, state, losses, replica, stage, log.count(op="all_reduce", tag="grad"),
+                     sorted({r.group for r in log.records if r.op == "all_reduce"}),
+                     title=f"PP × DP: replica {replica}, stage {stage}")
+    res.equal(f"replica {replica}, stage {stage}: weights after {steps} {optimizer} steps", state,
+              _one_device(config, steps, global_batch, optimizer, state), for_optimizer(optimizer))
+    res.exact("gradient all-reduces", res.grad_allreduces, steps * len(runner.params), "one per parameter and step")
+    res.condition("process groups of those all-reduces", len(res.groups), len(res.groups) == 1,
+                  "exactly 1: this stage's data-parallel group")
+    return res
 
 
 # =========================================================================== torch.distributed.pipelining
 
 
+@dataclass
+class TorchPipeliningResult(Result):
+    """One step of torch's schedule and of ours on identical stages, on this rank."""
+
+    rank: int
+    schedule: str  # torch's class name
+    max_grad_diff: float
+    torch_loss: float | None  # mean over micro-batches (last stage only)
+
+
+def _grads(chunks) -> dict:
+    return {f"{k}.{n}": q.grad for k, c in enumerate(chunks) for n, q in c.named_parameters()}
+
+
 def torch_pipelining_grads(schedule: str = "1f1b", num_microbatches: int = 4, global_batch: int = 16,
-                           config: GPTConfig | None = None, num_chunks: int = 2) -> dict:
+                           config: GPTConfig | None = None, num_chunks: int = 2) -> TorchPipeliningResult:
     """Rank function: one step of torch's schedule and of ours on identical stages; compare gradients.
 
     ``schedule`` "gpipe" → ``ScheduleGPipe``, "1f1b" → ``Schedule1F1B``, "interleaved" →
     ``ScheduleInterleaved1F1B`` (``num_chunks`` stages per rank), all with ``scale_grads=True``.
-    Returns max |Δgrad| between the two on this rank and torch's loss (last stage).
+    The row: torch's gradients on this rank against our runner's (the same operations in the same
+    order: bit for bit).
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -299,19 +412,47 @@ def torch_pipelining_grads(schedule: str = "1f1b", num_microbatches: int = 4, gl
         sched.step(x, **kwargs)
     else:
         sched.step(**kwargs)
-    diff = max((a.grad - b.grad).abs().max().item() for ca, cb in zip(ours, theirs)
-               for a, b in zip(ca.parameters(), cb.parameters()))
+    got, want = _grads(theirs), _grads(ours)
     loss = statistics.fmean(t.item() for t in losses) if losses else None
-    return {"rank": rank, "schedule": type(sched).__name__, "max_grad_diff": diff, "torch_loss": loss}
+    res = TorchPipeliningResult(rank, type(sched).__name__, max_abs_diff(got, want), loss,
+                                title=f"{type(sched).__name__} vs ours, rank {rank}")
+    res.equal(f"rank {rank}: {type(sched).__name__}'s gradients", got, want, EXACT, against="our PipelineRunner")
+    return res
 
 
-def zero_bubble_order(num_microbatches: int = 4, config: GPTConfig | None = None) -> dict:
+@dataclass
+class ZeroBubbleResult(Result):
+    """Torch's ``ScheduleInterleavedZeroBubble``: its static action order and the step's loss."""
+
+    rank: int
+    order: dict  # rank -> action strings ("2I0": stage 2, input-gradient of micro-batch 0); None = idle slot
+    loss: float | None  # mean over micro-batches (last stage only)
+
+
+_ACTION = re.compile(r"^(\d+)([A-Z]+)(\d+)$")
+
+
+def _ran_once(actions: list, stages, m: int) -> bool:
+    """Each (stage, micro-batch) ran F once, and B once or I and W once each."""
+    seen: dict = {}
+    for a in actions:
+        stage, op, mb = _ACTION.match(a).groups()
+        seen[(int(stage), op, int(mb))] = seen.get((int(stage), op, int(mb)), 0) + 1
+    for s in stages:
+        for mb in range(m):
+            ops = {op: seen.get((s, op, mb), 0) for op in "FBIW"}
+            if ops["F"] != 1 or not (ops["B"] == 1 or ops["I"] == ops["W"] == 1):
+                return False
+    return True
+
+
+def zero_bubble_order(num_microbatches: int = 4, config: GPTConfig | None = None) -> ZeroBubbleResult:
     """Rank function: torch's ``ScheduleInterleavedZeroBubble`` (2 stages per rank), one real step, its action order.
 
     Backward is split into ``I`` (gradient of the input, sent upstream at once) and ``W`` (gradient
-    of the weights, deferred into what would be bubble). Returns ``pipeline_order`` (rank → action
-    strings; ``None`` = idle slot) — torch records no times, so this is the static order — and the
-    mean loss of the step.
+    of the weights, deferred into what would be bubble). ``order`` is ``pipeline_order`` (rank →
+    action strings; ``None`` = idle slot) — torch records no times, so this is the static order.
+    The row: every micro-batch's F, I and W appear once on each of this rank's stages.
     """
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
 
@@ -328,4 +469,10 @@ def zero_bubble_order(num_microbatches: int = 4, config: GPTConfig | None = None
     else:
         sched.step(**kwargs)
     order = {r: [None if a is None else str(a) for a in acts] for r, acts in sched.pipeline_order.items()}
-    return {"rank": rank, "order": order, "loss": statistics.fmean(t.item() for t in losses) if losses else None}
+    loss = statistics.fmean(t.item() for t in losses) if losses else None
+    res = ZeroBubbleResult(rank, order, loss, title=f"ScheduleInterleavedZeroBubble, rank {rank}")
+    mine = [a for a in order[rank] if a is not None]
+    res.condition(f"rank {rank}: every micro-batch's F, I and W once per stage", len(mine),
+                  _ran_once(mine, [k * p + rank for k in range(v)], num_microbatches),
+                  f"{v} stages × {num_microbatches} micro-batches × (F + I + W)")
+    return res

@@ -1,15 +1,21 @@
 """Chapter 06's measurements: tensor parallelism equal to one device, its collectives counted, DTensor, DP×TP.
 
 Rank functions (run them with ``launch.spawn``): :func:`linear_layers` (Column/RowParallelLinear with
-biases vs ``nn.Linear``), :func:`tp_step` (one forward + backward of the TP GPT: logits, loss, gradient
-shards, the collectives of each phase, per-rank weight bytes, saved activation bytes),
-:func:`tp_training` (AdamW steps; this rank's weight shards), :func:`dtensor_step` (the same plan with
-``parallelize_module`` and ``loss_parallel``; the two traps), :func:`dp_tp_training` (a 2-D mesh: DP
-over one dimension, our TP over the other, collectives counted per mesh dimension), :func:`fsdp_tp_step`
-(FSDP2 on the "dp" sub-mesh of a DTensor-TP model) and :func:`notebook_suite` (several in one spawn).
-Parent-side: :func:`merge_shards` (the full tensors from every TP rank's shards).
+biases vs ``nn.Linear``: :class:`LinearLayersResult`), :func:`tp_step` (one forward + backward of the TP
+GPT: logits, loss, gradient shards, the collectives of each phase, per-rank weight bytes, saved
+activation bytes), :func:`tp_training` (AdamW steps; this rank's weight shards: :class:`ShardsResult`),
+:func:`dtensor_step` (the same plan with ``parallelize_module`` and ``loss_parallel``; the two traps),
+:func:`dp_tp_training` (a 2-D mesh: DP over one dimension, our TP over the other, collectives counted
+per mesh dimension: :class:`DPTPResult`), :func:`fsdp_tp_step` (FSDP2 on the "dp" sub-mesh of a
+DTensor-TP model) and :func:`notebook_suite` / :func:`mesh_suite` (several in one spawn).
+Parent-side: :func:`merge_shards` (the full tensors from every TP rank's shards), with
+:func:`tp_shard_dim`; :func:`check_mesh`. The DTensor plans themselves are technique:
+:func:`~course_lib.tensor_parallel.dtensor_plan`, :func:`~course_lib.tensor_parallel.parallelize_gpt`.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,39 +26,84 @@ from .. import comm
 from ..launch import device
 from ..memory import SavedTensorMeter
 from ..models import GPT, GPTConfig
+from ..results import SGD, Result, for_optimizer
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads,
-                               check_mesh, tensor_parallel_gpt, tp_shard_dim)
-from .common import make_optimizer, parallel_config, shard_batch, step_batch
+                               dtensor_plan, dtensor_sequence_parallel_plan, parallelize_gpt, tensor_parallel_gpt)
+from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch, train_step
 
-__all__ = ["parallel_config", "linear_layers", "tp_step", "tp_training", "merge_shards", "dtensor_plan",
-           "parallelize_gpt", "dtensor_step", "dtensor_sequence_parallel_blocks",
-           "dp_tp_training", "fsdp_tp_step", "notebook_suite", "mesh_suite"]
+__all__ = ["parallel_config", "tp_shard_dim", "check_mesh", "merge_shards", "LinearLayersResult", "linear_layers",
+           "tp_step", "ShardsResult", "tp_training", "dtensor_plan", "parallelize_gpt", "dtensor_step",
+           "dtensor_sequence_parallel_blocks", "DPTPResult", "dp_tp_training", "fsdp_tp_step", "notebook_suite",
+           "mesh_suite"]
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().clone()
 
 
-def merge_shards(results: list[dict], key: str = "grads") -> dict[str, torch.Tensor]:
+def tp_shard_dim(name: str) -> int | None:
+    """Along which dim a full parameter is split in the TP GPT (0 rows, 1 columns, None replicated)."""
+    if name.endswith(("c_attn.weight", "c_fc.weight", "lm_head.weight", "wte.weight", "c_attn.bias", "c_fc.bias")):
+        return 0
+    if name.endswith("c_proj.weight"):
+        return 1
+    return None
+
+
+def check_mesh(shape: tuple[int, ...], world_size: int) -> None:
+    """Raise unless the mesh's sizes multiply to the world size."""
+    if math.prod(shape) != world_size:
+        raise ValueError(f"mesh shape {tuple(shape)} has {math.prod(shape)} ranks but world_size={world_size}: "
+                         f"the product of the mesh dimensions must equal the number of ranks")
+
+
+def _get(result, key: str):
+    return result[key] if isinstance(result, dict) else getattr(result, key)
+
+
+def merge_shards(results: list, key: str = "grads") -> dict[str, torch.Tensor]:
     """Parent-side: the full tensors from the TP ranks' ``results[r][key]`` (in TP-rank order)."""
     merged = {}
-    for name, t in results[0][key].items():
+    for name, t in _get(results[0], key).items():
         d = tp_shard_dim(name)
-        merged[name] = t if d is None else torch.cat([r[key][name] for r in results], d)
+        merged[name] = t if d is None else torch.cat([_get(r, key)[name] for r in results], d)
     return merged
+
+
+def _my_shards(full: dict, names, tp_size: int, tp_rank: int) -> dict:
+    """TP rank ``tp_rank``'s slice of each full tensor (``tp_shard_dim``), for the names given."""
+    out = {}
+    for name in names:
+        d = tp_shard_dim(name)
+        out[name] = full[name] if d is None else full[name].chunk(tp_size, d)[tp_rank]
+    return out
 
 
 # =========================================================================== single layers
 
 
+@dataclass
+class LinearLayersResult(Result):
+    """Column- and row-parallel layers against the unsplit ``nn.Linear``, on this rank.
+
+    ``layers[kind]`` ("column", "row") holds ``y``, ``x_grad``, ``weight_grad`` and ``bias_grad``
+    (this rank's slice where the layer is split).
+    """
+
+    rank: int
+    layers: dict = field(repr=False)
+
+
 def linear_layers(in_features: int = 16, out_features: int = 24, batch: int = 4, bias: bool = True,
-                  seed: int = 0) -> dict:
+                  seed: int = 0) -> LinearLayersResult:
     """Rank function: ``nn.Linear(seed)`` split column-wise (gathered output) and row-wise (full input).
 
-    Returns each layer's output, input gradient and parameter-gradient shards for the loss
-    ``Σ (y · w)`` with a fixed ``w``; the parent compares them with the unsplit ``nn.Linear``.
+    Each layer's output, input gradient and parameter-gradient shards for the loss ``Σ (y · w)`` with
+    a fixed ``w``, compared on this rank with the unsplit ``nn.Linear`` within
+    :data:`~course_lib.results.SGD` (what a technique's gradients must meet before an SGD update: only
+    the order of fp32 additions differs, but over O(1) terms, beyond REORDERED's atol).
     """
-    dev = device()
+    dev, rank, t = device(), dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seed)
     full = nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
@@ -66,10 +117,21 @@ def linear_layers(in_features: int = 16, out_features: int = 24, batch: int = 4,
                         ("row", RowParallelLinear.from_linear(full, input_is_parallel=False))):
         xi = x.clone().requires_grad_(True)
         y = layer(xi)
-        (y * w).sum().backward()
+        (y * w).sum().backward()  # a fixed output gradient w: one layer, no model, no optimizer
         out[kind] = {"y": _cpu(y), "x_grad": _cpu(xi.grad), "weight_grad": _cpu(layer.weight.grad),
                      "bias_grad": None if layer.bias is None else _cpu(layer.bias.grad)}
-    return out
+    xr = x.clone().requires_grad_(True)
+    y = full(xr)
+    (y * w).sum().backward()
+    res = LinearLayersResult(rank, out, title=f"parallel linear layers vs nn.Linear, rank {rank} of {t}")
+    for kind, dim in (("column", 0), ("row", 1)):
+        got = out[kind]
+        want = {"y": y, "x_grad": xr.grad, "weight_grad": full.weight.grad.chunk(t, dim)[rank]}
+        if bias:  # column: this rank's slice; row: the full bias, added once (not t times)
+            want["bias_grad"] = full.bias.grad.chunk(t)[rank] if kind == "column" else full.bias.grad
+        for name in want:
+            res.equal(f"{kind} parallel: {name}", got[name], want[name], SGD, against="nn.Linear")
+    return res
 
 
 # =========================================================================== the TP GPT
@@ -108,53 +170,38 @@ def tp_step(config: GPTConfig | None = None, batch_size: int = 8, sequence_paral
             "activation_bytes": meter.bytes, "tokens": x.numel()}
 
 
+@dataclass
+class ShardsResult(Result):
+    """This rank's weight shards after training (``state``: names of the full model, local slices)."""
+
+    rank: int
+    losses: list
+    state: dict = field(repr=False)
+
+
 def tp_training(steps: int = 10, optimizer: str = "adamw", batch_size: int = 8, config: GPTConfig | None = None,
-                sequence_parallel: bool = False) -> dict:
-    """Rank function: ``steps`` optimizer steps of the TP GPT on ``step_batch(0 … steps−1)``; this rank's shards."""
+                sequence_parallel: bool = False) -> ShardsResult:
+    """Rank function: ``steps`` optimizer steps of the TP GPT on ``step_batch(0 … steps−1)``; this rank's shards.
+
+    The row compares them with this rank's slices of one device trained on the same batches
+    (``reference_run``, here on the rank).
+    """
     config = config or parallel_config()
-    dev = device()
+    dev, rank, t = device(), dist.get_rank(), dist.get_world_size()
     model = tensor_parallel_gpt(GPT(config, seed=0).to(dev), sequence_parallel=sequence_parallel)
     opt = make_optimizer(optimizer, model.parameters())
-    losses = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        _, loss = model(*step_batch(step, config, batch_size, dev))
-        loss.backward()
-        allreduce_sequence_parallel_grads(model)
-        opt.step()
-        losses.append(loss.item())
-    return {"rank": dist.get_rank(), "losses": losses, "state": {n: _cpu(p) for n, p in model.named_parameters()}}
+    sp_grads = lambda: allreduce_sequence_parallel_grads(model)  # noqa: E731 — sums partial LayerNorm grads
+    losses = [train_step(model, opt, *step_batch(step, config, batch_size, dev), after_backward=sp_grads)
+              for step in range(steps)]
+    state = {n: _cpu(p) for n, p in model.named_parameters()}
+    ref = reference_run(config, steps, batch_size, optimizer)[0].state_dict()
+    res = ShardsResult(rank, losses, state, title=f"TP{' + SP' if sequence_parallel else ''} training, rank {rank}")
+    res.equal(f"rank {rank}'s shards after {steps} {optimizer} steps", state, _my_shards(ref, state, t, rank),
+              for_optimizer(optimizer))
+    return res
 
 
 # =========================================================================== DTensor
-
-
-def dtensor_plan(n_layer: int, loss_parallel: bool = True) -> dict:
-    """A ``parallelize_module`` plan for the tiny GPT (untied), as torchtitan writes one for Llama.
-
-    ``c_attn`` is ColwiseParallel: ``Shard(0)`` of its weight is a contiguous row block, which is
-    whole heads because the GPT lays q, k, v out head by head. ``loss_parallel=True`` keeps the head's
-    logits a DTensor sharded on V (``use_local_output=False``), which ``loss_parallel()`` needs.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=not loss_parallel)}
-    for i in range(n_layer):
-        plan.update({f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
-                     f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()})
-    return plan
-
-
-def parallelize_gpt(gpt: GPT, tp_mesh, loss_parallel: bool = True) -> GPT:
-    """``parallelize_module(gpt, tp_mesh, dtensor_plan(...))``; refuses a tied GPT (it would silently untie)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    if gpt.lm_head.weight is gpt.wte.weight:
-        raise ValueError("tied embedding and head: parallelize_module re-wraps the second module's parameter and "
-                         "silently unties them; use an untied config (parallel_config) or re-tie after it")
-    return parallelize_module(gpt, tp_mesh, dtensor_plan(gpt.config.n_layer, loss_parallel))
 
 
 def _full(t):
@@ -210,20 +257,12 @@ def dtensor_sequence_parallel_blocks(config: GPTConfig | None = None, batch_size
     placements (``Partial``: DTensor defers their all-reduce over TP), their local (partial) values,
     and ``x``'s gradient block.
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import parallelize_module
 
     config = config or parallel_config()
     dev, t, r = device(), dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(dev.type, (t,), mesh_dim_names=("tp",))
-    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    plan = {}
-    for i in range(config.n_layer):
-        plan.update({f"{i}.ln_1": SequenceParallel(), f"{i}.ln_2": SequenceParallel(), f"{i}.attn": gather,
-                     f"{i}.mlp": gather, f"{i}.attn.c_attn": ColwiseParallel(), f"{i}.mlp.c_fc": ColwiseParallel(),
-                     f"{i}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
-                     f"{i}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))})
+    plan = dtensor_sequence_parallel_plan(config.n_layer)
     blocks = parallelize_module(GPT(config, seed=0).blocks.to(dev), mesh, plan)
     x = torch.randn(batch_size, config.block_size, config.d_model, generator=torch.Generator().manual_seed(seed))
     h = x.to(dev).chunk(t, 1)[r].contiguous().requires_grad_(True)
@@ -246,13 +285,35 @@ def _auto_mesh() -> tuple[int, int]:
     return (w // 2, 2) if w % 2 == 0 else (w, 1)
 
 
+@dataclass
+class DPTPResult(ShardsResult):
+    """One rank of DP × TP: its mesh coordinates, weight shards, and step 0's collectives per mesh dimension."""
+
+    dp_rank: int
+    tp_rank: int
+    collectives_step0: dict  # {"op@group": calls}
+    ring_bytes_step0: dict  # {group: ring bytes}
+    tokens_per_rank: int
+
+
+def _average_over(model: nn.Module, group, size: int) -> None:
+    """Every gradient averaged over ``group`` in one flat all-reduce (like one DDP bucket)."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group=group, tag="grad")
+    flat /= size
+    for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(v.view_as(g))
+
+
 def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int = 8, config: GPTConfig | None = None,
-                   mesh_shape: tuple[int, int] | None = (2, 2)) -> dict:
+                   mesh_shape: tuple[int, int] | None = (2, 2)) -> DPTPResult:
     """Rank function: ranks on a (dp, tp) mesh; our TP inside each "tp" group, gradients averaged over "dp".
 
     Each TP group gets ``global_batch / dp`` sequences (its dp rank's shard); after backward every
-    gradient shard is averaged over the "dp" group (one flat all-reduce, like a DDP bucket). Returns
-    this rank's coordinates, weight shards, losses and the step-0 collectives per (op, group).
+    gradient shard is averaged over the "dp" group (one flat all-reduce, like a DDP bucket). Rows:
+    this rank's shards against one device on the full batches, and step 0's collectives: 4 per block,
+    1 embedding, 1 head and 3 loss all-reduces on "tp", one gradient all-reduce on "dp".
     """
     config = config or parallel_config()
     dev = device()
@@ -261,32 +322,31 @@ def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int =
     dp, tp = mesh_shape
     mesh = init_device_mesh(dev.type, mesh_shape, mesh_dim_names=("dp", "tp"))
     tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
-    dp_rank = mesh.get_local_rank("dp")
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     model = tensor_parallel_gpt(GPT(config, seed=0).to(dev), process_group=tp_group)
     opt = make_optimizer(optimizer, model.parameters())
+    average = lambda: _average_over(model, dp_group, dp)  # noqa: E731
     losses, per_group, ring = [], {}, {}
     for step in range(steps):
         x, y = shard_batch(*step_batch(step, config, global_batch, dev), dp_rank, dp)
         with comm.CommLog() as log:
-            opt.zero_grad(set_to_none=True)
-            _, loss = model(x, y)
-            loss.backward()
-            grads = [p.grad for p in model.parameters()]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, group=dp_group, tag="grad")
-            flat /= dp
-            for g, v in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(v.view_as(g))
-            opt.step()
+            losses.append(train_step(model, opt, x, y, after_backward=average))
         if step == 0:
             for r in log.records:
                 key = f"{r.op}@{r.group}"
                 per_group[key] = per_group.get(key, 0) + 1
                 ring[r.group] = ring.get(r.group, 0.0) + r.ring_bytes
-        losses.append(loss.item())
-    return {"rank": dist.get_rank(), "dp_rank": dp_rank, "tp_rank": mesh.get_local_rank("tp"), "losses": losses,
-            "state": {n: _cpu(p) for n, p in model.named_parameters()}, "collectives_step0": per_group,
-            "ring_bytes_step0": ring, "tokens_per_rank": x.numel()}
+    state = {n: _cpu(p) for n, p in model.named_parameters()}
+    res = DPTPResult(dist.get_rank(), losses, state, dp_rank, tp_rank, per_group, ring, x.numel(),
+                     title=f"DP × TP, dp rank {dp_rank}, tp rank {tp_rank}")
+    ref = reference_run(config, steps, global_batch, optimizer)[0].state_dict()
+    res.equal(f"dp {dp_rank}, tp {tp_rank}: shards after {steps} {optimizer} steps", state,
+              _my_shards(ref, state, tp, tp_rank), for_optimizer(optimizer))
+    if dp > 1 and tp > 1:
+        want = {"all_reduce@tp": 4 * config.n_layer + 1 + 1 + 3, "all_reduce@dp": 1}
+        res.exact("step 0's collectives per mesh dimension", per_group, want,
+                  "4 per block + embedding + head + 3 (loss) on tp; 1 gradient all-reduce on dp")
+    return res
 
 
 def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8,
