@@ -2,18 +2,22 @@
 
 ``torch.distributed.fsdp.fully_shard`` ("FSDP2") does what :class:`course_lib.zero3.Zero3` does —
 every rank keeps 1/N of every parameter, gradient and optimizer state; full weights exist only
-while a layer runs — with three engineering differences worth measuring:
+while a unit runs — with engineering differences worth measuring:
 
 ==========================  =====================================  ==========================================
                             our ``Zero3``                          FSDP2 ``fully_shard``
 ==========================  =====================================  ==========================================
-unit of communication       one parameter (one collective each,    one *wrapped module* (all its parameters
-                            and one per use of a tied weight)      in one flat all-gather / reduce-scatter)
+unit of communication       one unit per block + the root          one *wrapped module* (all its parameters
+                            (``unit="block"``, the default; a      in one flat all-gather / reduce-scatter)
+                            ModuleList's / Sequential's children,
+                            else the whole model), or one per
+                            parameter and use (``unit="param"``)
 sharding                    flatten, pad to a multiple of N,       dim 0 like ``torch.chunk``, each shard
                             1-D shard                              padded to ⌈dim0/N⌉ rows; a ``DTensor``
                                                                    with placement ``Shard(0)``
 what the optimizer sees     plain fp32 shard Parameters            the model's own parameters, now DTensors
 mixed precision             ``compute_dtype``                      ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``
+prefetch                    next unit, on by default (per unit)    implicit one ahead; :func:`set_prefetch`
 checkpoint                  full weights + one optim file / rank   ``torch.distributed.checkpoint``: every rank
                                                                    writes its own shards, reshardable on load
 ==========================  =====================================  ==========================================
@@ -26,10 +30,11 @@ L + 1 units. Per training step and per unit FSDP2 then issues
 * backward: **one all-gather** again (``reshard_after_forward=True``: the forward freed the
   gathered weights) and **one reduce-scatter** of the unit's gradients.
 
-That is 3Ψ per step, like ZeRO-3 — in (L + 1) × 3 large messages instead of one small message
-per parameter and per use. ``reshard_after_forward=False`` keeps each unit's gathered weights
-from its forward until its backward: no backward all-gather (2Ψ, like ZeRO-2's traffic), but the
-whole model is gathered at the end of the forward — ZeRO-2-like memory for parameters during the
+That is 3Ψ per step, like ZeRO-3 — in (L + 1) × 3 large messages (our ``Zero3`` per unit does
+the same; ``unit="param"`` sends one small message per parameter and per use).
+``reshard_after_forward=False`` keeps each unit's gathered weights from its forward until its
+backward: no backward all-gather (2Ψ, like ZeRO-2's traffic), but the whole model is gathered at
+the end of the forward — ZeRO-2-like memory for parameters during the
 step, while the optimizer state and the gradients stay sharded.
 
 This module is the technique only: :func:`fsdp2_wrap` (which modules become units),
@@ -41,7 +46,7 @@ measured in :mod:`course_lib.experiments.fsdp_features` and :mod:`course_lib.exp
 What the notebook measures with them — equality with one device, FSDP2 vs our ``Zero3``,
 mixed precision, sharded checkpoints — is in :mod:`course_lib.experiments.fsdp`; FSDP2's
 collectives are counted with :class:`course_lib.comm.CollectiveCounter` and its gathered weights
-with :class:`course_lib.memory.GatheredParamMeter`.
+with :class:`course_lib.fsdp_meters.GatheredParamMeter`.
 """
 from __future__ import annotations
 

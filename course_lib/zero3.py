@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from . import comm
 from .memory import storage_bytes
-from .sharding import _check_fp32, _check_same_device, reducer_of
+from .sharding import check_fp32, check_same_device, reducer_of
 from .zero3_shards import ShardedParam, Unit, group_by_block, group_by_param, shard_parameters
 
 __all__ = ["Zero3", "Zero3Observer"]
@@ -235,8 +235,8 @@ class Zero3(nn.Module):
             raise ValueError("units= and prefetch=True need unit='block' (per parameter there is nothing to "
                              "group, and no next unit to prefetch)")
         named = list(module.named_parameters())
-        _check_fp32(named, "Zero3")
-        self.device = _check_same_device([p for _, p in named], "Zero3")
+        check_fp32(named, "Zero3")
+        self.device = check_same_device([p for _, p in named], "Zero3")
         self.module = module
         self.compute_dtype = compute_dtype
         self.process_group = process_group

@@ -26,6 +26,7 @@ from course_lib.experiments import fsdp_practice as P
 from course_lib.experiments.common import reference_run
 from course_lib.launch import device, spawn
 from course_lib.models import GPT
+from course_lib.results import ADAMW, EXACT, REORDERED, SGD
 
 CPU = torch.device("cpu")
 CONFIG = F.features_config()  # zero_config with 4 blocks: 189-row c_attn, 63-row LayerNorms (indivisible by 2 and 4)
@@ -139,8 +140,9 @@ def case(tmp_path_factory):
 
 
 def _assert_claims(result) -> None:
+    assert result.checks(), "the result carries no checked rows"
     failed = [c for c, ok in result.claims().items() if not ok]
-    assert failed == [], (failed, result)
+    assert failed == [], (failed, str(result))
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,9 +151,9 @@ def _reference(steps: int, global_batch: int, optimizer: str, max_norm: float | 
     return model.state_dict(), losses, norms
 
 
-def _max_diff(state: dict, want: dict) -> float:
+def _assert_equal(state: dict, want: dict, tol) -> None:
     assert sorted(state) == sorted(want)
-    return max((state[k] - want[k]).abs().max().item() for k in want)
+    tol.assert_close(state, want)
 
 
 # ----------------------------------------------------------------------------- reshard_after_forward
@@ -163,8 +165,8 @@ def test_reshard_false_sends_two_thirds_of_true_and_peaks_higher_by_at_least_a_b
         psi_pad = fsdp.padded_numel(GPT(CONFIG), 2)
         block = 4 * fsdp.padded_numel(GPT(CONFIG).blocks[0], 2)  # recomputed here, not taken from the rank
         assert r.psi_pad == psi_pad and r.block_param_bytes == block
-        assert r.sent["True"] == pytest.approx(3 * 0.5 * 4 * psi_pad, rel=1e-12)
-        assert r.sent["False"] == pytest.approx(2 * 0.5 * 4 * psi_pad, rel=1e-12)
+        EXACT.assert_close(r.sent["True"], 3 * 0.5 * 4 * psi_pad)
+        EXACT.assert_close(r.sent["False"], 2 * 0.5 * 4 * psi_pad)
         assert r.collectives["False"]["all_gather"] == {"forward": 5, "backward": 0}
         assert r.collectives["True"]["all_gather"] == {"forward": 5, "backward": 5}
         assert r.peak["False"] - r.peak["True"] >= block
@@ -185,7 +187,7 @@ def test_accumulation_without_sync_reduce_scatters_once_and_equals_the_big_batch
         _assert_claims(r)
         assert r.reduce_scatters == {"sync_each": 4 * 5, "no_sync": 5}
         for variant in ("sync_each", "no_sync"):
-            assert _max_diff(r.full_state[variant], want) <= 1e-6, variant
+            _assert_equal(r.full_state[variant], want, SGD)
 
 
 # ----------------------------------------------------------------------------- HSDP and reshard to 2
@@ -196,12 +198,12 @@ def test_hsdp_on_a_2x2_mesh_equals_one_device_and_uses_each_dimension_for_its_co
     want, want_losses, _ = _reference(4, 8, "adamw")
     for r in ranks:
         _assert_claims(r)
-        assert all(torch.allclose(r.full_state[k], want[k], rtol=1e-5, atol=1e-5) for k in want)
+        _assert_equal(r.full_state, want, ADAMW)
         assert r.per_group["shard"]["all_gather"]["calls"] == 2 * 5
         assert r.per_group["replicate"]["all_reduce"]["calls"] == 5
         assert r.local_shapes["blocks.0.attn.c_attn.weight"][0] in (95, 94)  # sharded over 2, not 4
     means = [sum(r.local_losses[k] for r in ranks) / 4 for k in range(4)]
-    torch.testing.assert_close(torch.tensor(means), torch.tensor(want_losses), rtol=1e-5, atol=1e-5)
+    ADAMW.assert_close(means, want_losses)
     # the two ranks of a shard group hold different halves; the replicate pairs hold the same half
     assert ranks[0].local_shapes == ranks[2].local_shapes
 
@@ -229,8 +231,8 @@ def test_clip_grad_norm_on_dtensor_gradients_equals_one_device(case):
     want, _, norms = _reference(3, 8, "sgd", 0.05)
     for r in case(2, "clip"):
         _assert_claims(r)
-        torch.testing.assert_close(torch.tensor(r.norms), torch.tensor(norms), rtol=1e-5, atol=0)
-        assert _max_diff(r.full_state, want) <= 1e-6
+        SGD.assert_close(r.norms, norms)
+        _assert_equal(r.full_state, want, SGD)
 
 
 # ----------------------------------------------------------------------------- activation checkpointing
@@ -254,7 +256,7 @@ def test_meta_device_init_broadcast_from_rank0_equals_the_one_device_init(case):
     want = GPT(CONFIG, seed=0).state_dict()
     for r in case(2, "meta"):
         _assert_claims(r)
-        assert _max_diff(r.full_state, want) == 0.0
+        _assert_equal(r.full_state, want, EXACT)
         assert r.construction_peak < r.full_model_bytes == 4 * GPT(CONFIG).num_params()
 
 
@@ -303,7 +305,7 @@ def test_a_full_state_dict_exported_for_inference_gives_the_same_logits_in_a_pla
     x, _ = P.eval_batch(CONFIG, CPU)
     with torch.no_grad():
         logits = plain(x)[0]
-    torch.testing.assert_close(logits, saved.logits, rtol=1e-6, atol=1e-6)
+    REORDERED.assert_close(logits, saved.logits)
 
 
 # ----------------------------------------------------------------------------- clear errors

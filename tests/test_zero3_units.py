@@ -289,10 +289,10 @@ def test_per_unit_sgd_equals_one_device_after_5_steps(world, name):
     SGD.assert_close(got["params"], ref["params"])
 
 
-ADAMW = ["adamw", "adamw-prefetch", "adamw-untied", "adamw-accumulate-prefetch", "adamw-resume-prefetch"]
+ADAMW_CASES = ["adamw", "adamw-prefetch", "adamw-untied", "adamw-accumulate-prefetch", "adamw-resume-prefetch"]
 
 
-@grid(ADAMW)
+@grid(ADAMW_CASES)
 def test_per_unit_adamw_equals_one_device_after_10_steps(world, name):
     got, ref = results(world)[name], reference(name)
     assert list(got["params"]) == list(ref["params"])  # the plain model's keys, the tied name included

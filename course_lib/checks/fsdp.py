@@ -10,11 +10,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from ..comm import CollectiveCounter
-from ..experiments.common import shard_batch, state_diff, step_batch, zero_config
+from ..experiments.common import shard_batch, state_diff, step_batch, train_step, zero_config
 from ..fsdp import fsdp2_wrap, full_state_dict, full_training_state
+from ..fsdp_meters import counted_step
 from ..launch import device
 from ..models import GPT
+from ..results import EXACT, SGD
 
 __all__ = ["check_fsdp2_wrap_blocks", "check_sharded_checkpoint"]
 
@@ -41,13 +42,8 @@ def check_fsdp2_wrap_blocks(fn) -> list[str]:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)  # plain SGD (no momentum): one step, exactly
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         x, y = step_batch(0, config, 2 * world, dev)
-        with CollectiveCounter(tag="forward") as cc:
-            _, loss = model(*shard_batch(x, y))
-            cc.tag = "backward"
-            loss.backward()
-        opt.step()
-        reference(x, y)[1].backward()
-        ref_opt.step()
+        cc, _ = counted_step(model, opt, *shard_batch(x, y))
+        train_step(reference, ref_opt, x, y)
         fwd, bwd = cc.count(op="all_gather", tag="forward"), cc.count(op="all_gather", tag="backward")
         scatters = cc.count(op="reduce_scatter")
         want_bwd = units if reshard else 0
@@ -61,10 +57,10 @@ def check_fsdp2_wrap_blocks(fn) -> list[str]:
                             f"reshard_after_forward to every fully_shard call, the root's too)")
         if scatters != units:
             problems.append(f"{where}: {scatters} reduce-scatter(s), expected {units} (one per unit)")
-        err = state_diff(full_state_dict(model), reference)
-        if not err <= 1e-6:
+        full = full_state_dict(model)
+        if not SGD.ok(full, reference.state_dict()):
             problems.append(f"{where}: after one SGD step the weights differ from one device's (full batch) by "
-                            f"max |error| {err:.3g}")
+                            f"max |error| {state_diff(full, reference):.3g} (tolerance {SGD})")
         if problems:
             return problems
     return problems
@@ -84,10 +80,7 @@ def check_sharded_checkpoint(cls) -> list[str]:
 
     def train(model, opt, steps):
         for step in steps:
-            x, y = step_batch(step, config, 2 * world, dev)
-            opt.zero_grad(set_to_none=True)
-            model(*shard_batch(x, y))[1].backward()
-            opt.step()
+            train_step(model, opt, *shard_batch(*step_batch(step, config, 2 * world, dev)))
 
     problems = []
     try:
@@ -112,7 +105,7 @@ def check_sharded_checkpoint(cls) -> list[str]:
         train(fresh, fresh_opt, range(2, 4))
         a, b = full_state_dict(model), full_state_dict(fresh)
         err = max((a[k] - b[k]).abs().max().item() for k in a)
-        if err != 0.0:
+        if not EXACT.ok(b, a):
             problems.append(f"rank {rank}: two steps after resuming, the weights differ from the uninterrupted "
                             f"run by max |error| {err:.3g} (expected bit-for-bit equal)")
         dist.barrier()

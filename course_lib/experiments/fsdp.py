@@ -1,6 +1,8 @@
 """Chapter 04's measurements: FSDP2 trains like one device, next to our Zero3, in bf16, through a checkpoint.
 
-Rank functions for the notebook (run them with ``launch.spawn``; each returns plain numbers):
+Rank functions for the notebook (run them with ``launch.spawn``). Each returns an
+:class:`FSDPResult`: the checked rows (``print(result)``, ``result.passed``) and, under
+``result["key"]``, the numbers the notebook prints and the tests recompute:
 
 * :func:`fsdp2_vs_single_device` — FSDP2 trains like one device on the whole batch;
 * :func:`fsdp2_vs_zero3` — memory, step time and collectives of FSDP2 and our ``Zero3``;
@@ -15,24 +17,44 @@ slice), :func:`fsdp2_model_state_accounting` (bytes held vs 16Ψ_pad/N), ``fsdp.
 """
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import os
 import statistics
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..comm import CollectiveCounter, CommLog
+from ..comm import CommLog
 from ..formulas import zero_model_state_breakdown
-from ..fsdp import fsdp2_wrap, full_state_dict, full_training_state, padded_numel
+from ..fsdp import (fsdp2_wrap, full_state_dict, full_training_state, load_sharded_checkpoint, padded_numel,
+                    save_sharded_checkpoint)
+from ..fsdp_meters import GatheredParamMeter, counted_step
 from ..launch import device
-from ..memory import GatheredParamMeter, model_state_bytes
+from ..memory import model_state_bytes
 from ..models import GPT, GPTConfig
-from .common import (check_global_batch, make_optimizer, max_abs_diff, mean_over_ranks, median_times, race,
-                     reference_run, shard_batch, step_batch, train_step, zero_config)
+from ..results import ADAMW, BF16, EXACT, for_optimizer
+from .common import (Result, check_global_batch, make_optimizer, max_abs_diff, mean_over_ranks, median_times,
+                     race, reference_run, shard_batch, step_batch, train_step, zero_config)
 
-__all__ = ["fsdp2_train", "fsdp2_model_state_accounting", "fsdp2_vs_single_device",
+__all__ = ["FSDPResult", "digest", "fsdp2_train", "fsdp2_model_state_accounting", "fsdp2_vs_single_device",
            "fsdp2_vs_zero3", "fsdp2_mixed_precision", "fsdp2_checkpoint_roundtrip", "fsdp2_load_checkpoint"]
+
+
+@dataclass
+class FSDPResult(Result):
+    """Checked rows plus the measured numbers, read as ``result["key"]`` (what the notebook prints)."""
+
+    values: dict = field(default_factory=dict)
+
+    def __getitem__(self, key: str):
+        return self.values[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.values
+
+    def keys(self):
+        return self.values.keys()
 
 
 # =========================================================================== pieces
@@ -75,10 +97,8 @@ def fsdp2_model_state_accounting(model, optimizer) -> dict:
                 formula_breakdown=breakdown, ratio=measured["total"] / breakdown["total"])
 
 
-def _digest(state: dict) -> dict[str, str]:
+def digest(state: dict) -> dict[str, str]:
     """A short SHA-256 per tensor (exact bytes, any dtype) — compare checkpoints across spawns by value."""
-    import hashlib
-
     out = {}
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
@@ -91,16 +111,16 @@ def _digest(state: dict) -> dict[str, str]:
 
 
 def fsdp2_vs_single_device(steps: int = 10, optimizer: str = "adamw", reshard_after_forward: bool = True,
-                           config: GPTConfig | None = None, global_batch: int = 8) -> dict:
+                           config: GPTConfig | None = None, global_batch: int = 8) -> FSDPResult:
     """Rank function: FSDP2 on N ranks vs one device on the full batch, same init, same data.
 
     Each step rank r trains on its ``global_batch / N`` slice; the reference
     (:func:`common.reference_run`, on this rank) sees the whole batch. FSDP2 averages the
     gradients over ranks in its reduce-scatter, so the update is the full-batch update up to
-    float rounding. Compared after ``steps`` steps on full tensors (``fsdp.full_state_dict``).
-    Expected: SGD max|Δ| ≤ 1e-6; AdamW ``assert_close(rtol=1e-5, atol=1e-5)`` (see
-    ``common.OPTIMIZERS`` for its eps). Also returns the trained weights (``full_state``, on
-    CPU) and each step's loss on this rank's slice (``local_losses``), for a check elsewhere.
+    float rounding. Compared after ``steps`` steps on full tensors (``fsdp.full_state_dict``),
+    within the optimizer's named tolerance (``results.SGD`` / ``results.ADAMW``). Also returns the
+    trained weights (``full_state``, on CPU) and each step's loss on this rank's slice
+    (``local_losses``), for a check elsewhere. (``allclose_1e-5``: the older, fixed bound.)
     """
     from torch.distributed.tensor import DTensor
 
@@ -114,7 +134,14 @@ def fsdp2_vs_single_device(steps: int = 10, optimizer: str = "adamw", reshard_af
     per_tensor = {k: (full[k] - ref[k]).abs().max().item() for k in ref}
     close = all(torch.allclose(full[k], ref[k], rtol=1e-5, atol=1e-5) for k in ref)
     params = list(model.named_parameters())
-    return {"world_size": world, "optimizer": optimizer, "reshard_after_forward": reshard_after_forward,
+    tol = for_optimizer(optimizer)
+    res = FSDPResult(title=f"FSDP2 vs one device, {optimizer}, reshard_after_forward={reshard_after_forward}")
+    res.equal(f"weights after {steps} steps", full, ref, tol, against="one device (full batch)")
+    res.equal("mean of the ranks' slice losses", losses, ref_losses, tol, against="one device's loss")
+    res.condition("every parameter is a Shard(0) DTensor", sorted({str(p.placements) for _, p in params}),
+                  all(isinstance(p, DTensor) and str(p.placements) == "(Shard(dim=0),)" for _, p in params),
+                  "all parameters")
+    res.values = {"world_size": world, "optimizer": optimizer, "reshard_after_forward": reshard_after_forward,
             "steps": steps, "psi": sum(p.numel() for _, p in params),
             "max_abs_diff": max(per_tensor.values()), "max_abs_diff_per_tensor": per_tensor,
             "allclose_1e-5": close, "keys_match": sorted(full) == sorted(ref),
@@ -123,24 +150,28 @@ def fsdp2_vs_single_device(steps: int = 10, optimizer: str = "adamw", reshard_af
             "all_dtensor": all(isinstance(p, DTensor) for _, p in params),
             "placements": sorted({str(p.placements) for _, p in params}),
             "local_shapes": {n: tuple(p.to_local().shape) for n, p in params}}
+    return res
 
 
 # =========================================================================== FSDP2 vs our Zero3
 
 
-def _zero3_step(model, opt, x, y, log_f=None, log_b=None) -> float:
-    """One Zero3 step; with CommLogs, forward and backward(+step) are recorded separately."""
-    opt.zero_grad(set_to_none=True)
-    with log_f or contextlib.nullcontext():
-        _, loss = model(x, y)
-    with log_b or contextlib.nullcontext():
-        loss.backward()
-    opt.step()
-    return loss.item()
+def _logged_step(model, opt, x, y) -> tuple[CommLog, CommLog]:
+    """One ``train_step`` under a ``CommLog``, split at the end of ``model``'s forward: (forward, backward+step)."""
+    split = []
+    handle = model.register_forward_hook(lambda m, a, o: split.append(len(log.records)))
+    try:
+        with CommLog() as log:
+            train_step(model, opt, x, y)
+    finally:
+        handle.remove()
+    forward, backward = CommLog(), CommLog()
+    forward.records, backward.records = log.records[:split[0]], log.records[split[0]:]
+    return forward, backward
 
 
 def fsdp2_vs_zero3(steps: int = 3, config: GPTConfig | None = None, global_batch: int = 8,
-                   reshard_after_forward: bool = True) -> dict:
+                   reshard_after_forward: bool = True) -> FSDPResult:
     """Rank function: FSDP2 and our ``Zero3`` on the same model and data — memory, time, collectives.
 
     1. One warm-up step each (FSDP2 initialises lazily on its first forward).
@@ -172,26 +203,17 @@ def fsdp2_vs_zero3(steps: int = 3, config: GPTConfig | None = None, global_batch
     def step(name):
         x, y = shard_batch(*step_batch(counter[0] % 8, config, global_batch, dev))
         counter[0] += 1
-        if name == "zero3":
-            return _zero3_step(zero3, opts["zero3"], x, y)
-        return train_step(fsdp, opts["fsdp2"], x, y)
+        return train_step(zero3 if name == "zero3" else fsdp, opts[name], x, y)
 
     times = race({"fsdp2": lambda: step("fsdp2"), "zero3": lambda: step("zero3")}, rounds=steps)
     step_s = median_times(times)
 
-    # counted step, FSDP2: forward and backward under one CommDebugMode, tagged by us
+    # counted step, FSDP2: one CommDebugMode over the step, tagged forward / backward / step
     x, y = shard_batch(*step_batch(99, config, global_batch, dev))
-    opts["fsdp2"].zero_grad(set_to_none=True)
-    with CollectiveCounter(tag="forward") as cc:
-        _, loss = fsdp(x, y)
-        cc.tag = "backward"
-        loss.backward()
-        cc.tag = "step"
-        opts["fsdp2"].step()
+    cc, _ = counted_step(fsdp, opts["fsdp2"], x, y)
     fsdp_mem = fsdp2_model_state_accounting(fsdp, opts["fsdp2"])
-    # counted step, Zero3
-    log_f, log_b = CommLog(), CommLog()
-    _zero3_step(zero3, opts["zero3"], x, y, log_f=log_f, log_b=log_b)
+    # counted step, Zero3: our CommLog, split at the end of the forward
+    log_f, log_b = _logged_step(zero3, opts["zero3"], x, y)
     zero_mem = model_state_accounting(zero3, opts["zero3"])
 
     n, units = world, len(fsdp.blocks) + 1
@@ -213,6 +235,19 @@ def fsdp2_vs_zero3(steps: int = 3, config: GPTConfig | None = None, global_batch
     zero_colls = {op: {"forward": log_f.count(op=op), "backward": log_b.count(op=op),
                        "tensor_bytes": log_f.total(op=op) + log_b.total(op=op)}
                   for op in ("all_gather", "reduce_scatter")}
+    res = FSDPResult(title=f"FSDP2 vs our Zero3, reshard_after_forward={reshard_after_forward}")
+    for name, colls, mem, sent, c in (("FSDP2", fsdp_colls, fsdp_mem, fsdp_sent, c_fsdp),
+                                      ("Zero3", zero_colls, zero_mem, zero_sent, 3)):
+        ag, rs = colls["all_gather"], colls["reduce_scatter"]
+        backward_gathers = units if name == "Zero3" or reshard_after_forward else 0
+        res.exact(f"{name} all-gathers in forward", ag["forward"], units, against="one per unit")
+        res.exact(f"{name} all-gathers in backward", ag["backward"], backward_gathers, against="one per unit")
+        res.exact(f"{name} reduce-scatters", rs["backward"], units, against="one per unit")
+        res.exact(f"{name} bytes sent per step", sent, ring * c * mem["psi_pad"] * 4,
+                  against=f"formula {c}·(N−1)/N·4Ψ_pad")
+        # within 3 %: AdamW's state covers the unpadded shard only (the last ranks hold less)
+        res.within(f"{name} model states per rank", mem["measured"]["total"], mem["formula"], 0.03,
+                   against="formula 16Ψ_pad/N")
     out = {"world_size": n, "psi": zero_mem["psi"], "units": units, "reshard_after_forward": reshard_after_forward,
            "formula_16psi_over_n": 16 * zero_mem["psi"] / n,
            "fsdp2": side(fsdp_mem, fsdp_sent, c_fsdp, fsdp_colls, "fsdp2"),
@@ -223,13 +258,14 @@ def fsdp2_vs_zero3(steps: int = 3, config: GPTConfig | None = None, global_batch
                                        if r.op not in ("all_gather", "reduce_scatter")]}
     out["memory_ratio_fsdp2_over_zero3"] = fsdp_mem["measured"]["total"] / zero_mem["measured"]["total"]
     out["step_time_ratio_fsdp2_over_zero3"] = out["fsdp2"]["step_s"] / out["zero3"]["step_s"]
-    return out
+    res.values = out
+    return res
 
 
 # =========================================================================== mixed precision
 
 
-def fsdp2_mixed_precision(steps: int = 5, config: GPTConfig | None = None, global_batch: int = 8) -> dict:
+def fsdp2_mixed_precision(steps: int = 5, config: GPTConfig | None = None, global_batch: int = 8) -> FSDPResult:
     """Rank function: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` vs fp32.
 
     Three runs on the same data, AdamW: FSDP2 in bf16, FSDP2 in fp32, one device in fp32 (the
@@ -243,7 +279,7 @@ def fsdp2_mixed_precision(steps: int = 5, config: GPTConfig | None = None, globa
       average over ranks is taken in fp32.
 
     Returns dtypes, all-gather / reduce-scatter bytes per step, the peak bytes of gathered
-    parameters during forward (``memory.GatheredParamMeter``; fp32 vs bf16: half), and the
+    parameters during forward (``fsdp_meters.GatheredParamMeter``; fp32 vs bf16: half), and the
     per-tensor relative error ‖p − p_ref‖ / ‖p_ref‖ of both FSDP2 runs against the fp32 reference.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -263,28 +299,24 @@ def fsdp2_mixed_precision(steps: int = 5, config: GPTConfig | None = None, globa
         weight_type=type(m.weight).__name__, weight_dtype=str(m.weight.dtype), input_dtype=str(args[0].dtype)))
 
     out = {"world_size": world, "steps": steps, "losses": {}, "comm": {}, "peak_gathered_bytes": {}}
+    logits_dtype, grad_dtypes = {}, {}
     for name, model in runs.items():
-        losses = []
-        for step in range(steps):
-            x, y = shard_batch(*step_batch(step, config, global_batch, dev))
-            opts[name].zero_grad(set_to_none=True)
-            if step == steps - 1:  # last step: count collectives and gathered bytes
-                with GatheredParamMeter(model) as peak, CollectiveCounter(tag="forward") as cc:
-                    logits, loss = model(x, y)
-                    cc.tag = "backward"
-                    loss.backward()
-                out["peak_gathered_bytes"][name] = peak.peak
-                out["comm"][name] = {op: {"calls": cc.count(op=op), "tensor_bytes": cc.total("tensor_bytes", op=op),
-                                          "dtypes": sorted({r.dtype for r in cc.select(op=op)})}
-                                     for op in ("all_gather", "reduce_scatter")}
-                out.setdefault("logits_dtype", {})[name] = str(logits.dtype)
-                out.setdefault("grad_dtypes", {})[name] = sorted({str(p.grad.dtype) for p in model.parameters()})
-            else:
-                _, loss = model(x, y)
-                loss.backward()
-            opts[name].step()
-            losses.append(mean_over_ranks(loss.item()))
+        batches = [shard_batch(*step_batch(step, config, global_batch, dev)) for step in range(steps)]
+        losses = [mean_over_ranks(train_step(model, opts[name], x, y)) for x, y in batches[:-1]]
+        # the last step: collectives, gathered bytes, and the dtypes of the logits and the gradients
+        hook = model.register_forward_hook(lambda m, a, o, name=name: logits_dtype.update({name: str(o[0].dtype)}))
+        dtypes = lambda name=name, model=model: grad_dtypes.update(  # noqa: E731
+            {name: sorted({str(p.grad.dtype) for p in model.parameters()})})
+        with GatheredParamMeter(model) as peak:
+            cc, loss = counted_step(model, opts[name], *batches[-1], after_backward=dtypes)
+        hook.remove()
+        losses.append(mean_over_ranks(loss))
+        out["peak_gathered_bytes"][name] = peak.peak
+        out["comm"][name] = {op: {"calls": cc.count(op=op), "tensor_bytes": cc.total("tensor_bytes", op=op),
+                                  "dtypes": sorted({r.dtype for r in cc.select(op=op)})}
+                             for op in ("all_gather", "reduce_scatter")}
         out["losses"][name] = losses
+    out["logits_dtype"], out["grad_dtypes"] = logits_dtype, grad_dtypes
     handle.remove()
     reference, out["losses"]["reference"], _ = reference_run(config, steps, global_batch, "adamw", dev=dev)
 
@@ -307,7 +339,20 @@ def fsdp2_mixed_precision(steps: int = 5, config: GPTConfig | None = None, globa
     for op, key in (("all_gather", "gather"), ("reduce_scatter", "reduce")):
         out[f"{key}_bytes_ratio_bf16_over_fp32"] = g["bf16"][op]["tensor_bytes"] / g["fp32"][op]["tensor_bytes"]
     out["peak_gathered_ratio_bf16_over_fp32"] = peak["bf16"] / peak["fp32"]
-    return out
+    res = FSDPResult(title="FSDP2 mixed precision: bf16 compute, fp32 shards and reductions", values=out)
+    res.exact("all-gather bytes bf16 / fp32", out["gather_bytes_ratio_bf16_over_fp32"], 0.5,
+              against="formula 2 / 4 bytes")
+    res.exact("reduce-scatter bytes bf16 / fp32", out["reduce_bytes_ratio_bf16_over_fp32"], 1.0,
+              against="formula: reduce_dtype fp32")
+    res.exact("peak gathered parameters bf16 / fp32", out["peak_gathered_ratio_bf16_over_fp32"], 0.5,
+              against="formula 2 / 4 bytes")
+    res.condition("sharded parameters, gradients, optimizer state", out["optimizer_state_dtypes"],
+                  out["sharded_param_dtypes"] == out["optimizer_state_dtypes"] == ["torch.float32"]
+                  and grad_dtypes["bf16"] == ["torch.float32"], "all fp32")
+    res.equal("fp32 FSDP2 weights", full_state_dict(runs["fp32"]), ref, ADAMW, against="one device (fp32)")
+    res.condition("bf16 FSDP2 weights: max per-tensor ‖Δ‖/‖ref‖", out["max_rel_err"]["bf16"],
+                  out["max_rel_err"]["bf16"] < BF16.rtol, f"< {BF16}'s rtol", against="one device (fp32)")
+    return res
 
 
 # =========================================================================== sharded checkpoints
@@ -318,33 +363,15 @@ def _build(config, seed: int, dev):
     return model, make_optimizer("adamw", model.parameters())
 
 
-def _dcp_save(model, optimizer, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensor shards under canonical names: no copy
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-
-
-def _dcp_load(model, optimizer, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # the layout to fill (creates optimizer state)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)  # in place: each rank reads the slices its shards cover
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
 def fsdp2_checkpoint_roundtrip(tmp_dir: str, steps: int = 4, resume_at: int = 2, config: GPTConfig | None = None,
-                               global_batch: int = 8) -> dict:
+                               global_batch: int = 8) -> FSDPResult:
     """Rank function: sharded checkpoint with ``torch.distributed.checkpoint`` (DCP), resume, compare.
 
-    Save at step ``resume_at`` (:func:`_dcp_save`: ``get_state_dict`` → the DTensor shards under
+    Save at step ``resume_at`` (``fsdp.save_sharded_checkpoint``: ``get_state_dict`` → the DTensor shards under
     canonical keys → ``dcp.save``). Every rank writes *its own* shards (``__<rank>_0.distcp``) —
     nobody gathers the model — and the coordinator (rank 0) writes ``.metadata``: for every tensor,
     its global shape and which chunk (offsets, sizes) lies in which file. Loading
-    (:func:`_dcp_load`) is the mirror image, into a *fresh* model (another init) and optimizer:
+    (``fsdp.load_sharded_checkpoint``, keys and shapes checked first) is the mirror image, into a *fresh* model (another init) and optimizer:
     ``get_state_dict`` gives the layout to fill, ``dcp.load`` fills it in place, ``set_state_dict``
     puts it into the model and the optimizer.
 
@@ -380,12 +407,12 @@ def fsdp2_checkpoint_roundtrip(tmp_dir: str, steps: int = 4, resume_at: int = 2,
     model, opt = _build(config, 0, dev)
     train(model, opt, 0, resume_at)
     saved = full_training_state(model, opt)
-    _dcp_save(model, opt, path)
+    save_sharded_checkpoint(model, opt, path)
     dist.barrier()  # every rank's file is complete before anyone reads the directory
 
     model, opt = _build(config, 123, dev)  # other weights, no optimizer state: all from the checkpoint
     fresh_differs = any(not torch.equal(v, saved["model." + k]) for k, v in full_state_dict(model).items())
-    _dcp_load(model, opt, path)
+    load_sharded_checkpoint(model, opt, path)
     restored = full_training_state(model, opt)
     restored_equal = sorted(restored) == sorted(saved) and all(torch.equal(restored[k], saved[k]) for k in saved)
     train(model, opt, resume_at, steps)
@@ -399,7 +426,7 @@ def fsdp2_checkpoint_roundtrip(tmp_dir: str, steps: int = 4, resume_at: int = 2,
     out = {"world_size": world, "steps": steps, "resume_at": resume_at, "path": path,
            "fresh_model_differed": fresh_differs, "restored_equals_saved": restored_equal,
            "resumed_equals_uninterrupted": all(torch.equal(resumed_sd[k], straight_sd[k]) for k in straight_sd),
-           "max_abs_diff": max_abs_diff(resumed_sd, straight_sd), "saved_digest": _digest(saved),
+           "max_abs_diff": max_abs_diff(resumed_sd, straight_sd), "saved_digest": digest(saved),
            "rank0_full_state_dict_keys": len(rank0_sd), "fsdp_loss": fsdp_loss.item(),
            "psi": sum(p.numel() for p in model.parameters())}
     if rank == 0:
@@ -430,19 +457,33 @@ def fsdp2_checkpoint_roundtrip(tmp_dir: str, steps: int = 4, resume_at: int = 2,
         out["torch_save_model_equals_saved"] = all(torch.equal(v.to(dev), saved["model." + k])
                                                    for k, v in plain.state_dict().items())
     dist.barrier()
-    return out
+    res = FSDPResult(title=f"FSDP2 sharded checkpoint at world {world}, resumed at step {resume_at}", values=out)
+    res.condition("a fresh model (other init) differs before loading", fresh_differs, fresh_differs, "True")
+    res.condition("model and AdamW state restored bit for bit", restored_equal, restored_equal, "True",
+                  against="the saved state")
+    res.equal(f"weights after resuming, at step {steps}", resumed_sd, straight_sd, EXACT,
+              against="the uninterrupted run")
+    return res
 
 
-def fsdp2_load_checkpoint(path: str, config: GPTConfig | None = None) -> dict:
+def fsdp2_load_checkpoint(path: str, config: GPTConfig | None = None,
+                          saved_digest: dict | None = None) -> FSDPResult:
     """Rank function: load a DCP checkpoint saved at *any* world size into a fresh FSDP2 model here.
 
     DCP reshards on load: each rank asks for the global slice its new shard covers, and the
     planner reads it from whichever files hold it. Returns the digest of the full loaded
-    state (model and AdamW state) — equal to the saver's ``saved_digest`` when nothing was lost.
+    state (model and AdamW state) — equal to the saver's ``saved_digest`` when nothing was lost
+    (pass it to check it here too).
     """
     config = config or zero_config()
     model, opt = _build(config, 123, device())
-    _dcp_load(model, opt, path)
-    state = full_training_state(model, opt)
-    return {"world_size": dist.get_world_size(), "digest": _digest(state),
-            "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}}
+    load_sharded_checkpoint(model, opt, path)
+    got = digest(full_training_state(model, opt))
+    res = FSDPResult(title=f"DCP checkpoint loaded at world {dist.get_world_size()}", values={
+        "world_size": dist.get_world_size(), "digest": got,
+        "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}})
+    if saved_digest is not None:
+        same = sum(got.get(k) == v for k, v in saved_digest.items())
+        res.condition("SHA-256 of every loaded tensor", f"{same} of {len(saved_digest)} equal",
+                      got == saved_digest, "all equal", against="the saver's digest")
+    return res

@@ -1,7 +1,7 @@
 """Chapter 04, part 2: the FSDP2 features people reach for, each run on real ranks and measured.
 
-Rank functions (run with ``launch.spawn``; each returns a :class:`common.Result` whose ``claims()``
-the notebook prints and the tests assert):
+Rank functions (run with ``launch.spawn``; each returns a :class:`common.Result` whose rows the
+notebook prints — ``claims()`` — and the tests assert; each row names its tolerance or formula):
 
 * :func:`reshard_memory_and_traffic` — ``reshard_after_forward`` True vs False: bytes sent per step
   (3Ψ vs 2Ψ, counted) and memory over one step (``FSDPMemTracker``, sampled after every op);
@@ -14,10 +14,12 @@ Gradient clipping, activation checkpointing, meta-device initialisation and shar
 :mod:`course_lib.experiments.fsdp_practice`.
 
 Every run returns full tensors (``full_state``, CPU) where equality with one device is the claim,
-so the test process can judge it against its own reference.
+so the test process can judge it against its own reference. Instruments (counters, the memory
+tracker, the issue timeline) come from :mod:`course_lib.fsdp_meters`.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -26,13 +28,15 @@ import torch.distributed as dist
 
 from ..comm import CollectiveCounter
 from ..fsdp import fsdp2_wrap, full_state_dict, padded_numel, set_prefetch
+from ..fsdp_meters import IssueTimeline, counted_step, memory_tracker, phased_step
 from ..launch import device
 from ..models import GPT, GPTConfig
+from ..results import ADAMW, SGD
 from .common import (Result, check_global_batch, make_optimizer, median_times, race, reference_run, shard_batch,
                      state_diff, step_batch, train_step, zero_config)
 
-__all__ = ["features_config", "reshard_memory_and_traffic", "accumulation_without_sync", "hsdp",
-           "reshard_to_smaller_mesh", "prefetch_timeline"]
+__all__ = ["features_config", "cpu_state", "timed_in_every_round", "reshard_memory_and_traffic",
+           "accumulation_without_sync", "hsdp", "reshard_to_smaller_mesh", "prefetch_timeline"]
 
 
 def features_config(**overrides) -> GPTConfig:
@@ -40,13 +44,9 @@ def features_config(**overrides) -> GPTConfig:
     return zero_config(**{"n_layer": 4, **overrides})
 
 
-def _cpu(sd: dict) -> dict:
+def cpu_state(sd: dict) -> dict:
+    """A state dict's tensors, detached and copied to CPU (what a rank returns to the caller)."""
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
-
-
-def _allclose(full: dict, reference) -> bool:
-    ref = reference.state_dict()
-    return all(torch.allclose(full[k], ref[k], rtol=1e-5, atol=1e-5) for k in ref)
 
 
 def _units(model, mesh, **kwargs):
@@ -56,18 +56,6 @@ def _units(model, mesh, **kwargs):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **kwargs)
     return fully_shard(model, mesh=mesh, **kwargs)
-
-
-def _counted_step(model, opt, x, y) -> tuple[CollectiveCounter, float]:
-    """One training step under a :class:`CollectiveCounter` tagged forward / backward / step; and its loss."""
-    opt.zero_grad(set_to_none=True)
-    with CollectiveCounter(tag="forward") as cc:
-        _, loss = model(x, y)
-        cc.tag = "backward"
-        loss.backward()
-        cc.tag = "step"
-        opt.step()
-    return cc, loss.item()
 
 
 def _per_group(cc: CollectiveCounter) -> dict:
@@ -81,25 +69,6 @@ def _per_group(cc: CollectiveCounter) -> dict:
 
 
 # =========================================================================== reshard_after_forward
-
-
-def _memory_tracker(model, opt):
-    """``FSDPMemTracker`` that also samples (phase, total, unsharded-param bytes) after every op."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-
-    class Traced(FSDPMemTracker):
-        def __init__(self):
-            super().__init__(model, opt)
-            self.phase, self.trace = "forward", []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            snaps = self._curr_mem_snap.values()
-            self.trace.append((self.phase, sum(s.get("Total", 0) for s in snaps),
-                               sum(s.get(_FSDPRefType.UNSHARDED_PARAM, 0) for s in snaps)))
-            return out
-
-    return Traced()
 
 
 @dataclass
@@ -116,19 +85,23 @@ class ReshardResult(Result):
     peak_gathered: dict  # {mode: most unsharded-parameter bytes at once}
     trace: dict = field(repr=False, default_factory=dict)  # {mode: [(phase, total, unsharded)] per op}
 
-    def claims(self) -> dict[str, bool]:
+    def add_rows(self) -> "ReshardResult":
         ring = (self.world_size - 1) / self.world_size
         full = 4 * self.psi_pad
-        return {
-            "reshard=True sends 3·(N−1)/N·4Ψ_pad per step": abs(self.sent["True"] - 3 * ring * full) < 1e-6 * full,
-            "reshard=False sends 2·(N−1)/N·4Ψ_pad per step (no backward all-gather)":
-                abs(self.sent["False"] - 2 * ring * full) < 1e-6 * full,
-            "False's peak exceeds True's by at least one block's gathered parameters":
-                self.peak["False"] - self.peak["True"] >= self.block_param_bytes,
-            "False holds every unit gathered at once (the whole model)": self.peak_gathered["False"] >= full,
-            "True never holds more than the root + 2 blocks gathered":
-                self.peak_gathered["True"] <= self.root_param_bytes + 2 * self.block_param_bytes,
-        }
+        block, bound = self.block_param_bytes, self.root_param_bytes + 2 * self.block_param_bytes
+        self.exact("reshard=True sends 3·(N−1)/N·4Ψ_pad per step", self.sent["True"], 3 * ring * full,
+                   against="formula 3·(N−1)/N·4Ψ_pad")
+        self.exact("reshard=False sends 2·(N−1)/N·4Ψ_pad per step (no backward all-gather)",
+                   self.sent["False"], 2 * ring * full, against="formula 2·(N−1)/N·4Ψ_pad")
+        extra = self.peak["False"] - self.peak["True"]
+        self.condition("False's peak exceeds True's by at least one block's gathered parameters", extra,
+                       extra >= block, "≥", reference=block, against="one block, 4Ψ_pad(block)")
+        gathered = self.peak_gathered
+        self.condition("False holds every unit gathered at once (the whole model)", gathered["False"],
+                       gathered["False"] >= full, "≥", reference=full, against="the model, 4Ψ_pad")
+        self.condition("True never holds more than the root + 2 blocks gathered", gathered["True"],
+                       gathered["True"] <= bound, "≤", reference=bound, against="root + 2 blocks")
+        return self
 
 
 def reshard_memory_and_traffic(config: GPTConfig | None = None, global_batch: int = 8) -> ReshardResult:
@@ -149,19 +122,15 @@ def reshard_memory_and_traffic(config: GPTConfig | None = None, global_batch: in
         model = fsdp2_wrap(GPT(config, seed=0).to(dev), reshard_after_forward=reshard)
         opt = make_optimizer("adamw", model.parameters())
         train_step(model, opt, x, y)
-        cc, _ = _counted_step(model, opt, x, y)
+        cc, _ = counted_step(model, opt, x, y)
         sent[key] = cc.total("ring_bytes", op="all_gather") + cc.total("ring_bytes", op="reduce_scatter")
         colls[key] = {op: {t: cc.count(op=op, tag=t) for t in ("forward", "backward")}
                       for op in ("all_gather", "reduce_scatter")}
         opt.zero_grad(set_to_none=True)
-        tracker = _memory_tracker(model, opt)
+        tracker = memory_tracker(model, opt)
         tracker.track_inputs((x, y))
         with tracker:
-            _, loss = model(x, y)
-            tracker.phase = "backward"
-            loss.backward()
-            tracker.phase = "step"
-            opt.step()
+            phased_step(model, opt, x, y, lambda phase: setattr(tracker, "phase", phase))
             opt.zero_grad(set_to_none=True)
         snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
         peak[key] = snap["Total"]
@@ -171,7 +140,7 @@ def reshard_memory_and_traffic(config: GPTConfig | None = None, global_batch: in
         block_bytes = 4 * padded_numel(model.blocks[0], n)
     root = 4 * padded_numel(model, n) - len(model.blocks) * block_bytes
     return ReshardResult(n, len(model.blocks) + 1, padded_numel(model, n), block_bytes, root, sent, colls, peak,
-                         breakdown, gathered, trace)
+                         breakdown, gathered, trace).add_rows()
 
 
 # =========================================================================== gradient accumulation
@@ -187,14 +156,18 @@ class AccumulationResult(Result):
     max_abs_diff: dict  # {variant: vs one device on the big batch, computed on the rank}
     full_state: dict = field(repr=False, default_factory=dict)  # {variant: full tensors (CPU)}
 
-    def claims(self) -> dict[str, bool]:
-        return {
-            "syncing every micro-batch reduce-scatters M·units times per step":
-                self.reduce_scatters["sync_each"] == self.micro_batches * self.units,
-            "set_requires_gradient_sync(False) reduce-scatters once per unit per step":
-                self.reduce_scatters["no_sync"] == self.units,
-            "both equal one device on the big batch (max |Δ| ≤ 1e-6, SGD)": max(self.max_abs_diff.values()) <= 1e-6,
-        }
+    def add_rows(self, reference: dict) -> "AccumulationResult":
+        """``reference``: one device's state dict after the same steps on the big batches."""
+        rs, m, u = self.reduce_scatters, self.micro_batches, self.units
+        self.exact("syncing every micro-batch reduce-scatters M·units times per step", rs["sync_each"], m * u,
+                   against="formula M·units")
+        self.exact("set_requires_gradient_sync(False) reduce-scatters once per unit per step", rs["no_sync"], u,
+                   against="formula units")
+        got = {f"{v}/{k}": t for v, sd in self.full_state.items() for k, t in sd.items()}
+        want = {f"{v}/{k}": reference[k] for v in self.full_state for k in reference}
+        self.equal("both equal one device on the big batch (max |Δ| ≤ 1e-6, SGD)", got, want, SGD,
+                   against="one device (big batch)")
+        return self
 
 
 def accumulation_without_sync(micro_batches: int = 4, steps: int = 3, global_batch: int = 16,
@@ -230,8 +203,9 @@ def accumulation_without_sync(micro_batches: int = 4, steps: int = 3, global_bat
         out["all_gathers"][variant] = sum(c.count(op="all_gather") for c in counters)
         full = full_state_dict(model)
         out["max_abs_diff"][variant] = state_diff(full, reference)
-        out["full_state"][variant] = _cpu(full)
-    return AccumulationResult(n, micro_batches, len(model.blocks) + 1, **out)
+        out["full_state"][variant] = cpu_state(full)
+    result = AccumulationResult(n, micro_batches, len(model.blocks) + 1, **out)
+    return result.add_rows(reference.state_dict())
 
 
 # =========================================================================== HSDP and reshard-to-int
@@ -249,19 +223,26 @@ class HSDPResult(Result):
     full_state: dict = field(repr=False, default_factory=dict)
     local_shapes: dict = field(default_factory=dict)
 
-    def claims(self) -> dict[str, bool]:
+    def add_rows(self, reference: dict) -> "HSDPResult":
+        """``reference``: one device's state dict after the same steps on the full batches."""
         g, u = self.per_group, self.units
-        return {
-            "all-gathers run on the shard dimension (groups of 2), one per unit per pass":
-                g.get("shard", {}).get("all_gather", {}).get("calls") == 2 * u and g["shard"]["all_gather"][
-                    "group_size"] == 2,
-            "reduce-scatters run on the shard dimension, one per unit": g.get("shard", {}).get(
-                "reduce_scatter", {}).get("calls") == u,
-            "all-reduces run on the replicate dimension, one per unit": g.get("replicate", {}).get(
-                "all_reduce", {}).get("calls") == u and g["replicate"]["all_reduce"]["group_size"] == 2,
-            "nothing else is communicated": set(g) == {"shard", "replicate"} and set(g["replicate"]) == {"all_reduce"},
-            "HSDP equals one device (AdamW, allclose 1e-5)": self.allclose,
-        }
+        ag = g.get("shard", {}).get("all_gather", {})
+        self.condition("all-gathers run on the shard dimension (groups of 2), one per unit per pass",
+                       (ag.get("calls"), ag.get("group_size")), (ag.get("calls"), ag.get("group_size")) == (2 * u, 2),
+                       "(calls, group size) exact", reference=(2 * u, 2), against="2 per unit, shard groups")
+        self.exact("reduce-scatters run on the shard dimension, one per unit",
+                   g.get("shard", {}).get("reduce_scatter", {}).get("calls"), u, against="one per unit")
+        ar = g.get("replicate", {}).get("all_reduce", {})
+        self.condition("all-reduces run on the replicate dimension, one per unit",
+                       (ar.get("calls"), ar.get("group_size")), (ar.get("calls"), ar.get("group_size")) == (u, 2),
+                       "(calls, group size) exact", reference=(u, 2), against="one per unit, replicate groups")
+        kinds = sorted(f"{dim}:{op}" for dim, ops in g.items() for op in ops)
+        only = set(g) == {"shard", "replicate"} and set(g["replicate"]) == {"all_reduce"}
+        self.condition("nothing else is communicated", kinds, only,
+                       "groups: shard, replicate; on replicate only all_reduce")
+        self.equal("HSDP equals one device (AdamW, allclose 1e-5)", self.full_state, reference, ADAMW,
+                   against="one device (full batch)")
+        return self
 
 
 def hsdp(steps: int = 4, global_batch: int = 8, config: GPTConfig | None = None) -> HSDPResult:
@@ -286,13 +267,14 @@ def hsdp(steps: int = 4, global_batch: int = 8, config: GPTConfig | None = None)
     local = []
     for step in range(steps - 1):
         local.append(train_step(model, opt, *shard_batch(*step_batch(step, config, global_batch, dev))))
-    cc, loss = _counted_step(model, opt, *shard_batch(*step_batch(steps - 1, config, global_batch, dev)))
+    cc, loss = counted_step(model, opt, *shard_batch(*step_batch(steps - 1, config, global_batch, dev)))
     local.append(loss)
     reference, _, _ = reference_run(config, steps, global_batch, "adamw", dev=dev)
-    full = full_state_dict(model)
+    full, ref = full_state_dict(model), reference.state_dict()
     shapes = {k: tuple(p.to_local().shape) for k, p in model.named_parameters()}
-    return HSDPResult(n, (2, 2), len(model.blocks) + 1, _per_group(cc), state_diff(full, reference),
-                      _allclose(full, reference), local, _cpu(full), shapes)
+    result = HSDPResult(n, (2, 2), len(model.blocks) + 1, _per_group(cc), state_diff(full, reference),
+                        ADAMW.ok(full, ref), local, cpu_state(full), shapes)
+    return result.add_rows(ref)
 
 
 @dataclass
@@ -305,15 +287,17 @@ class ReshardToIntResult(Result):
     local_numel_sharded: int
     full_numel: int
 
-    def claims(self) -> dict[str, bool]:
-        u, k = self.units, self.reshard_after_forward
-        return {
-            f"forward all-gathers span all {self.world_size} ranks": self.all_gathers["forward"] == {
-                self.world_size: u},
-            f"backward all-gathers span only {k} ranks (the smaller mesh)": self.all_gathers["backward"] == {k: u},
-            f"between forward and backward a rank holds 1/{k} of a block, not 1/{self.world_size} nor all of it":
-                self.local_numel_sharded < self.local_numel_after_forward < self.full_numel,
-        }
+    def add_rows(self) -> "ReshardToIntResult":
+        u, k, n = self.units, self.reshard_after_forward, self.world_size
+        self.exact(f"forward all-gathers span all {n} ranks", self.all_gathers.get("forward"), {n: u},
+                   against="{group size: calls}, one per unit")
+        self.exact(f"backward all-gathers span only {k} ranks (the smaller mesh)", self.all_gathers.get("backward"),
+                   {k: u}, against="{group size: calls}, one per unit")
+        held = self.local_numel_after_forward
+        self.condition(f"between forward and backward a rank holds 1/{k} of a block, not 1/{n} nor all of it",
+                       held, self.local_numel_sharded < held < self.full_numel, "between",
+                       reference=(self.local_numel_sharded, self.full_numel), against="(1/N, all) elements")
+        return self
 
 
 def reshard_to_smaller_mesh(reshard_after_forward: int = 2, global_batch: int = 8,
@@ -336,19 +320,19 @@ def reshard_to_smaller_mesh(reshard_after_forward: int = 2, global_batch: int = 
     x, y = shard_batch(*step_batch(0, config, global_batch, dev))
     train_step(model, opt, x, y)
     sharded = sum(p.to_local().numel() for p in model.blocks[0].parameters())
-    opt.zero_grad(set_to_none=True)
-    with CollectiveCounter(tag="forward") as cc:
-        _, loss = model(x, y)
-        after = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.blocks[0].parameters())
-        cc.tag = "backward"
-        loss.backward()
-    opt.step()
+    held = []  # block 0's registered elements once the forward is done (before backward)
+    block0 = model.blocks[0].parameters
+    hook = model.register_forward_hook(lambda m, a, o: held.append(
+        sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in block0())))
+    cc, _ = counted_step(model, opt, x, y)
+    hook.remove()
+    after = held[0]
     gathers = {}
     for r in cc.select(op="all_gather"):
         phase = gathers.setdefault(r.tag, {})
         phase[r.world_size] = phase.get(r.world_size, 0) + 1
     return ReshardToIntResult(n, reshard_after_forward, len(model.blocks) + 1, gathers, after, sharded,
-                              sum(p.numel() for p in model.blocks[0].parameters()))
+                              sum(p.numel() for p in model.blocks[0].parameters())).add_rows()
 
 
 # =========================================================================== prefetch
@@ -363,43 +347,36 @@ class PrefetchResult(Result):
     step_s: dict  # {variant: median step seconds (interleaved rounds, max over ranks)}
     step_s_rounds: dict
 
-    def claims(self) -> dict[str, bool]:
+    def add_rows(self) -> "PrefetchResult":
         L, g = self.n_layer, self.gathers_issued_at_block_start
-        return {
-            "without a plan, block i's all-gather is issued when block i starts (root + i+1 issued)":
-                g["implicit"] == [i + 2 for i in range(L)],
-            "with set_modules_to_forward_prefetch, block i+1's is already issued when block i starts":
-                g["explicit"] == [min(i + 3, L + 1) for i in range(L)],
-            "both step times were measured (no speed-up asserted: on CPU gloo the all-gather runs in the "
-            "caller's time)": all(t > 0 for t in self.step_s.values()),
-        }
+        self.exact("without a plan, block i's all-gather is issued when block i starts (root + i+1 issued)",
+                   g["implicit"], [i + 2 for i in range(L)], against="root + i+1, per block")
+        self.exact("with set_modules_to_forward_prefetch, block i+1's is already issued when block i starts",
+                   g["explicit"], [min(i + 3, L + 1) for i in range(L)], against="root + i+2, per block")
+        self.condition("both step times were measured (no speed-up asserted: on CPU gloo the all-gather runs in "
+                       "the caller's time)", {v: len(r) for v, r in self.step_s_rounds.items()},
+                       timed_in_every_round(self.step_s, self.step_s_rounds),
+                       "every variant timed in every round (> 0 s); step = median of its rounds")
+        return self
 
 
-def _timeline_recorder(model, t0: float):
-    """Hooks and a dispatch mode that record compute spans per block and when each collective is issued."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def timed_in_every_round(step_s: dict, rounds: dict) -> bool:
+    """Each variant was timed in the same number of rounds, every time > 0, and reports their median."""
+    counts = {len(r) for r in rounds.values()}
+    return len(counts) == 1 and min(counts) > 0 and all(
+        min(r) > 0 and step_s[v] == statistics.median(r) for v, r in rounds.items())
 
-    from ..comm import _OP_NAMES
 
-    events, at_start, issued = [], [], {"all_gather": 0}
-    now = lambda: time.perf_counter() - t0  # noqa: E731
-
-    class Issue(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            op = _OP_NAMES.get(getattr(func, "_overloadpacket", None))
-            start = now()
-            out = func(*args, **(kwargs or {}))
-            if op in ("all_gather", "reduce_scatter"):
-                events.append(("AG" if op == "all_gather" else "RS", "", start, now()))
-                issued[op] = issued.get(op, 0) + 1
-            return out
-
-    handles, open_ = [], {}
+def _block_spans(model, timeline: IssueTimeline):
+    """Hooks recording compute spans per block (F, B) and how many all-gathers were issued as each starts."""
+    events, at_start, open_ = timeline.events, [], {}
+    now = timeline.now
+    handles = []
     for i, block in enumerate(model.blocks):
         def pre(m, args, i=i):
             if torch.is_grad_enabled() and args[0].requires_grad:
                 args[0].register_hook(lambda g, i=i: events.append(("B", str(i), open_.pop(("B", i)), now())))
-            at_start.append(issued["all_gather"])
+            at_start.append(timeline.issued("all_gather"))
             open_[("F", i)] = now()
 
         def post(m, args, out, i=i):
@@ -408,7 +385,7 @@ def _timeline_recorder(model, t0: float):
                 out.register_hook(lambda g, i=i: open_.__setitem__(("B", i), now()))
 
         handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
-    return Issue(), events, at_start, handles
+    return at_start, handles
 
 
 def prefetch_timeline(config: GPTConfig | None = None, global_batch: int = 8, rounds: int = 3) -> PrefetchResult:
@@ -436,11 +413,11 @@ def prefetch_timeline(config: GPTConfig | None = None, global_batch: int = 8, ro
         models[variant], opts[variant] = model, make_optimizer("adamw", model.parameters())
         train_step(model, opts[variant], x, y)  # lazy init, optimizer state
         dist.barrier()
-        mode, ev, starts, handles = _timeline_recorder(model, time.perf_counter())
-        with mode:
-            train_step(model, opts[variant], x, y)
+        timeline = IssueTimeline(time.perf_counter())
+        starts, handles = _block_spans(model, timeline)
+        counted_step(model, opts[variant], x, y, counter=timeline)
         for h in handles:
             h.remove()
-        events[variant], at_start[variant] = sorted(ev, key=lambda e: e[2]), starts
+        events[variant], at_start[variant] = sorted(timeline.events, key=lambda e: e[2]), starts
     times = race({v: (lambda v=v: train_step(models[v], opts[v], x, y)) for v in models}, rounds=rounds)
-    return PrefetchResult(n, config.n_layer, at_start, events, median_times(times), times)
+    return PrefetchResult(n, config.n_layer, at_start, events, median_times(times), times).add_rows()

@@ -25,24 +25,20 @@ import torch.distributed as dist
 
 from ..formulas import checkpointed_block_activation_bytes
 from ..fsdp import fsdp2_wrap, full_state_dict, full_training_state, load_sharded_checkpoint, save_sharded_checkpoint
+from ..fsdp_meters import tracker_bytes
 from ..launch import device
 from ..memory import model_state_bytes
 from ..models import GPT, GPTConfig
-from .fsdp_features import _cpu, features_config
-from .fsdp import _digest
+from ..results import EXACT, SGD
 from .common import (Result, check_global_batch, make_optimizer, median_times, race, reference_run, shard_batch,
                      state_diff, step_batch, train_step)
+from .fsdp import digest
+from .fsdp_features import cpu_state, features_config, timed_in_every_round
 
 __all__ = ["clip_grad_norm", "activation_checkpointing", "meta_device_init", "checkpoint_save", "checkpoint_load",
            "eval_batch", "flat_vs_per_parameter"]
 
 
-def _on(snapshot: dict, dev) -> dict:
-    """A tracker snapshot's entry for ``dev``'s type ({category: bytes}), empty if none."""
-    for d, snap in snapshot.items():
-        if torch.device(d).type == dev.type:
-            return {getattr(k, "value", str(k)): v for k, v in snap.items()}
-    return {}
 # =========================================================================== clipping
 
 
@@ -56,14 +52,18 @@ class ClipResult(Result):
     max_abs_diff: float
     full_state: dict = field(repr=False, default_factory=dict)
 
-    def claims(self) -> dict[str, bool]:
-        return {
-            "clip_grad_norm_ returns the global norm (a DTensor, reduced over ranks)": self.norm_type == "DTensor",
-            "every step clipped (norm > max_norm)": all(v > self.max_norm for v in self.norms),
-            "norms equal one device's (rel 1e-5)": all(abs(a - b) <= 1e-5 * b for a, b in
-                                                       zip(self.norms, self.reference_norms)),
-            "weights equal one device's (max |Δ| ≤ 1e-6, SGD)": self.max_abs_diff <= 1e-6,
-        }
+    def add_rows(self, reference: dict) -> "ClipResult":
+        """``reference``: one device's state dict after the same clipped steps."""
+        self.condition("clip_grad_norm_ returns the global norm (a DTensor, reduced over ranks)", self.norm_type,
+                       self.norm_type == "DTensor", "a DTensor")
+        self.condition("every step clipped (norm > max_norm)", min(self.norms),
+                       all(v > self.max_norm for v in self.norms), ">", reference=self.max_norm,
+                       against="max_norm")
+        self.equal("norms equal one device's (rel 1e-5)", self.norms, self.reference_norms, SGD,
+                   against="one device's clip_grad_norm_")
+        self.equal("weights equal one device's (max |Δ| ≤ 1e-6, SGD)", self.full_state, reference, SGD,
+                   against="one device (full batch)")
+        return self
 
 
 def clip_grad_norm(steps: int = 3, max_norm: float = 0.05, global_batch: int = 8,
@@ -88,7 +88,8 @@ def clip_grad_norm(steps: int = 3, max_norm: float = 0.05, global_batch: int = 8
         train_step(model, opt, *shard_batch(*step_batch(step, config, global_batch, dev)), after_backward=clip)
     reference, _, ref_norms = reference_run(config, steps, global_batch, "sgd", max_norm=max_norm, dev=dev)
     full = full_state_dict(model)
-    return ClipResult(n, max_norm, norms, kind[0], ref_norms, state_diff(full, reference), _cpu(full))
+    result = ClipResult(n, max_norm, norms, kind[0], ref_norms, state_diff(full, reference), cpu_state(full))
+    return result.add_rows(reference.state_dict())
 
 
 # =========================================================================== activation checkpointing
@@ -106,23 +107,28 @@ class CheckpointingResult(Result):
     step_s: dict  # {variant: median step seconds}
     forward_s: float  # median forward-only seconds (no checkpointing): what the recompute repeats
     same_gradients: bool
+    step_s_rounds: dict = field(default_factory=dict, repr=False)  # {variant: seconds per round}
 
     @property
     def recompute_s(self) -> float:
         """Extra seconds per step that checkpointing cost (≈ one more forward of the blocks), measured."""
         return self.step_s["per_block"] - self.step_s["none"]
 
-    def claims(self) -> dict[str, bool]:
-        got = self.block_stack_activation_bytes
-        return {
-            "with checkpointing the blocks keep only their inputs (formula, within 5 %)":
-                abs(got["per_block"] - self.formula_bytes) <= 0.05 * self.formula_bytes,
-            "checkpointing keeps fewer activation bytes than no checkpointing": got["per_block"] < got["none"],
-            "and lowers the step's peak": self.peak["per_block"] < self.peak["none"],
-            "the step times were measured (the cost is reported, not asserted: timings flip on a busy machine)":
-                all(t > 0 for t in self.step_s.values()),
-            "gradients are bit-identical with and without checkpointing": self.same_gradients,
-        }
+    def add_rows(self) -> "CheckpointingResult":
+        got, peak = self.block_stack_activation_bytes, self.peak
+        self.within("with checkpointing the blocks keep only their inputs (formula, within 5 %)", got["per_block"],
+                    self.formula_bytes, 0.05, against="formula L·b·s·h·4")
+        self.condition("checkpointing keeps fewer activation bytes than no checkpointing", got["per_block"],
+                       got["per_block"] < got["none"], "<", reference=got["none"], against="no checkpointing")
+        self.condition("and lowers the step's peak", peak["per_block"], peak["per_block"] < peak["none"], "<",
+                       reference=peak["none"], against="no checkpointing")
+        self.condition("the step times were measured (the cost is reported, not asserted: timings flip on a busy "
+                       "machine)", {v: len(r) for v, r in self.step_s_rounds.items()},
+                       timed_in_every_round(self.step_s, self.step_s_rounds),
+                       "every variant timed in every round (> 0 s); step = median of its rounds")
+        self.condition("gradients are bit-identical with and without checkpointing", self.same_gradients,
+                       self.same_gradients, "torch.equal, every gradient")
+        return self
 
 
 def activation_checkpointing(config: GPTConfig | None = None, global_batch: int = 8,
@@ -154,18 +160,18 @@ def activation_checkpointing(config: GPTConfig | None = None, global_batch: int 
         train_step(model, opt, x, y)
         opt.zero_grad(set_to_none=True)
         tracker, marks = FSDPMemTracker(model, opt), {}
-        mark = lambda key: marks.__setitem__(key, _on(tracker.get_tracker_snapshot(), dev).get("Activation", 0))  # noqa: E731
+        mark = lambda key: marks.__setitem__(key, tracker_bytes(tracker.get_tracker_snapshot(), dev).get("Activation", 0))  # noqa: E731
         handles = [model.blocks[0].register_forward_pre_hook(lambda m, a: mark("before")),
                    model.blocks[-1].register_forward_hook(lambda m, a, o: mark("after"))]
         tracker.track_inputs((x, y))
         with tracker:
             _, loss = model(x, y)
-            after[variant] = _on(tracker.get_tracker_snapshot(), dev).get("Activation", 0)
+            after[variant] = tracker_bytes(tracker.get_tracker_snapshot(), dev).get("Activation", 0)
             loss.backward()
         for h in handles:
             h.remove()
         stack[variant] = marks["after"] - marks["before"]
-        peak[variant] = _on(tracker.get_tracker_snapshot("peak"), dev)["Total"]
+        peak[variant] = tracker_bytes(tracker.get_tracker_snapshot("peak"), dev)["Total"]
         grads[variant] = [p.grad.to_local().clone() for p in model.parameters()]
         models[variant], opts[variant] = model, opt
 
@@ -174,11 +180,13 @@ def activation_checkpointing(config: GPTConfig | None = None, global_batch: int 
             models["none"](x, y)
 
     steps = {v: (lambda v=v: train_step(models[v], opts[v], x, y)) for v in models}
-    times = median_times(race({**steps, "forward": forward_only}, rounds=rounds))
+    rounds_s = race({**steps, "forward": forward_only}, rounds=rounds)
+    times = median_times(rounds_s)
     same = all(torch.equal(a, b) for a, b in zip(grads["none"], grads["per_block"]))
     formula = checkpointed_block_activation_bytes(config.n_layer, x.shape[0], x.shape[1], config.d_model)
     return CheckpointingResult(n, config.n_layer, x.shape[0], stack, after, peak, formula,
-                               {v: times[v] for v in models}, times["forward"], same)
+                               {v: times[v] for v in models}, times["forward"], same,
+                               {v: rounds_s[v] for v in models}).add_rows()
 
 
 # =========================================================================== meta-device initialisation
@@ -196,16 +204,20 @@ class MetaInitResult(Result):
     max_abs_diff: float  # vs GPT(seed=0), on the rank
     full_state: dict = field(repr=False, default_factory=dict)
 
-    def claims(self) -> dict[str, bool]:
-        return {
-            "parameters stay on the meta device until to_empty": self.meta_before_to_empty,
-            "constructing allocates only this rank's shards (< full model)":
-                self.construction_peak < self.full_model_bytes,
-            "the construction peak is this rank's shards (≤ 1.2 × shard bytes), not the model":
-                self.construction_peak <= 1.2 * self.shard_bytes,
-            "after loading a rank holds only its shards": self.shard_bytes < self.full_model_bytes,
-            "the broadcast weights equal the one-device init exactly": self.max_abs_diff == 0.0,
-        }
+    def add_rows(self, reference: dict) -> "MetaInitResult":
+        """``reference``: the one-device init's state dict (``GPT(seed=0)``)."""
+        full, peak, shards = self.full_model_bytes, self.construction_peak, self.shard_bytes
+        self.condition("parameters stay on the meta device until to_empty", self.meta_before_to_empty,
+                       self.meta_before_to_empty, "every parameter is_meta")
+        self.condition("constructing allocates only this rank's shards (< full model)", peak, peak < full, "<",
+                       reference=full, against="4Ψ, the full model")
+        self.condition("the construction peak is this rank's shards (≤ 1.2 × shard bytes), not the model", peak,
+                       peak <= 1.2 * shards, "≤ 1.2 ×", reference=shards, against="this rank's shard bytes")
+        self.condition("after loading a rank holds only its shards", shards, shards < full, "<", reference=full,
+                       against="4Ψ, the full model")
+        self.equal("the broadcast weights equal the one-device init exactly", self.full_state, reference, EXACT,
+                   against="GPT(seed=0) on one device")
+        return self
 
 
 def meta_device_init(config: GPTConfig | None = None) -> MetaInitResult:
@@ -231,7 +243,7 @@ def meta_device_init(config: GPTConfig | None = None) -> MetaInitResult:
         model = fsdp2_wrap(model)
         on_meta = all(p.is_meta for p in model.parameters())
         model.to_empty(device=dev)
-    construction = _on(tracker.get_tracker_snapshot("peak"), dev).get("Total", 0)
+    construction = tracker_bytes(tracker.get_tracker_snapshot("peak"), dev).get("Total", 0)
     reference = GPT(config, seed=0).to(dev)
     source = reference.state_dict() if rank == 0 else {}
     tracker = MemTracker()
@@ -239,9 +251,11 @@ def meta_device_init(config: GPTConfig | None = None) -> MetaInitResult:
         set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True,
                                                                      broadcast_from_rank0=True))
     full = full_state_dict(model)
-    return MetaInitResult(n, rank, 4 * reference.num_params(), construction,
-                          _on(tracker.get_tracker_snapshot("peak"), dev).get("Total", 0),
-                          model_state_bytes(model)["params"], on_meta, state_diff(full, reference), _cpu(full))
+    result = MetaInitResult(n, rank, 4 * reference.num_params(), construction,
+                            tracker_bytes(tracker.get_tracker_snapshot("peak"), dev).get("Total", 0),
+                            model_state_bytes(model)["params"], on_meta, state_diff(full, reference),
+                            cpu_state(full))
+    return result.add_rows(reference.state_dict())
 
 
 # =========================================================================== sharded checkpoints
@@ -261,8 +275,11 @@ class CheckpointResult(Result):
     local_shapes: dict = field(default_factory=dict)
     inference_path: str | None = None  # rank 0: the full model state dict, torch.save'd
 
-    def claims(self) -> dict[str, bool]:
-        return {"the checkpoint holds model and optimizer state": any(k.startswith("optim.") for k in self.digest)}
+    def add_rows(self) -> "CheckpointResult":
+        kinds = {k.split(".")[0] for k in self.digest}
+        self.condition("the checkpoint holds model and optimizer state", sorted(kinds),
+                       kinds == {"model", "optim"}, "model.* and optim.* tensors")
+        return self
 
 
 def checkpoint_save(tmp_dir: str, steps: int = 2, global_batch: int = 8,
@@ -291,8 +308,9 @@ def checkpoint_save(tmp_dir: str, steps: int = 2, global_batch: int = 8,
         inference = os.path.join(os.fspath(tmp_dir), f"model_w{n}.pt")
         torch.save(full, inference)
     dist.barrier()  # every file complete before anyone reads
-    return CheckpointResult(n, path, _digest(full_training_state(model, opt)), _logits(model, config, dev),
-                            {k: tuple(p.to_local().shape) for k, p in model.named_parameters()}, inference)
+    return CheckpointResult(n, path, digest(full_training_state(model, opt)), _logits(model, config, dev),
+                            {k: tuple(p.to_local().shape) for k, p in model.named_parameters()},
+                            inference).add_rows()
 
 
 def _logits(model, config, dev) -> torch.Tensor:
@@ -313,9 +331,9 @@ def checkpoint_load(path: str, config: GPTConfig | None = None) -> CheckpointRes
     model = fsdp2_wrap(GPT(config, seed=123).to(dev))
     opt = make_optimizer("adamw", model.parameters())
     load_sharded_checkpoint(model, opt, path)
-    return CheckpointResult(dist.get_world_size(), path, _digest(full_training_state(model, opt)),
+    return CheckpointResult(dist.get_world_size(), path, digest(full_training_state(model, opt)),
                             _logits(model, config, dev),
-                            {k: tuple(p.to_local().shape) for k, p in model.named_parameters()})
+                            {k: tuple(p.to_local().shape) for k, p in model.named_parameters()}).add_rows()
 
 
 # =========================================================================== why FSDP2: FSDP1's FlatParameter
@@ -329,16 +347,17 @@ class FlatVsPerParameterResult(Result):
     fsdp2_param_shapes: dict  # {parameter: (global shape, local shape)} — DTensor Shard(0)
     cpu_offload_error: str  # what CPUOffloadPolicy says on a machine without an accelerator ("" if it worked)
 
-    def claims(self) -> dict[str, bool]:
-        return {
-            "FSDP1 keeps one 1-D FlatParameter per unit": all(len(s) == 1 for s, _, _ in
-                                                              self.fsdp1_flat_params.values()),
-            "FSDP2 keeps every parameter with its own shape (dim 0 sharded)": all(
-                len(g) == len(loc) and g[1:] == loc[1:] for g, loc in self.fsdp2_param_shapes.values()),
-            "FSDP1's shard cuts some weight in the middle of a row": any(
-                numel % math.prod(self.fsdp2_param_shapes[n][0][1:]) for n, (numel,) in
-                self.fsdp1_param_shapes.items()),
-        }
+    def add_rows(self) -> "FlatVsPerParameterResult":
+        flat = [s for s, _, _ in self.fsdp1_flat_params.values()]
+        self.condition("FSDP1 keeps one 1-D FlatParameter per unit", flat, all(len(s) == 1 for s in flat),
+                       "every unit's shard 1-D")
+        shapes = self.fsdp2_param_shapes
+        own = [n for n, (g, loc) in shapes.items() if len(g) == len(loc) and g[1:] == loc[1:]]
+        self.condition("FSDP2 keeps every parameter with its own shape (dim 0 sharded)",
+                       f"{len(own)} of {len(shapes)}", len(own) == len(shapes), "all parameters")
+        cut = [n for n, (numel,) in self.fsdp1_param_shapes.items() if numel % math.prod(shapes[n][0][1:])]
+        self.condition("FSDP1's shard cuts some weight in the middle of a row", cut, bool(cut), "at least one")
+        return self
 
 
 def flat_vs_per_parameter(config: GPTConfig | None = None) -> FlatVsPerParameterResult:
@@ -374,4 +393,4 @@ def flat_vs_per_parameter(config: GPTConfig | None = None) -> FlatVsPerParameter
         fully_shard(GPT(config, seed=0).to(dev), offload_policy=CPUOffloadPolicy())
     except Exception as exc:  # noqa: BLE001 - shown in the notebook
         error = f"{type(exc).__name__}: {exc}"
-    return FlatVsPerParameterResult(dist.get_world_size(), flat, fsdp1_shapes, fsdp2_shapes, error)
+    return FlatVsPerParameterResult(dist.get_world_size(), flat, fsdp1_shapes, fsdp2_shapes, error).add_rows()

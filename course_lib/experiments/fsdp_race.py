@@ -18,6 +18,7 @@ from ..launch import device
 from ..models import GPT
 from ..zero3 import Zero3
 from . import common
+from .fsdp import FSDPResult
 
 __all__ = ["ZERO3_VARIANTS", "BASELINE", "zero3_race", "format_zero3"]
 
@@ -34,13 +35,16 @@ def _build(name: str, kw, cfg, dev):
     return Zero3(GPT(cfg, seed=0).to(dev), **kw)
 
 
-def zero3_race(rounds: int = 9, batch_size: int = 8, config=None, warmup: int = 2, baseline: bool = True) -> dict:
+def zero3_race(rounds: int = 9, batch_size: int = 8, config=None, warmup: int = 2,
+               baseline: bool = True) -> FSDPResult:
     """Rank function: one AdamW step of each variant per round (same model, same data), timed by ``common.race``.
 
     The model (default ``d_model`` 128, 4 blocks, 0.9M parameters) is big enough that the step is
     communication and compute, not Python overhead. Returns the per-round times, the medians,
-    each median's ratio to FSDP2's, and our variants' all-gathers in one forward (``CommLog``).
-    ``baseline``: also time torch DDP on the same model (no sharding), for scale.
+    each median's ratio to FSDP2's, and our variants' all-gathers in one forward (``CommLog``),
+    checked: one per unit per unit variant and for FSDP2, one per parameter and use per parameter.
+    No speed is asserted (timings flip on a busy machine). ``baseline``: also time torch DDP on
+    the same model (no sharding), for scale.
     """
     cfg = config or common.zero_config(n_layer=4, d_model=128, n_head=4, vocab_size=512, block_size=32)
     world, dev = dist.get_world_size(), device()
@@ -57,9 +61,17 @@ def zero3_race(rounds: int = 9, batch_size: int = 8, config=None, warmup: int = 
     times = common.race({name: (lambda n=name: common.train_step(models[n], opts[n], x, y)) for name in models},
                         rounds=rounds, warmup=warmup)
     med = common.median_times(times)
-    return dict(world_size=world, params=sum(p.numel() for p in GPT(cfg).parameters()), rounds=rounds,
-                tokens_per_step=batch_size * world * cfg.block_size, times=times, median_s=med,
-                ratio_to_fsdp2={n: med[n] / med["fsdp2"] for n in med}, gathers_per_forward=gathers)
+    plain = GPT(cfg)
+    units, uses = cfg.n_layer + 1, len(list(plain.named_parameters(remove_duplicate=False)))
+    res = FSDPResult(title=f"ZeRO-3 four ways at world {world}", values=dict(
+        world_size=world, params=sum(p.numel() for p in plain.parameters()), rounds=rounds,
+        tokens_per_step=batch_size * world * cfg.block_size, times=times, median_s=med,
+        ratio_to_fsdp2={n: med[n] / med["fsdp2"] for n in med}, gathers_per_forward=gathers))
+    for name in ("zero3 per-unit", "zero3 per-unit+prefetch", "fsdp2"):
+        res.exact(f"{name}: all-gathers per forward", gathers[name], units, against="one per unit (blocks + root)")
+    res.exact("zero3 per-param: all-gathers per forward", gathers["zero3 per-param"], uses,
+              against="one per parameter and use")
+    return res
 
 
 def format_zero3(res: dict) -> str:
