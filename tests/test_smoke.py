@@ -1,11 +1,22 @@
 """`course-lib smoke`: every chapter's rank functions run once with backend="auto" and report where they ran."""
 import pytest
 
-from course_lib.experiments.smoke import SMOKE, SMOKE_RAY, format_smoke, run_smoke, smoke_world
+from course_lib.chapters import CHAPTERS
+from course_lib.experiments.smoke import (SMOKE, SMOKE_RAY, format_smoke, run_smoke, smoke_entries,
+                                          smoke_world)
 from course_lib.launch import resolve_backend
 
 
-@pytest.mark.timeout(900)  # ~60 spawns and one Ray session: ~4 min on an idle 2-core machine
+def test_chapters_are_chosen_by_topic_or_by_number():
+    topics = {c.topic for c in CHAPTERS}
+    assert {e[0] for e in smoke_entries()} == topics  # every chapter has an entry, named by topic
+    assert smoke_entries(["02"]) == smoke_entries(["ddp"]) == smoke_entries([2])
+    assert {e[0] for e in smoke_entries(["ddp", "ray-data"])} == {"ddp", "ray-data"}
+    with pytest.raises(ValueError, match="is not one of the topics"):
+        smoke_entries(["dpp"])
+
+
+@pytest.mark.timeout(900)  # one spawn for ~50 entries and one Ray session: ~2-3 min on an idle 2-core machine
 def test_smoke_runs_every_chapters_rank_functions_on_the_auto_backend():
     world = smoke_world()
     rows = run_smoke(world)
@@ -15,5 +26,5 @@ def test_smoke_runs_every_chapters_rank_functions_on_the_auto_backend():
     backend = resolve_backend("auto", world)
     assert {r.backend for r in rows} == {backend}, table
     assert {r.device.split(":")[0] for r in rows} == {"cuda" if backend == "nccl" else "cpu"}, table
-    assert {r.chapter for r in rows} == {f"{c:02d}" for c in range(10)}, table
+    assert {r.chapter for r in rows} == {c.topic for c in CHAPTERS}, table
     assert table.splitlines()[-1] == f"{len(rows)}/{len(rows)} passed"

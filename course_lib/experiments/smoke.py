@@ -3,9 +3,13 @@
 On a CPU machine it runs them on gloo (world 2); on a CUDA machine on nccl, one GPU per rank
 (world = number of GPUs; a single GPU runs world 1, since nccl refuses two ranks on one GPU).
 It proves the rule every rank function follows: each tensor and model lives on
-``launch.device()``, so the notebooks run unchanged on GPUs. Each row is its own
-``spawn`` (a failing function cannot hang or fail the others) and reports the backend and the
-device the ranks actually used. Every chapter adds its rank functions to :data:`SMOKE`.
+``launch.device()``, so the notebooks run unchanged on GPUs. Each row reports the backend and
+the device the ranks actually used. Every chapter adds its rank functions to :data:`SMOKE`, named
+by the chapter's topic (``course_lib.chapters``); ``--chapter`` takes a topic or a number.
+
+All spawn entries first run in one spawn, one after another on the same ranks (starting the
+processes costs more than most entries). If anything fails there, each entry runs again in a
+spawn of its own, so a failing function cannot hang or fail the others and its row names it.
 """
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ..launch import _gpu_count, spawn
+from ..chapters import chapter
+from ..launch import gpu_count, spawn
 
-__all__ = ["SMOKE", "SMOKE_RAY", "SmokeRow", "smoke_world", "run_smoke", "format_smoke"]
+__all__ = ["SMOKE", "SMOKE_RAY", "SmokeRow", "smoke_world", "smoke_entries", "run_smoke", "format_smoke"]
 
 TMP = "<tmp>"  # stands for a fresh temporary directory, shared by the ranks (checkpoints)
 
@@ -45,75 +50,75 @@ def _pipe_tiny():
 E00, E02, E03, E04 = ("course_lib.experiments." + m for m in ("collectives", "ddp", "zero",
                                                              "fsdp"))
 
-# (chapter, "module:function", kwargs): small versions of what each notebook runs on ranks.
+# (chapter topic, "module:function", kwargs): small versions of what each notebook runs on ranks.
 SMOKE: list[tuple[str, str, dict]] = [
-    ("00", "course_lib.launch:hello", {}),
-    ("01", "course_lib.train:train_single_device", dict(config=_tiny(), steps=2, batch_size=2, progress=False)),
-    ("00", f"{E00}:bandwidth_benchmark",
+    ("collectives", "course_lib.launch:hello", {}),
+    ("single-device", "course_lib.train:train_single_device", dict(config=_tiny(), steps=2, batch_size=2, progress=False)),
+    ("collectives", f"{E00}:bandwidth_benchmark",
      dict(sizes_bytes=(2**10, 2**14), ops=("all_reduce", "all_gather", "reduce_scatter"), iters=2, warmup=1)),
-    ("00", f"{E00}:toy_data_parallel_step", dict(d_model=32, global_batch=8, steps=2, warmup=1)),
-    ("00", f"{E00}:scaling_race", dict(cases={"tiny": (32, 8)}, rounds=1, steps=1, warmup=0)),
-    ("00", f"{E00}:bandwidth_benchmark", dict(sizes_bytes=(2**10,), ops=("send_recv",), iters=1, warmup=1, repeats=2)),
-    ("02", f"{E02}:equality_with_single_device", dict(variant="own_bucketed", steps=2, global_batch=8, config=_tiny())),
-    ("02", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
-    ("02", f"{E02}:accumulation_with_no_sync", dict(micro_batches=2, global_batch=8, config=_tiny())),
-    ("02", f"{E02}:ddp_throughput",
+    ("collectives", f"{E00}:toy_data_parallel_step", dict(d_model=32, global_batch=8, steps=2, warmup=1)),
+    ("collectives", f"{E00}:scaling_race", dict(cases={"tiny": (32, 8)}, rounds=1, steps=1, warmup=0)),
+    ("collectives", f"{E00}:bandwidth_benchmark", dict(sizes_bytes=(2**10,), ops=("send_recv",), iters=1, warmup=1, repeats=2)),
+    ("ddp", f"{E02}:equality_with_single_device", dict(variant="own_bucketed", steps=2, global_batch=8, config=_tiny())),
+    ("ddp", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
+    ("ddp", f"{E02}:accumulation_with_no_sync", dict(micro_batches=2, global_batch=8, config=_tiny())),
+    ("ddp", f"{E02}:ddp_throughput",
      dict(config=_tiny(), batch_size=2, bucket_cap_mb=0.01, rounds=1, steps_per_round=1, warmup=1)),
-    ("02", f"{E02}:bucket_size_sweep",
+    ("ddp", f"{E02}:bucket_size_sweep",
      dict(bucket_sizes_mb=(None, 0.01), config=_tiny(), batch_size=2, rounds=1, steps_per_round=1, warmup=0)),
-    ("02", f"{E02}:ddp_step_time", dict(config=_tiny(), global_batch=4, steps=1, warmup=0)),
-    ("02", f"{E02}:ddp_timelines", dict(config=_tiny(), batch_size=2, steps=1)),
-    ("02", "course_lib.experiments.ddp_compression:compression_accuracy", dict(steps=2, global_batch=4,
+    ("ddp", f"{E02}:ddp_step_time", dict(config=_tiny(), global_batch=4, steps=1, warmup=0)),
+    ("ddp", f"{E02}:ddp_timelines", dict(config=_tiny(), batch_size=2, steps=1)),
+    ("ddp", "course_lib.experiments.ddp_compression:compression_accuracy", dict(steps=2, global_batch=4,
                                                                             config=_tiny())),
-    ("02", "course_lib.experiments.ddp_compression:gradient_allreduce_time", dict(config=_tiny(), repeats=1,
+    ("ddp", "course_lib.experiments.ddp_compression:gradient_allreduce_time", dict(config=_tiny(), repeats=1,
                                                                               warmup=0)),
-    ("03", f"{E03}:zero_stage_report", dict(stage=2, steps=2, config=_zero_tiny())),
-    ("03", f"{E03}:zero_stage_report", dict(stage=3, steps=2, config=_zero_tiny())),
-    ("03", f"{E03}:zero_clip_and_resume", dict(stage=2, steps=3, resume_at=1, config=_zero_tiny())),
-    ("03", f"{E03}:zero_stage_profile", dict(micro_batch=2, rounds=1, config=_zero_tiny())),
-    ("03", "course_lib.experiments.zero_libraries:torch_zero1_memory", dict(config=_tiny(), steps=1)),
-    ("04", f"{E04}:fsdp2_vs_single_device", dict(steps=2, config=_zero_tiny(), global_batch=4)),
-    ("04", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
-    ("04", f"{E04}:fsdp2_mixed_precision", dict(steps=1, config=_zero_tiny(), global_batch=4)),
-    ("04", f"{E04}:fsdp2_checkpoint_roundtrip", dict(tmp_dir=TMP, steps=2, resume_at=1, config=_zero_tiny())),
-    ("04", "course_lib.experiments.fsdp_race:zero3_race", dict(rounds=1, batch_size=2, config=_zero_tiny(), warmup=0)),
-    ("05", f"{E05}:pipeline_training", dict(schedule="1f1b", steps=2, num_microbatches=2, global_batch=4,
+    ("zero", f"{E03}:zero_stage_report", dict(stage=2, steps=2, config=_zero_tiny())),
+    ("zero", f"{E03}:zero_stage_report", dict(stage=3, steps=2, config=_zero_tiny())),
+    ("zero", f"{E03}:zero_clip_and_resume", dict(stage=2, steps=3, resume_at=1, config=_zero_tiny())),
+    ("zero", f"{E03}:zero_stage_profile", dict(micro_batch=2, rounds=1, config=_zero_tiny())),
+    ("zero", "course_lib.experiments.zero_libraries:torch_zero1_memory", dict(config=_tiny(), steps=1)),
+    ("fsdp", f"{E04}:fsdp2_vs_single_device", dict(steps=2, config=_zero_tiny(), global_batch=4)),
+    ("fsdp", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
+    ("fsdp", f"{E04}:fsdp2_mixed_precision", dict(steps=1, config=_zero_tiny(), global_batch=4)),
+    ("fsdp", f"{E04}:fsdp2_checkpoint_roundtrip", dict(tmp_dir=TMP, steps=2, resume_at=1, config=_zero_tiny())),
+    ("fsdp", "course_lib.experiments.fsdp_race:zero3_race", dict(rounds=1, batch_size=2, config=_zero_tiny(), warmup=0)),
+    ("pipeline", f"{E05}:pipeline_training", dict(schedule="1f1b", steps=2, num_microbatches=2, global_batch=4,
                                            config=_pipe_tiny())),
-    ("05", f"{E05}:sleep_bubbles", dict(microbatches=(2,), t_f=0.002, t_b=0.004, steps=1, warmup=0)),
-    ("05", f"{E05}:gpt_timelines", dict(num_microbatches=2, global_batch=4, steps=2, config=_pipe_tiny())),
-    ("05", f"{E05}:torch_pipelining_grads", dict(schedule="1f1b", num_microbatches=2, global_batch=4,
+    ("pipeline", f"{E05}:sleep_bubbles", dict(microbatches=(2,), t_f=0.002, t_b=0.004, steps=1, warmup=0)),
+    ("pipeline", f"{E05}:gpt_timelines", dict(num_microbatches=2, global_batch=4, steps=2, config=_pipe_tiny())),
+    ("pipeline", f"{E05}:torch_pipelining_grads", dict(schedule="1f1b", num_microbatches=2, global_batch=4,
                                                 config=_pipe_tiny())),
 ]
 
 _F04, _P04 = "course_lib.experiments.fsdp_features", "course_lib.experiments.fsdp_practice"
 SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need world 4: in the tests)
-    ("04", f"{_F04}:reshard_memory_and_traffic", dict(config=_zero_tiny(), global_batch=4)),
-    ("04", f"{_F04}:accumulation_without_sync", dict(micro_batches=2, steps=1, global_batch=4, config=_zero_tiny())),
-    ("04", f"{_F04}:prefetch_timeline", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
-    ("04", f"{_P04}:clip_grad_norm", dict(steps=1, global_batch=4, config=_zero_tiny())),
-    ("04", f"{_P04}:activation_checkpointing", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
-    ("04", f"{_P04}:meta_device_init", dict(config=_zero_tiny())),
-    ("04", f"{_P04}:checkpoint_save", dict(tmp_dir=TMP, steps=1, global_batch=4, config=_zero_tiny())),
-    ("04", f"{_P04}:flat_vs_per_parameter", dict(config=_zero_tiny())),
+    ("fsdp", f"{_F04}:reshard_memory_and_traffic", dict(config=_zero_tiny(), global_batch=4)),
+    ("fsdp", f"{_F04}:accumulation_without_sync", dict(micro_batches=2, steps=1, global_batch=4, config=_zero_tiny())),
+    ("fsdp", f"{_F04}:prefetch_timeline", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
+    ("fsdp", f"{_P04}:clip_grad_norm", dict(steps=1, global_batch=4, config=_zero_tiny())),
+    ("fsdp", f"{_P04}:activation_checkpointing", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
+    ("fsdp", f"{_P04}:meta_device_init", dict(config=_zero_tiny())),
+    ("fsdp", f"{_P04}:checkpoint_save", dict(tmp_dir=TMP, steps=1, global_batch=4, config=_zero_tiny())),
+    ("fsdp", f"{_P04}:flat_vs_per_parameter", dict(config=_zero_tiny())),
 ]
 
 _E06 = "course_lib.experiments.tensor_parallel"
 SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here; (2, 2) in the tests)
-    ("06", f"{_E06}:linear_layers", dict(in_features=8, out_features=8, batch=2)),
-    ("06", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4)),
-    ("06", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4, sequence_parallel=True)),
-    ("06", f"{_E06}:tp_training", dict(steps=2, batch_size=4, config=_pipe_tiny())),
-    ("06", f"{_E06}:dtensor_step", dict(config=_pipe_tiny(), batch_size=4)),
-    ("06", f"{_E06}:dtensor_sequence_parallel_blocks", dict(config=_pipe_tiny())),
-    ("06", f"{_E06}:dp_tp_training", dict(steps=1, global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
-    ("06", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
+    ("tensor-parallel", f"{_E06}:linear_layers", dict(in_features=8, out_features=8, batch=2)),
+    ("tensor-parallel", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4)),
+    ("tensor-parallel", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4, sequence_parallel=True)),
+    ("tensor-parallel", f"{_E06}:tp_training", dict(steps=2, batch_size=4, config=_pipe_tiny())),
+    ("tensor-parallel", f"{_E06}:dtensor_step", dict(config=_pipe_tiny(), batch_size=4)),
+    ("tensor-parallel", f"{_E06}:dtensor_sequence_parallel_blocks", dict(config=_pipe_tiny())),
+    ("tensor-parallel", f"{_E06}:dp_tp_training", dict(steps=1, global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
+    ("tensor-parallel", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
 ]
 
 _E09 = "course_lib.experiments.horovod"
 SMOKE += [  # chapter 09: the review suite (chapters 03-06 again) and the DDP side of the Horovod comparison
-    ("09", "course_lib.experiments.review:review_suite", dict(bubble_ms=(2.0, 4.0), microbatches=(2,))),
-    ("09", f"{_E09}:ddp_rank", dict(kind="course", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
-    ("09", f"{_E09}:ddp_rank", dict(kind="torch", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
+    ("review", "course_lib.experiments.review:review_suite", dict(bubble_ms=(2.0, 4.0), microbatches=(2,))),
+    ("review", f"{_E09}:ddp_rank", dict(kind="course", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
+    ("review", f"{_E09}:ddp_rank", dict(kind="torch", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
 ]
 
 # Ray chapters: a rank function inside a real ``TorchTrainer`` (Ray makes the process group: gloo on CPU,
@@ -121,8 +126,8 @@ SMOKE += [  # chapter 09: the review suite (chapters 03-06 again) and the DDP si
 # chapter 08's Ray Data pipeline streamed into the workers, each of which takes a real step on its device.
 RAY_DATA = "ray_data"
 SMOKE_RAY: list[tuple[str, str, dict]] = [
-    ("07", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
-    ("08", RAY_DATA, dict(rows=64, files=4, batch_size=4)),
+    ("ray-train", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
+    ("ray-data", RAY_DATA, dict(rows=64, files=4, batch_size=4)),
 ]
 
 
@@ -152,7 +157,7 @@ def _run_one(target: str, kwargs: dict, tmp: str) -> dict:
 
 def smoke_world() -> int:
     """World size for the smoke run: one rank per GPU (nccl), or 2 CPU ranks (gloo)."""
-    gpus = _gpu_count()
+    gpus = gpu_count()
     return gpus if gpus >= 1 else 2
 
 
@@ -200,18 +205,85 @@ def _ray_smoke(target: str, kwargs: dict, world: int, tmp: str) -> dict:
     return rank_results(trainer.fit(), world)[0]
 
 
-def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180, progress=None) -> list[SmokeRow]:
-    """Run every :data:`SMOKE` and :data:`SMOKE_RAY` entry (of ``chapters``, default all); one row each."""
+def smoke_entries(chapters=None) -> list[tuple[str, str, dict, bool]]:
+    """``(topic, target, kwargs, on_ray)`` of every entry, or of ``chapters`` (topics or numbers: ``"ddp"``, ``"02"``)."""
+    wanted = None if chapters is None else {chapter(key).topic for key in chapters}
+    entries = [(c, t, k, False) for c, t, k in SMOKE] + [(c, t, k, True) for c, t, k in SMOKE_RAY]
+    return [e for e in entries if wanted is None or e[0] in wanted]
+
+
+def _run_many(entries: list[tuple[str, dict]], tmp: str) -> list[dict]:
+    """Rank function: :func:`_run_one` for each ``(target, kwargs)`` in turn, each in its own temp folder."""
+    import os
+
+    import torch.distributed as dist
+
+    out = []
+    for i, (target, kwargs) in enumerate(entries):
+        sub = os.path.join(tmp, str(i))
+        os.makedirs(sub, exist_ok=True)
+        t0 = time.perf_counter()
+        got = _run_one(target, kwargs, sub)
+        dist.barrier()  # every rank has finished this entry before the next starts
+        out.append({**got, "seconds": time.perf_counter() - t0})
+    return out
+
+
+def _row(entry, world: int, got: dict, seconds: float) -> SmokeRow:
+    topic, target, _, _ = entry
+    return SmokeRow(topic, target.split(":")[-1], world, got["backend"], got["device"], "pass", seconds)
+
+
+def _failed_row(entry, world: int, backend: str, exc: Exception, seconds: float) -> SmokeRow:
+    topic, target, _, _ = entry
+    first = str(exc).strip().splitlines()
+    error = first[0][:160] if first else type(exc).__name__
+    return SmokeRow(topic, target.split(":")[-1], world, backend, "?", "FAIL", seconds, error)
+
+
+def _grouped(entries: list, world: int, timeout: float) -> list[SmokeRow] | None:
+    """Every spawn entry in *one* spawn (each rank runs them in turn); ``None`` if anything failed.
+
+    Starting two processes costs ~2.5 s, more than most entries; one spawn for all of them saves
+    that per entry. A failure anywhere gives ``None``, and the caller runs each entry in a spawn of
+    its own, which names the failing entries and keeps one from hanging the others.
+    """
+    if not entries:
+        return []
+    jobs = [(target, kwargs) for _, target, kwargs, _ in entries]
+    try:
+        with tempfile.TemporaryDirectory(prefix="course-smoke-") as tmp:
+            got = spawn(_run_many, world, args=(jobs, tmp), backend="auto",
+                        timeout=min(timeout * len(jobs), timeout + 10 * len(jobs)))[0]
+    except Exception:  # noqa: BLE001 - RankError/RankTimeout: find the culprit entry by entry
+        return None
+    return [_row(e, world, g, g["seconds"]) for e, g in zip(entries, got)]
+
+
+def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180, progress=None,
+              grouped: bool = True) -> list[SmokeRow]:
+    """Run every :data:`SMOKE` and :data:`SMOKE_RAY` entry (of ``chapters``, default all); one row each.
+
+    ``chapters``: topics (``"ddp"``) or notebook numbers (``"02"``, ``2``), as ``chapters.chapter``
+    reads them. ``grouped``: first try all spawn entries in one spawn (:func:`_grouped`); on any
+    failure, and with ``grouped=False``, each entry runs in a spawn of its own.
+    """
     from ..launch import resolve_backend
 
     world = smoke_world() if world_size is None else world_size
     backend = resolve_backend("auto", world)
-    rows, ray_started = [], False
-    entries = [(c, t, k, False) for c, t, k in SMOKE] + [(c, t, k, True) for c, t, k in SMOKE_RAY]
+    entries = smoke_entries(chapters)
+    plain = [e for e in entries if not e[3]]
+    rows = _grouped(plain, world, timeout) if grouped else None
+    if rows is not None and progress is not None:
+        for row in rows:
+            progress(row)
+    todo = [e for e in entries if e[3]] if rows is not None else entries
+    rows = rows or []
+    ray_started = False
     try:
-        for chapter, target, kwargs, on_ray in entries:
-            if chapters is not None and chapter not in chapters:
-                continue
+        for entry in todo:
+            _, target, kwargs, on_ray = entry
             t0 = time.perf_counter()
             try:
                 with tempfile.TemporaryDirectory(prefix="course-smoke-") as tmp:
@@ -219,13 +291,11 @@ def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180
                         ray_started = True
                         got = _ray_smoke(target, kwargs, world, tmp)
                     else:
-                        got = spawn(_run_one, world, args=(target, kwargs, tmp), backend="auto", timeout=timeout)[0]
-                row = SmokeRow(chapter, target.split(":")[-1], world, got["backend"], got["device"], "pass",
-                               time.perf_counter() - t0)
-            except Exception as exc:  # noqa: BLE001 - RankError/RankTimeout, or Ray's TrainingFailedError: a row
-                first = str(exc).strip().splitlines()
-                row = SmokeRow(chapter, target.split(":")[-1], world, backend, "?", "FAIL", time.perf_counter() - t0,
-                               first[0][:160] if first else type(exc).__name__)
+                        got = spawn(_run_one, world, args=(target, kwargs, tmp), backend="auto",
+                                    timeout=timeout)[0]
+                row = _row(entry, world, got, time.perf_counter() - t0)
+            except Exception as exc:  # noqa: BLE001 - RankError/RankTimeout, Ray's TrainingFailedError: a row
+                row = _failed_row(entry, world, backend, exc, time.perf_counter() - t0)
             rows.append(row)
             if progress is not None:
                 progress(row)
@@ -238,10 +308,11 @@ def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180
 
 
 def format_smoke(rows: list[SmokeRow]) -> str:
-    lines = [f"{'ch':<3}{'function':<34}{'world':>6}  {'backend':<8}{'device':<8}{'status':<7}{'s':>6}"]
+    w = max([len("chapter"), *(len(r.chapter) for r in rows)]) + 1
+    lines = [f"{'chapter':<{w}}{'function':<34}{'world':>6}  {'backend':<8}{'device':<8}{'status':<7}{'s':>6}"]
     for r in rows:
-        lines.append(f"{r.chapter:<3}{r.function:<34}{r.world_size:>6}  {r.backend:<8}{r.device:<8}{r.status:<7}"
-                     f"{r.seconds:>6.1f}" + (f"  {r.error}" if r.error else ""))
+        lines.append(f"{r.chapter:<{w}}{r.function:<34}{r.world_size:>6}  {r.backend:<8}{r.device:<8}"
+                     f"{r.status:<7}{r.seconds:>6.1f}" + (f"  {r.error}" if r.error else ""))
     failed = sum(r.status != "pass" for r in rows)
     lines.append(f"{len(rows) - failed}/{len(rows)} passed")
     return "\n".join(lines)
