@@ -221,13 +221,27 @@ def _naive_case(steps):
     return {"params": params_of(model)}
 
 
+class _Calls(DDPTimeline):
+    """The timeline, also noting which observer hook ran, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+        for name in ("on_forward_start", "on_forward_end", "on_bucket_launch", "on_wait_start", "on_bucket_done",
+                     "on_step_done"):
+            hook = getattr(self, name)
+            setattr(self, name, lambda *a, _name=name, _hook=hook: (self.calls.append(_name[3:]), _hook(*a)))
+
+
 def _timeline_case():
     rank, world = dist.get_rank(), dist.get_world_size()
-    timeline = DDPTimeline()  # an observer, attached from outside
+    timeline = _Calls()  # an observer, attached from outside
     ddp = DDP(build_model("tied"), bucket_cap_mb=0.03, observer=timeline)
     x, y = batch(0)
     ddp(shard(x, rank, world), shard(y, rank, world))[1].backward()
-    return {"timeline": list(timeline.events), "n_buckets": len(ddp.buckets)}
+    with ddp.no_sync():
+        ddp(shard(x, rank, world), shard(y, rank, world))[1].backward()
+    return {"timeline": list(timeline.events), "n_buckets": len(ddp.buckets), "calls": timeline.calls}
 
 
 def _refusal_case():
@@ -500,6 +514,15 @@ def test_timeline_shows_communication_launched_during_backward(world):
         (bwd,) = [e for e in events if e[:2] == ("compute", "backward")]
         first_launch = min(e[2] for e in events if e[0] == "comm")
         assert first_launch < bwd[3], "the first bucket is launched before backward ends (overlap)"
+
+
+@pytest.mark.parametrize("world", world_ids)
+def test_observer_hooks_run_in_step_order_and_not_under_no_sync(world):
+    for out in suite(world)[("timeline",)]:
+        k = out["n_buckets"]
+        synced = ["forward_start", "forward_end", *["bucket_launch"] * k, "wait_start", *["bucket_done"] * k,
+                  "step_done"]
+        assert out["calls"] == synced + ["forward_start", "forward_end"], "no_sync: a forward, no reduction"
 
 
 # --------------------------------------------------------------------------- the notebook's measurements
