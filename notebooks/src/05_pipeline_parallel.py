@@ -150,14 +150,14 @@ for k, d in diffs.items():
 
 # %%
 def timing_suite():
-    return {"sleep": E.sleep_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.04, t_b=0.08),
+    return {"sleep": E.measure_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.04, t_b=0.08),
             "gpt": E.gpt_timelines(("gpipe", "1f1b"), num_microbatches=8, global_batch=32, steps=3),
             "torch": [E.torch_pipelining_grads(s) for s in ("gpipe", "1f1b", "interleaved")],
             "zb": E.zero_bubble_order(num_microbatches=4)}
 
 
 tm = spawn(timing_suite, 2)
-sleep = E.BubbleResult(**tm[0]["sleep"])
+sleep = tm[0]["sleep"]
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -200,7 +200,7 @@ for claim, ok in sleep.claims().items():
 gpt = dict(enumerate(tm))
 fig, axes = plt.subplots(2, 1, figsize=(9, 3.6))
 for ax, name in zip(axes, ("gpipe", "1f1b")):
-    t = gpt[0]["gpt"][name]
+    t = gpt[0]["gpt"].schedules[name]
     gantt(t["events"], ax=ax, title=f"GPT, {name}, p=2, m=8: bubble per rank {[round(b, 2) for b in t['bubble']]} "
                                     f"(formula {pipeline_bubble(2, 8):.2f})", label_microbatches=False)
 plt.tight_layout()
@@ -215,7 +215,7 @@ plt.show()
 
 # %%
 for rank in (0, 1):
-    g, o = gpt[rank]["gpt"]["gpipe"], gpt[rank]["gpt"]["1f1b"]
+    g, o = gpt[rank]["gpt"].schedules["gpipe"], gpt[rank]["gpt"].schedules["1f1b"]
     print(f"rank {rank}: peak live micro-batches GPipe {g['peak_live']} (= m = 8: {g['peak_live'] == 8}), "
           f"1F1B {o['peak_live']} (≤ p − stage = {2 - rank}: {o['peak_live'] <= 2 - rank})")
     print(f"        peak live activation bytes GPipe / 1F1B ≈ live micro-batches ratio {8 / o['peak_live']:.0f}: "
@@ -224,8 +224,8 @@ for rank in (0, 1):
 # %%
 # NBVAL_IGNORE_OUTPUT
 for rank in (0, 1):
-    print(f"rank {rank}: GPipe {gpt[rank]['gpt']['gpipe']['peak_live_bytes'] / 2**20:.2f} MiB, "
-          f"1F1B {gpt[rank]['gpt']['1f1b']['peak_live_bytes'] / 2**20:.2f} MiB of live activations")
+    live = {name: t["peak_live_bytes"] / 2**20 for name, t in gpt[rank]["gpt"].schedules.items()}
+    print(f"rank {rank}: GPipe {live['gpipe']:.2f} MiB, 1F1B {live['1f1b']:.2f} MiB of live activations")
 
 # %% [markdown]
 # ## 6. Communication: point-to-point, predicted vs measured
@@ -238,11 +238,11 @@ for rank in (0, 1):
 # cost model): 2·m messages per step per boundary.
 
 # %%
-act = gpt[0]["gpt"]["activation_bytes"]
+act = gpt[0]["gpt"].activation_bytes
 for rank in (0, 1):
     want = pipeline_p2p_bytes(2, 8, act, stage=rank)
     for name in ("gpipe", "1f1b"):
-        got = gpt[rank]["gpt"][name]
+        got = gpt[rank]["gpt"].schedules[name]
         print(f"rank {rank} {name:<5}: sent {got['sends']} messages, {got['sent_bytes']:,} bytes; predicted "
               f"{want:,.0f} (8 micro-batches × {act:,} bytes): {got['sent_bytes'] == want}")
 
@@ -271,7 +271,7 @@ for v in (1, 2):
 # %%
 for r in tm:
     for t in r["torch"]:
-        print(f"rank {t['rank']}: {t['schedule']:<24} max|Δgrad| vs our runner ≤ 1e-6: {t['max_grad_diff'] <= 1e-6}")
+        print(f"rank {t.rank}: {t.schedule:<24} max|Δgrad| vs our runner ≤ 1e-6: {t.max_grad_diff <= 1e-6}")
 
 # %% [markdown]
 # Newer schedules in torch 2.13: **`ScheduleInterleavedZeroBubble`** and **`ScheduleZBVZeroBubble`** (Qi et al. 2023,
@@ -284,14 +284,14 @@ for r in tm:
 # micro-batch 0), beside our 1F1B's order.
 
 # %%
-order = tm[0]["zb"]["order"]
+order = tm[0]["zb"].order
 for r in (0, 1):
     print(f"zero bubble, rank {r}: {' '.join(a or '·' for a in order[r])}")
 ours = make_schedules("interleaved", 2, 4, num_chunks=2)
 for r in (0, 1):
     print(f"our interleaved 1F1B, rank {r}: {' '.join(f'{a.chunk * 2 + r}{a.op}{a.microbatch}' for a in ours[r])}")
 print("zero-bubble step ran; loss equals the GPipe/1F1B loss:",
-      abs(tm[1]["zb"]["loss"] - tm[1]["torch"][0]["torch_loss"]) < 1e-6 if tm[1]["zb"]["loss"] else None)
+      abs(tm[1]["zb"].loss - tm[1]["torch"][0].torch_loss) < 1e-6 if tm[1]["zb"].loss else None)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -323,9 +323,9 @@ plt.show()
 ppdp = spawn(E.pp_dp_training, 4, kwargs=dict(num_stages=2, steps=5, num_microbatches=2, global_batch=16))
 ref5 = refs[("sgd", 5)]
 for replica in (0, 1):
-    d = state_diff(E.merge_states([r for r in ppdp if r["replica"] == replica]), ref5)
+    d = state_diff(E.merge_states([r for r in ppdp if r.replica == replica]), ref5)
     print(f"replica {replica}: 2 stages × 2 replicas equals one device (max|Δ| ≤ 1e-6): {d <= 1e-6}")
-print("every rank all-reduced gradients within one group only:", all(len(r["groups"]) == 1 for r in ppdp))
+print("every rank all-reduced gradients within one group only:", all(len(r.groups) == 1 for r in ppdp))
 
 # %% [markdown]
 # ## 9. Exercise

@@ -337,7 +337,7 @@ print("  full_tensor() of every block gradient equals one device (≤ 1e-5):",
 # with loss_parallel():                     # cross-entropy on logits sharded over V, never gathered
 #     logits, loss = model(x, y); loss.backward()
 # ```
-# (`E.dtensor_plan`, `E.parallelize_gpt`.) Two traps, both run below:
+# (`tensor_parallel.dtensor_plan`, `tensor_parallel.parallelize_gpt`.) Two traps, both run below:
 # - **`loss_parallel()` needs the head's output as a DTensor** `Shard(-1)` (`use_local_output=False`). With the
 #   default `ColwiseParallel()` the GPT receives plain local logits of V/t columns and its cross-entropy fails (or,
 #   with luckier targets, computes a wrong loss).
@@ -367,11 +367,11 @@ print("trap 2, a tied GPT still tied after parallelize_module:", dt["tied_after_
 
 # %%
 mesh_runs = spawn(E.mesh_suite, 4, kwargs=dict(global_batch=8, steps=5), timeout=240)
-dp0 = sorted((r["dp_tp"] for r in mesh_runs if r["dp_tp"]["dp_rank"] == 0), key=lambda r: r["tp_rank"])
+dp0 = sorted((r["dp_tp"] for r in mesh_runs if r["dp_tp"].dp_rank == 0), key=lambda r: r.tp_rank)
 print("DP×TP (ours), 5 AdamW steps, equal one device (≤ 1e-5):",
       max_diff(E.merge_shards(dp0, "state"), reference_run(cfg, 5, 8, "adamw")[0].state_dict()) <= 1e-5)
-print("collectives per step and mesh dimension:", mesh_runs[0]["dp_tp"]["collectives_step0"])
-ring = mesh_runs[0]["dp_tp"]["ring_bytes_step0"]
+print("collectives per step and mesh dimension:", mesh_runs[0]["dp_tp"].collectives_step0)
+ring = mesh_runs[0]["dp_tp"].ring_bytes_step0
 print(f"ring bytes per rank and step: tp {ring['tp']:,.0f}, dp {ring['dp']:,.0f}")
 print("FSDP2 (dp) × DTensor TP (tp): gradients equal one device (≤ 1e-5):",
       max_diff(mesh_runs[0]["fsdp_tp"]["grads"], ref_grads) <= 1e-5)
