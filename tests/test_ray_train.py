@@ -11,14 +11,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
 from course_lib import ray_train  # noqa: E402
 from course_lib.experiments import ray_train as ex  # noqa: E402
 
-TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW, see COURSE_DESIGN's note on equality tests
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +62,8 @@ def test_ray_core_tasks_actor_object_store(local_ray):
         w = ps.get_weights.remote()
         ray.get(ps.apply.remote(*[grad.remote(w, xs, ys) for xs, ys in shards]))
     assert ray.get(ps.apply.remote(np.zeros(3))) == 61, "the actor kept its state (update count) between calls"
-    np.testing.assert_allclose(ray.get(ps.get_weights.remote()), w_true, atol=1e-3)
+    # gradient descent converges (not an equality between two computations: no named tolerance applies)
+    assert np.abs(ray.get(ps.get_weights.remote()) - w_true).max() < 1e-3
 
 
 def test_too_many_workers_is_refused_before_a_pending_hang(local_ray):
@@ -84,7 +83,7 @@ def test_ddp_fit_survives_a_raising_worker_and_equals_one_device(local_ray, tmp_
     log = ray_train.ReportLog()
     result = _trainer(ex.ddp_loop, cfg, callbacks=[log], max_failures=1).fit()
     assert (tmp_path / "raised").exists(), "the failure was injected"
-    torch.testing.assert_close(ex.final_state(result), ex.reference_params(cfg), **TOL)
+    ex.equal_to_one_device(result, cfg).assert_passed()  # within for_optimizer("adamw") = ADAMW
     hist = log.history()
     steps = [(h["epoch"], h["step"]) for h in hist if "step" in h]
     assert steps.count((1, 0)) == 2, "epoch 1's first step ran, was lost with the failure, and was redone"
@@ -103,7 +102,7 @@ def test_fsdp2_dcp_survives_a_killed_worker_and_equals_one_device(local_ray, tmp
     with result.checkpoint.as_directory() as d:
         shards = sorted(f for f in os.listdir(os.path.join(d, "dcp")) if f.endswith(".distcp"))
     assert len(shards) == 2, f"each worker wrote its own DCP shard: {shards}"
-    torch.testing.assert_close(ex.final_state(result), ex.reference_params(cfg), **TOL)
+    ex.equal_to_one_device(result, cfg).assert_passed()
 
 
 def _line_of(fn, needle: str) -> int:
@@ -151,6 +150,6 @@ def test_a_chapter02_rank_function_runs_unchanged_under_spawn_torchrun_and_ray(l
     result = _trainer(ex.rank_function_loop, {"fn": equality_with_single_device, "args": args}).fit()
     by_ray = ex.rank_results(result, 2)
     for r in range(2):
-        assert by_spawn[r].max_abs_diff <= by_spawn[r].tolerance
+        assert all(by_spawn[r].claims().values()), by_spawn[r]
         assert by_ray[r] == by_spawn[r], f"rank {r}: Ray {by_ray[r]} vs spawn {by_spawn[r]}"
         assert f"rank {r}: {by_spawn[r]!r}" in proc.stdout, proc.stdout

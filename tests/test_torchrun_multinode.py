@@ -25,13 +25,13 @@ import pytest
 import torch
 
 import netns
+from course_lib.results import REORDERED  # the same computation on the same 2 ranks: float order at most
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 PORT = 29400
 DDP = ("course_lib.experiments.ddp:equality_with_single_device", ("own_bucketed", "adamw", 3))
 FSDP = ("course_lib.experiments.fsdp:fsdp2_vs_single_device", (3, "adamw"))
-TIGHT = dict(rtol=1e-6, atol=1e-7)  # the same computation on the same 2 ranks: float-order differences at most
 
 
 def torchrun_command(node_rank: int, hosts, rdzv_id: str, out_dir: str) -> list[str]:
@@ -89,8 +89,8 @@ def test_ddp_and_fsdp2_under_torchrun_on_two_nodes_equal_the_single_node_run(two
     for r in range(2):
         ddp, fsdp = per_rank[r]["results"]
         assert all(ddp.claims().values()), ddp
-        torch.testing.assert_close(ddp.max_abs_diff, ddp_single[r].max_abs_diff, **TIGHT)
-        assert fsdp["allclose_1e-5"] and fsdp["max_abs_diff"] <= 1e-5, fsdp["max_abs_diff"]
-        torch.testing.assert_close(fsdp["full_state"], fsdp_single[r]["full_state"], **TIGHT)
-        torch.testing.assert_close(fsdp["losses"], fsdp_single[r]["losses"], **TIGHT)
+        REORDERED.assert_close(ddp.max_abs_diff, ddp_single[r].max_abs_diff, "DDP max|Δ| vs one device")
+        assert fsdp["allclose_1e-5"], fsdp["max_abs_diff"]  # the FSDP2 experiment's own verdict vs one device
+        REORDERED.assert_close(fsdp["full_state"], fsdp_single[r]["full_state"], "FSDP2 final state")
+        REORDERED.assert_close(fsdp["losses"], fsdp_single[r]["losses"], "FSDP2 losses")
     print(f"two-node torchrun (DDP + FSDP2, 3 AdamW steps each): {multi_s:.1f} s")

@@ -4,7 +4,8 @@ Registered with ``launcher="parent"``: ``check()`` calls :func:`check_ray_train_
 (the notebook's), which uses the Ray session already running there (notebook 07's) or starts one and stops
 it afterwards, runs ``fit()`` and reads the run's last checkpoint. The checkpointed weights must equal one
 device trained on the same global batches in the same order — ``DistributedSampler``'s permutation of each
-epoch, :func:`~course_lib.experiments.ray_train.reference_params` — with AdamW, max |Δ| ≤ 1e-5.
+epoch, :func:`~course_lib.experiments.ray_train.reference_params` — within ``results.ADAMW``
+(``for_optimizer("adamw")``: rtol 1e-5, atol 5e-5).
 An exception in the training function makes ``fit()`` raise ``TrainingFailedError`` with the worker's
 traceback; it propagates, and ``check()`` reports it (``NotImplementedError`` → unsolved).
 """
@@ -19,12 +20,12 @@ import torch
 
 from .. import ray_train
 from ..experiments.ray_train import reference_params
+from ..results import for_optimizer
 
 __all__ = ["CONFIG", "WORKERS", "check_ray_train_loop"]
 
 CONFIG = {"epochs": 2, "samples": 32, "global_batch": 8, "optimizer": "adamw"}  # 4 steps per epoch
 WORKERS = 2
-TOL = 1e-5  # AdamW, see COURSE_DESIGN's note on equality tests
 
 
 def check_ray_train_loop(fn) -> list[str]:
@@ -72,10 +73,11 @@ def _compare(result) -> list[str]:
     if wrong:
         return problems + [f"model.pt does not hold the GPT's parameters ({wrong[:3]} missing or of another "
                            "shape): save the (unwrapped) model's state_dict()"]
+    tol = for_optimizer(CONFIG["optimizer"])
     err, key = max(((state[k].float() - reference[k].float()).abs().max().item(), k) for k in reference)
-    if err > TOL:
+    if not tol.ok({k: state[k].float() for k in reference}, reference):
         problems.append(f"the checkpointed weights differ from one device trained on the same global batches by "
-                        f"max |Δ| = {err:.3g} (in {key}): does every worker train on its own shard "
+                        f"max |Δ| = {err:.3g} (in {key}), beyond {tol}: does every worker train on its own shard "
                         f"(prepare_data_loader) with the per-worker batch global_batch // world_size, do the "
                         f"gradients get averaged (prepare_model), and is set_epoch(epoch) called every epoch?")
     return problems

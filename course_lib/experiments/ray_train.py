@@ -14,8 +14,13 @@ Ray Train (``train_loop_per_worker`` functions: each runs on every worker *after
 * :func:`rank_function_loop` — any course rank function (e.g. chapter 02's) run unchanged on Ray's workers.
 
 Parent side: :func:`reference_params` (one device, the same data order), :func:`final_state` and
-:func:`rank_results` (read a ``Result``'s checkpoint), :func:`fail_once` (a worker that raises or is
-killed mid-run, once per run).
+:func:`rank_results` (read a Ray ``Result``'s checkpoint), :func:`equal_to_one_device` (the run's final
+weights vs one device, as a ``results.Result`` row within ``for_optimizer``'s tolerance),
+:func:`fail_once` (a worker that raises or is killed mid-run, once per run).
+
+The loops here are Ray Train's (``train_loop_per_worker``: ``prepare_model`` / ``prepare_data_loader``,
+reports and checkpoints); each step inside them, and the one-device reference, is
+``course_lib.train.train_step``.
 """
 from __future__ import annotations
 
@@ -32,11 +37,12 @@ from torch.utils.data import DataLoader
 
 from ..data import SyntheticDataset
 from ..models import GPT
-from .common import check_global_batch, make_optimizer, small_config, train_step
+from ..results import for_optimizer
+from .common import Result, check_global_batch, make_optimizer, small_config, train_step
 
 __all__ = ["busy", "nap", "checksum", "ParameterServer", "shard_gradient", "train_config", "ddp_loop", "fsdp_loop",
            "rank_function_loop", "node_and_equality", "reference_params", "final_state", "rank_results", "fail_once",
-           "PLAIN_LOOP"]
+           "equal_to_one_device", "PLAIN_LOOP"]
 
 
 # =========================================================================== Ray Core
@@ -291,3 +297,12 @@ def rank_results(result, world: int) -> list:
             with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
                 out.append(pickle.load(f))
         return out
+
+
+def equal_to_one_device(result, cfg: dict, world: int = 2, title: str = "") -> Result:
+    """A row: a finished run's last-checkpoint parameters vs :func:`reference_params` (one device, the same
+    global batches in the same order), within the optimizer's named tolerance (``results.for_optimizer``)."""
+    out = Result(title=title or f"Ray Train, {world} workers, vs one device")
+    out.equal("final parameters", final_state(result), reference_params(cfg, world),
+              for_optimizer(cfg["optimizer"]), against="one device, same global batches")
+    return out
