@@ -8,14 +8,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
 from course_lib import ray_data, ray_train  # noqa: E402
 from course_lib.experiments import ray_data as E  # noqa: E402
-
-TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW, see COURSE_DESIGN's note on equality tests
+from course_lib.results import REORDERED  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +113,11 @@ def test_standard_scaler_fits_on_train_and_transforms_another_dataset(local_ray,
     train = ray.data.read_parquet(corpus["folder"])
     scaler = StandardScaler(columns=["score"]).fit(train)
     scores = np.array([r["score"] for r in train.take_all()])
-    assert scaler.stats_["mean(score)"] == pytest.approx(scores.mean())
-    assert scaler.stats_["std(score)"] == pytest.approx(scores.std(), rel=1e-6)
+    # the same float64 statistics, summed in another order by Ray's aggregation
+    REORDERED.assert_close(scaler.stats_["mean(score)"], scores.mean(), "mean")
+    REORDERED.assert_close(scaler.stats_["std(score)"], scores.std(), "std")
     out = np.array([r["score"] for r in scaler.transform(train.limit(32)).take_all()])
-    np.testing.assert_allclose(out, (scores[:32] - scores.mean()) / scores.std(), rtol=1e-6)
+    REORDERED.assert_close(out, (scores[:32] - scores.mean()) / scores.std(), "transformed scores")
 
 
 @pytest.fixture(scope="module")
@@ -130,21 +129,19 @@ def overlap(local_ray, corpus):
 
 
 def test_streaming_and_serial_see_every_row_once_per_epoch_and_end_equal(overlap, corpus):
+    """Every variant covers every row once per epoch; the shuffled serial and streaming runs deal the same
+    batches and end bit-identical; streaming equals one device (ADAMW); the unsplit set reaches each worker whole."""
     workers = overlap["workers"]
-    for name in ("serial_2ep", "streaming_2ep"):
+    result = E.overlap_result(overlap, corpus["folder"], same=(("serial_2ep", "streaming_2ep"),))
+    claims = result.claims()
+    for name in ("serial_2ep", "streaming_2ep", "serial", "streaming", "no_prefetch", "dataloader"):
         for epoch in (0, 1):
-            seen = sorted(i for w in workers for (e, *_), b in zip(w["runs"][name]["steps"], w["runs"][name]["ids"])
-                          if e == epoch for i in b)
-            assert seen == list(range(corpus["rows"])), f"{name} epoch {epoch}: every row exactly once"
+            assert f"{name}, epoch {epoch}: rows seen over the workers" in claims
+    assert "serial_2ep vs streaming_2ep: final parameters" in claims and "streaming: final parameters" in claims
+    result.assert_passed()
     for w in workers:
-        assert w["runs"]["serial_2ep"]["ids"] == w["runs"]["streaming_2ep"]["ids"], \
-            f"worker {w['rank']}: the same batches, in the same order, from both pipelines"
         first = w["runs"]["streaming_2ep"]["ids"]
         assert first[:len(first) // 2] != first[len(first) // 2:], "the local shuffle changes every epoch"
-    rank0 = next(w for w in workers if w["rank"] == 0)["runs"]
-    torch.testing.assert_close(rank0["streaming_2ep"]["state"], rank0["serial_2ep"]["state"], **TOL)
-    ids = [next(w for w in workers if w["rank"] == r)["runs"]["streaming"]["ids"] for r in range(2)]
-    torch.testing.assert_close(rank0["streaming"]["state"], E.reference_state(corpus["folder"], ids), **TOL)
     assert [w["rows"]["valid"] for w in workers] == [40, 40], "a dataset left out of datasets_to_split: whole"
 
 

@@ -14,7 +14,12 @@ loop, how long each step waited for its batch. Sources: a Ray Data shard (``get_
 
 Parent side: :func:`build_dataset`, :func:`fit` (the early checks, then one ``TorchTrainer.fit``),
 :func:`overlap_run` (serial = ``materialize()`` then train, vs streaming, vs ``prefetch_batches=0``, vs the
-``DataLoader``, in one fit), :func:`summarize` and :func:`reference_state` (one device, the same batches).
+``DataLoader``, in one fit), :func:`summarize` (timing), :func:`reference_state` (one device, the same batches)
+and :func:`overlap_result` (the race's correctness as a ``results.Result``: every row once per epoch, equal
+pipelines, equal to one device).
+
+The loop is Ray Train's (``train_loop_per_worker`` over dataset shards); each step inside it, and the one-device
+reference, is ``course_lib.train.train_step``.
 """
 from __future__ import annotations
 
@@ -28,12 +33,13 @@ from torch.utils.data import DataLoader, Dataset
 from .. import ray_data, ray_train
 from ..data import counter_sequences
 from ..models import GPT
+from ..results import ADAMW, EXACT
+from .common import Result, make_optimizer, small_config, train_step
 from .ray_train import rank_results
-from .common import make_optimizer, small_config, train_step
 
 __all__ = ["write_corpus", "read_corpus", "tokenize", "Tokenizer", "build_dataset", "build_actor_dataset",
            "FileBatches", "data_loop", "fit", "overlap_run", "summarize", "timelines", "reference_state",
-           "format_summary", "benchmark", "VARIANTS"]
+           "overlap_result", "format_summary", "benchmark", "VARIANTS"]
 
 VOCAB = {f"w{i:02d}": i for i in range(small_config().vocab_size)}   # the "tokenizer": word -> token id
 
@@ -343,6 +349,37 @@ def reference_state(folder: str, per_worker_ids: list[list[list[int]]]) -> dict:
         tok = tokenize({"id": np.asarray(idx), "text": [text[i] for i in idx]})
         train_step(model, opt, torch.from_numpy(tok["x"]), torch.from_numpy(tok["y"]))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def overlap_result(run: dict, folder: str, same: tuple = (), reference: str = "streaming") -> Result:
+    """The race's correctness as rows (its timing is :func:`summarize`'s): every variant saw every row exactly
+    once per epoch; each pair in ``same`` (e.g. ``("serial_2ep", "streaming_2ep")``, both shuffled with the
+    same seeds) dealt each worker the same batches in the same order and ended with bit-identical weights;
+    ``reference`` equals one device on the same global batches (:func:`reference_state`, AdamW).
+
+    Equal batches need ``preserve_order`` (Ray Data's execution option): otherwise blocks may arrive in
+    another order in each pipeline.
+    """
+    workers = sorted(run["workers"], key=lambda w: w["rank"])
+    rows = ray_data.parquet_num_rows(folder)
+    out = Result(title=f"Ray Data into Ray Train: {len(workers)} workers, {rows} rows")
+    for name in workers[0]["runs"]:
+        epochs = sorted({s[0] for s in workers[0]["runs"][name]["steps"]})
+        for epoch in epochs:
+            seen = sorted(i for w in workers for (e, *_), b in zip(w["runs"][name]["steps"], w["runs"][name]["ids"])
+                          if e == epoch for i in b)
+            out.condition(f"{name}, epoch {epoch}: rows seen over the workers", len(seen),
+                          seen == list(range(rows)), f"each of the {rows} ids exactly once")
+    for a, b in same:
+        for w in workers:
+            out.condition(f"worker {w['rank']}: {a} and {b} deal the same batches", len(w["runs"][a]["ids"]),
+                          w["runs"][a]["ids"] == w["runs"][b]["ids"], "same ids, same order")
+        out.equal(f"{a} vs {b}: final parameters", workers[0]["runs"][a]["state"], workers[0]["runs"][b]["state"],
+                  EXACT, against=b)
+    ids = [w["runs"][reference]["ids"] for w in workers]
+    out.equal(f"{reference}: final parameters", workers[0]["runs"][reference]["state"],
+              reference_state(folder, ids), ADAMW, against="one device, same global batches")
+    return out
 
 
 def format_summary(summary: dict) -> str:
