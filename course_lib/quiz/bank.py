@@ -2,8 +2,8 @@
 
 A chapter is named by its topic (``"ddp"``, see :mod:`course_lib.chapters`); anywhere a chapter is
 asked for, its notebook number (``2`` or ``"02"``) works too. Each item has a Korean and an English
-statement, the answer ``O`` (true) or ``X`` (false), an explanation that says *why*, a short ``trap``
-naming the misconception it tests, a ``source``, a ``topic`` (the final exam scores per topic),
+statement, the answer ``O`` (true) or ``X`` (false), an explanation that says *why*, a short
+``trap`` naming the misconception it tests, a ``source``, a ``topic`` (the exam scores per topic),
 ``teaches`` (``"<chapter>#anchor"``: the notebook section that teaches it, in the item's chapter or
 an earlier one) and, for items that give each other away, a ``group`` (an exam form draws at most
 one item per group). Items marked ``seed: true`` are the course's 14 exam statements, kept verbatim:
@@ -214,7 +214,8 @@ def _read_file(path: Path, topic: str) -> tuple[dict, list]:
     except yaml.YAMLError as exc:
         raise QuizBankError(f"{path}: malformed YAML: {exc}") from exc
     if not isinstance(data, Mapping) or not isinstance(data.get("items"), list):
-        raise QuizBankError(f"{path}: expected a mapping with 'chapter', 'title' and an 'items' list")
+        raise QuizBankError(f"{path}: expected a mapping with 'chapter', 'title' and an "
+                            "'items' list")
     if data.get("chapter") != topic:
         raise QuizBankError(f"{path}: top-level chapter {data.get('chapter')!r} does not match the "
                             "file name")
@@ -281,6 +282,6 @@ def anchor_of(item: Mapping) -> tuple[str, str]:
 
 
 def section_of(item: Mapping) -> str:
-    """Where to reread ``item``, as a learner finds it: ``"NN#anchor"`` (notebook NN, its anchor)."""
+    """Where a learner rereads ``item``: ``"NN#anchor"`` (notebook NN, its anchor)."""
     topic, anchor = anchor_of(item)
     return f"{number(topic):02d}#{anchor}"

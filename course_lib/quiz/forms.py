@@ -31,7 +31,8 @@ def exam_items(n: int | None = DEFAULT_N, seed: int = 0, *, bank_dir=None) -> li
     The chapter with the fewest items on the form draws next (chapters and items in a
     ``random.Random(seed)`` order), never two items of one ``group`` nor one of a seed's group.
     Listed in bank order, chapter by chapter; the same ``(n, seed)`` gives the same form anywhere.
-    ``n=None`` takes every item the group rule allows. Raises ``ValueError`` for an ``n`` below the seed count or above what the group rule allows.
+    ``n=None`` takes every item the group rule allows. Raises ``ValueError`` for an ``n`` below
+    the seed count or above what the group rule allows.
     """
     bank = load_bank(bank_dir=bank_dir)
     order = {item["id"]: index for index, item in enumerate(bank)}

@@ -175,7 +175,7 @@ class ExamResult(QuizResult):
                          for t, (s, n) in rows)
 
     def reread_text(self) -> str:
-        """``Reread: 02#anchor (trap), ...`` in the result's language ('' when nothing was missed)."""
+        """``Reread: 02#anchor (trap), ...`` in the result's language ('' if nothing was missed)."""
         if not self.reread:
             return ""
         places = ", ".join(f"{where} ({trap})" for trap, where in self.reread)

@@ -1,14 +1,16 @@
 """The course-wide quiz language and every learner-facing string, in Korean and English.
 
 English by default, like the prose. ``COURSE_LANG=ko`` in the environment or ``set_language("ko")``
-switches every quiz, exam and progress report to Korean; ``lang=`` on a call overrides it for that call.
+switches every quiz, exam and progress report to Korean; ``lang=`` on a call overrides it for that
+call.
 """
 from __future__ import annotations
 
 import os
 import warnings
 
-__all__ = ["LANGS", "DEFAULT_LANG", "UI", "get_language", "set_language", "resolve_lang", "check_lang"]
+__all__ = ["LANGS", "DEFAULT_LANG", "UI", "get_language", "set_language", "resolve_lang",
+           "check_lang"]
 
 LANGS = ("ko", "en")
 DEFAULT_LANG = "en"

@@ -7,7 +7,7 @@
      "exercises": {"ring_all_reduce": {"passed": true, "passes": 1}}}
 
 Quiz records are keyed by chapter topic. Files written before chapters had topics key them by
-number (``"ch02"``); :func:`progress` reads those as their topic, so nothing a learner saved is lost.
+number (``"ch02"``); :func:`progress` reads those as their topic: nothing a learner saved is lost.
 Exercises are recorded when ``check(name)`` passes on the learner's own ``exercises/`` file;
 nothing is re-run on demand.
 """
@@ -42,7 +42,7 @@ def progress_path() -> Path:
 
 
 def better(new: Mapping, old: Mapping | None) -> bool:
-    """Is score ``new`` better than ``old``? Fractions compared exactly; a tie goes to the longer."""
+    """Is score ``new`` better than ``old``? Fractions compared exactly; ties go to the longer."""
     if not old or not old.get("total"):
         return True
     lhs, rhs = new["score"] * old["total"], old["score"] * new["total"]
@@ -215,7 +215,9 @@ def progress_report(state: CourseProgress | None = None, lang: str | None = None
         shown = ui["passed"] if ok else ui["not_yet"]
         lines.append(f"  {number(topic):02d} {name:<{width}}  {shown}")
     exam = state.exam
-    shown = f"{_pct(exam[0], exam[1])}, {ui['attempts'].format(n=exam[2])}" if exam else ui["not_yet"]
+    shown = ui["not_yet"]
+    if exam:
+        shown = f"{_pct(exam[0], exam[1])}, {ui['attempts'].format(n=exam[2])}"
     lines.append(f"{ui['exam']}: {shown}")
     lines.append(ui["done"].format(
         q=sum(b is not None for b in state.quizzes.values()), qt=len(state.quizzes),

@@ -1,4 +1,4 @@
-"""The deterministic text of a quiz or exam: what a cell shows outside a kernel and what nbval compares.
+"""The deterministic text of a quiz or exam: what a cell shows outside a kernel; nbval compares it.
 
 The listing is the heading, the numbered statements, and one hint line: :data:`WIDGET_HINT` under
 the widget, a how-to-answer line under the plain-text objects. Changing any of it changes every

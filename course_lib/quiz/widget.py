@@ -138,7 +138,7 @@ class QuizWidget:
         return len(self.answers) == len(self.items)
 
     def answer(self, index: int | str, value: str) -> None:
-        """Answer statement ``index`` (0-based position, or its id) as if its button were clicked."""
+        """Answer statement ``index`` (0-based position, or its id) as its button would."""
         if isinstance(index, str):
             ids = [item["id"] for item in self.items]
             if index not in ids:
