@@ -12,7 +12,8 @@ torch's public hooks (module hooks, dispatch modes, ``FSDPMemTracker``):
 * :class:`IssueTimeline` — a ``CollectiveCounter`` that also notes *when* each collective is issued;
 * :func:`memory_tracker` — ``FSDPMemTracker`` sampled after every operator (phase, total bytes,
   unsharded-parameter bytes); the one place that reads torch's private ``_FSDPRefType``;
-* :func:`tracker_bytes` — a tracker snapshot's ``{category: bytes}`` for one device type.
+* :func:`tracker_bytes` — a tracker snapshot's ``{category: bytes}`` for one device type;
+* :class:`Zero3Timeline` — our ``Zero3``'s gathers and frees, attached as a ``zero3.Zero3Observer``.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import torch.nn as nn
 
 from .comm import CollectiveCounter
 from .train import train_step
+from .zero3 import Zero3Observer
 
 __all__ = ["gathered_param_bytes", "GatheredParamMeter", "phased_step", "counted_step", "IssueTimeline",
-           "memory_tracker", "tracker_bytes"]
+           "memory_tracker", "tracker_bytes", "Zero3Timeline"]
 
 
 # --------------------------------------------------------------------------- gathered parameters
@@ -177,3 +179,34 @@ def tracker_bytes(snapshot: dict, dev) -> dict:
         if torch.device(d).type == torch.device(dev).type:
             return {getattr(k, "value", str(k)): v for k, v in snap.items()}
     return {}
+
+
+# --------------------------------------------------------------------------- our Zero3
+
+
+class Zero3Timeline(Zero3Observer):
+    """Every gather and free of a ``Zero3``'s units: ``(event, unit, bytes, seconds since t0)``.
+
+    ``bytes`` is what the unit's buffer holds right after the event (0 after a free).
+
+    >>> timeline = Zero3Timeline()
+    >>> handle = zero3.add_observer(timeline)
+    >>> ...; handle.remove()
+    """
+
+    def __init__(self, t0: float | None = None):
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.events: list[tuple[str, str, int, float]] = []
+
+    def _note(self, event: str, unit, buffer) -> None:
+        nbytes = buffer.untyped_storage().nbytes()
+        self.events.append((event, unit.name, nbytes, time.perf_counter() - self.t0))
+
+    def gathered(self, unit, buffer) -> None:
+        self._note("gather", unit, buffer)
+
+    def freed(self, unit, buffer) -> None:
+        self._note("free", unit, buffer)
+
+    def count(self, event: str) -> int:
+        return sum(e[0] == event for e in self.events)

@@ -199,26 +199,17 @@ def _any_models(steps: int = 4) -> dict:
     """Zero3(model) with default units on an nn.Sequential MLP and a CS336-style toy model: SGD vs one device."""
     import torch.distributed as dist
 
+    from course_lib.fsdp_meters import Zero3Timeline
     from course_lib.launch import device
-    from course_lib.zero3 import Zero3, Zero3Observer
-
-    class Count(Zero3Observer):
-        def __init__(self):
-            self.gathers, self.frees = 0, 0
-
-        def gathered(self, unit, buffer):
-            self.gathers += 1
-
-        def freed(self, unit, buffer):
-            self.frees += 1
+    from course_lib.zero3 import Zero3
 
     dev, out = device(), {}
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, 10, generator=gen).to(dev), torch.randn(BATCH, 5, generator=gen).to(dev)
     for kind in ("sequential", "toy"):
         z = Zero3(any_model(kind).to(dev))
-        count = Count()
-        handle = z.add_observer(count)
+        timeline = Zero3Timeline()
+        handle = z.add_observer(timeline)
         opt = torch.optim.SGD(z.parameters(), lr=0.1)
         xs, ys = common.shard_batch(x, y)
         for _ in range(steps):
@@ -227,7 +218,9 @@ def _any_models(steps: int = 4) -> dict:
             opt.step()
         handle.remove()
         out[kind] = {"units": [u.name for u in z.units], "describe": z.describe(), "repr": repr(z),
-                     "gathers": count.gathers, "frees": count.frees, "world": dist.get_world_size(),
+                     "gathers": timeline.count("gather"), "frees": timeline.count("free"),
+                     "freed_bytes": [e[2] for e in timeline.events if e[0] == "free"],
+                     "units_seen": sorted({e[1] for e in timeline.events}), "world": dist.get_world_size(),
                      "params": {k: v.detach().cpu().clone() for k, v in z.full_state_dict().items()}}
     return out
 
@@ -417,7 +410,9 @@ def test_default_units_wrap_any_model_and_train_like_one_device(world, kind, uni
     got = results(world)["any_model"][kind]
     assert got["units"] == units
     assert "unit='block'" in got["repr"] and all(u in got["describe"] for u in units)
-    assert got["gathers"] > 0 and got["frees"] >= got["gathers"]  # the observer saw every gather
+    # the observer saw each unit gathered twice per step (forward, backward) and freed as often, to 0 bytes
+    assert got["gathers"] == got["frees"] == 2 * 4 * len(units) and set(got["freed_bytes"]) == {0}
+    assert got["units_seen"] == sorted(units)
     model = any_model(kind)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, 10, generator=gen), torch.randn(BATCH, 5, generator=gen)
