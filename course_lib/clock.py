@@ -184,7 +184,7 @@ class _Cost(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.saved_tensors  # under checkpoint, unpacking re-runs the forward (and its sleep) now
+        (_anchor,) = ctx.saved_tensors  # under checkpoint this re-runs the forward (and its sleep) now
         ctx.clock.sleep(BACKWARD_FACTOR * ctx.flops, f"{ctx.label} bwd", "backward")
         return (None, None, None, None, *grads)
 
@@ -207,7 +207,7 @@ class AcceleratorClock:
         self.enabled = models_time(torch.device(device).type, force)
         self._late = 0.0  # how far the last sleep overshot its deadline (s): the next one is shorter
         self._open = None  # the costed module running now, with its FLOP counter
-        self._handles = []
+        self._handles, self._modules = [], []
         self.reset()
 
     @property
@@ -266,9 +266,10 @@ class AcceleratorClock:
             if getattr(module, "_accelerator_clock", None) is not None:
                 raise ValueError(f"{name} is already under a clock")
             module._accelerator_clock = self
+            self._modules.append(module)
             self._handles += [
-                module.register_forward_pre_hook(self._pre_hook(module)),
-                module.register_forward_hook(self._post_hook(module, name, kind), always_call=True),
+                module.register_forward_pre_hook(self._start),
+                module.register_forward_hook(self._finisher(name, kind), always_call=True),
             ]
         return model
 
@@ -276,20 +277,20 @@ class AcceleratorClock:
         """Take the clock off every module it was applied to."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        for module in self._modules:
+            module._accelerator_clock = None
+        self._handles, self._modules = [], []
 
-    def _pre_hook(self, module):
-        @torch.compiler.disable
-        def start(mod, args):
-            if self.enabled and self._open is None:  # costed modules do not nest: the outer one counts
-                counter = _FlopCounter()
-                counter.__enter__()
-                self._open = (module, counter)
-        return start
+    @torch.compiler.disable
+    def _start(self, module, args) -> None:
+        if self.enabled and self._open is None:  # costed modules do not nest: the outer one counts
+            counter = _FlopCounter()
+            counter.__enter__()
+            self._open = (module, counter)
 
-    def _post_hook(self, module, name, kind):
+    def _finisher(self, name: str, kind: str):
         @torch.compiler.disable
-        def finish(mod, args, output):
+        def finish(module, args, output):
             if self._open is None or self._open[0] is not module:
                 return None
             counter = self._open[1]
@@ -297,13 +298,18 @@ class AcceleratorClock:
             self._open = None
             if output is None:  # the forward raised: always_call closes the counter, nothing else
                 return None
-            outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
+            outs = [output] if isinstance(output, torch.Tensor) else list(output)
+            at = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
             flops = counter.flops
-            if kind == "head":
-                flops += LOSS_FLOPS_PER_LOGIT * _local(outputs[0]).numel()
-            anchor = torch.empty(0, device=outputs[0].device)
-            timed = _Cost.apply(self, name, flops, anchor, *outputs)
-            return timed[0] if isinstance(output, torch.Tensor) else type(output)(timed)
+            if kind == "head":  # the loss reads the head's logits
+                flops += LOSS_FLOPS_PER_LOGIT * _local(outs[at[0]]).numel()
+            anchor = torch.empty(0, device=outs[at[0]].device)
+            timed = _Cost.apply(self, name, flops, anchor, *[outs[i] for i in at])
+            for i, t in zip(at, timed):
+                outs[i] = t
+            if isinstance(output, torch.Tensor):
+                return outs[0]
+            return tuple(outs) if isinstance(output, tuple) else outs
         return finish
 
 

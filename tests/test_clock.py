@@ -6,7 +6,8 @@
 * the cost follows the local shapes: a block whose Linears are half as wide sleeps half as long;
 * numerics: losses and gradients bit for bit the same with the clock on and off;
 * our DDP and torch DDP on 2 gloo ranks run the same clocked model: equal results, equal modelled
-  compute, and every step takes at least that long;
+  compute, and every step takes at least that long; under Zero3, FSDP2 and TP (± sequence
+  parallelism) a rank is costed for the block it really computes;
 * off on CUDA unless forced (the decision, tested with a device type string), paused, profiler labels.
 """
 import copy
@@ -191,11 +192,49 @@ def _ddp_under_the_clock(rate: float, steps: int) -> dict:
     return out
 
 
-def test_our_ddp_and_torch_ddp_run_under_the_same_clock():
-    rate, steps = 5e8, 3  # ~20 ms of modelled compute per step
-    for rank, res in enumerate(spawn(_ddp_under_the_clock, 2, args=(rate, steps), backend="gloo",
-                                     timeout=120)):
-        ours, theirs = res["ours"], res["torch"]
+def _block_flops_under_techniques() -> dict:
+    """blocks.0's counted forward FLOPs, per technique, each on the same global batch of 2·BATCH."""
+    from torch.distributed.fsdp import fully_shard
+
+    from course_lib.tensor_parallel import tensor_parallel_gpt
+    from course_lib.zero3 import Zero3
+
+    rate = 1e15  # the clock's path, sleeping ~0 s: only the counts matter here
+    local, full = shard_batch(*batch(0, 2 * BATCH)), batch(0, 2 * BATCH)
+
+    def fsdp2(model):
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+
+    runs = {"zero3": (Zero3, local), "zero3 per param": (lambda m: Zero3(m, unit="param"), local),
+            "fsdp2": (fsdp2, local), "tp": (tensor_parallel_gpt, full),
+            "tp + sp": (lambda m: tensor_parallel_gpt(m, sequence_parallel=True), full)}
+    flops = {}
+    for name, (technique, (x, y)) in runs.items():
+        clock = AcceleratorClock(rate)
+        if name.startswith("tp"):  # TP replaces the embedding and the head: clock the TP model
+            model = clock.apply(technique(GPT(CFG)))
+        else:  # the others wrap the model: clock it first
+            model = technique(clock.apply(GPT(CFG)))
+        model(x, y)[1].backward()
+        flops[name] = clock.seconds["blocks.0 fwd"] * rate
+    return flops
+
+
+def _suite(rate: float, steps: int) -> dict:
+    return {"ddp": _ddp_under_the_clock(rate, steps), "flops": _block_flops_under_techniques()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One spawn of 2 gloo ranks for every distributed check below."""
+    return spawn(_suite, 2, args=(5e8, 3), backend="gloo", timeout=180)  # ~20 ms modelled per step
+
+
+def test_our_ddp_and_torch_ddp_run_under_the_same_clock(two_ranks):
+    for rank, res in enumerate(two_ranks):
+        ours, theirs = res["ddp"]["ours"], res["ddp"]["torch"]
         assert ours["clock"] == "modelled accelerator clock, 0.5 GFLOP/s"
         EXACT.assert_close(ours["modelled"], theirs["modelled"])  # the same model, the same costs
         for r in (ours, theirs):
@@ -204,6 +243,15 @@ def test_our_ddp_and_torch_ddp_run_under_the_same_clock():
                 assert t >= m, f"rank {rank}: a step took {t * 1e3:.1f} ms < modelled {m * 1e3:.1f} ms"
         SGD.assert_close(ours["losses"], theirs["losses"], f"rank {rank} losses")
         SGD.assert_close(ours["params"], theirs["params"], f"rank {rank} parameters")
+
+
+def test_a_rank_costs_what_it_computes_under_zero3_fsdp2_and_tensor_parallelism(two_ranks):
+    """Data parallel: the whole block on half the batch (weights whole while it runs); TP: half
+    the block on the whole batch (with sequence parallelism too: the Linears see all s positions)."""
+    b, t, d = BATCH, CFG.block_size, CFG.d_model  # BATCH = this rank's half of the global batch
+    whole_block_half_batch = 2 * b * t * 12 * d * d + 2 * 2 * b * t * t * d
+    for res in two_ranks:
+        EXACT.assert_close(res["flops"], dict.fromkeys(res["flops"], float(whole_block_half_batch)))
 
 
 # --------------------------------------------------------------------------- the switch
