@@ -4,8 +4,9 @@ One ``spawn`` per world size runs every training configuration below on real glo
 spawn costs seconds, a configuration well under one), and chapter 03's experiments, whose result
 rows must all pass; the single-device references run in this process. The model is
 ``configs.zero_config()``: bias-free, without dropout, at fixed length, with tied embeddings,
-Ψ = 128,835 parameters (≥ 1e5), many of them in tensors of odd size, so padding to a multiple of N
-is exercised. Equality uses the named tolerances of ``course_lib.results`` (SGD, ADAMW, EXACT, BF16).
+Ψ = 128,835 parameters (≥ 1e5), many of them in tensors of odd size, so padding to a multiple of
+N is exercised. Equality uses the named tolerances of ``course_lib.results`` (SGD, ADAMW, EXACT,
+BF16).
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from course_lib.memory import saved_tensors_table
 from course_lib.models import GPT
 from course_lib.results import ADAMW, BF16, EXACT, SGD, for_optimizer
 
-# zero_config: d_model = 63 (3 heads of 21) makes many parameter sizes odd, so every padding path runs
-# at N = 2 and 4. OPTIMIZERS["adamw"] has eps = 1e-6 (see course_lib.configs for why).
+# zero_config: d_model = 63 (3 heads of 21) makes many parameter sizes odd, so every padding
+# path runs at N = 2 and 4. OPTIMIZERS["adamw"] has eps = 1e-6 (see course_lib.configs for why).
 CONFIG = zero_config()
 GLOBAL_BATCH, SEQ, STEPS = 8, CONFIG.block_size, 10  # global batch divisible by N = 2 and 4
 SMALL_BUCKETS = 0.05  # MiB: ~13k fp32 elements per bucket, so stage 2 reduces in several buckets during backward
@@ -216,7 +217,8 @@ def _train_zero3(c) -> dict:
 
 def run_cases(names: list[str]) -> dict:
     """Rank function: every named configuration, one after the other, on this process group; then
-    chapter 03's experiments (``reports``: each stage's report, clipping and resume at stages 1, 2)."""
+    chapter 03's experiments (``reports``: each stage's report; clipping and resume at stages 1, 2)
+    and the LR-scheduler runs (``schedulers``)."""
     from course_lib.experiments.zero import zero_clip_and_resume, zero_stage_report
 
     out = {name: (_train_zero3 if CASES[name]["stage"] == 3 else _train_zero_optimizer)(CASES[name])
@@ -415,7 +417,7 @@ def test_zero3_bf16_compute_matches_bf16_single_device_with_fp32_master_weights(
     # not tell 10 AdamW steps at lr 1e-3 (≤ 1e-2 per weight) from no training, so each tensor is
     # compared as a whole: ‖Δ‖ ≤ BF16.atol · ‖w‖, while training moved some tensor by more than that
     for k, v in ref["params"].items():
-        assert relative(got["params"][k], v) <= BF16.atol, f"{k}: relative error exceeds {BF16.atol} ({BF16})"
+        assert relative(got["params"][k], v) <= BF16.atol, f"{k}: relative error beyond {BF16}"
     assert max(relative(got["params"][k], init[k]) for k in init) > BF16.atol
     assert got["grad_dtypes"] == {torch.float32} and got["state_dtypes"] == {torch.float32}
     gathers = [r for r in got["records"] if r["op"] == "all_gather" and r["tag"] == "param"]
@@ -439,7 +441,8 @@ def test_ddp_model_state_bytes_match_16_psi():
     acc = model_state_accounting(model, opt)
     assert acc["stage"] == 0 and acc["formula"] == 16 * model.num_params()
     n_tensors = len(list(model.parameters()))
-    assert acc["measured"]["total"] == 16 * model.num_params() + 4 * n_tensors  # + AdamW's 4-byte step counters
+    # 16Ψ + AdamW's 4-byte step counter per tensor
+    assert acc["measured"]["total"] == 16 * model.num_params() + 4 * n_tensors
 
 
 @pytest.mark.parametrize("world,name", grid(MEMORY_CASES), ids=ids(MEMORY_CASES))
@@ -592,15 +595,16 @@ def test_zero_optimizer_is_a_torch_optimizer_that_lr_schedulers_drive(world, sta
     results(world)
     got = _SCHEDULERS[world][stage]
     assert got["is_optimizer"]
-    EXACT.assert_close(got["lrs"], got["ref_lrs"], "learning rates")  # the same formula on the same numbers
+    # the same formula on the same numbers
+    EXACT.assert_close(got["lrs"], got["ref_lrs"], "learning rates")
     assert got["inner_lr"] == got["lrs"][-1]  # the scheduler drives the optimizer that steps the shards
     ADAMW.assert_close(got["params"], got["ref_params"])
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
 def test_chapter_03_experiments_pass_every_row_on_every_rank(world):
-    """zero_stage_report (stages 0-3, and per-parameter ZeRO-3) and zero_clip_and_resume (stages 1, 2):
-    bytes held vs the formula, bytes sent vs the formula, weights vs one device, resume bit for bit."""
+    """zero_stage_report (stages 0-3, per-parameter ZeRO-3) and zero_clip_and_resume (stages 1, 2):
+    bytes held and sent vs the formulas, weights vs one device, resume bit for bit."""
     results(world)
     reports = _REPORTS[world]
     assert len(reports) == 7 * world
@@ -611,4 +615,5 @@ def test_chapter_03_experiments_pass_every_row_on_every_rank(world):
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
 def test_zero3_default_gathers_each_unit_once_so_a_tied_weight_costs_nothing_extra(world):
     got = results(world)["stage3-adamw"]
-    assert got["comm"]["sent_per_step"] == got["comm"]["formula"]  # 3Ψ_pad·(N−1)/N, tied weight included
+    # 3Ψ_pad·(N−1)/N, tied weight included
+    assert got["comm"]["sent_per_step"] == got["comm"]["formula"]

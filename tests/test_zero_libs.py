@@ -1,8 +1,8 @@
 """ZeRO libraries beside our own: torch's ZeroRedundancyOptimizer and DeepSpeed, measured against the formulas.
 
-One spawn per library and world size (module-scoped fixtures; chapter 03's stage profile rides in
-the N = 2 spawn of torch's ZeRO-1); the tests read what they name, and every experiment's result rows
-must pass. Equality uses the named tolerances of ``course_lib.results``. DeepSpeed tests skip, with
+One spawn per library and world size (module-scoped fixtures; chapter 03's stage profile rides
+in the N = 2 spawn of torch's ZeRO-1); the tests read what they name, and every experiment's
+result rows must pass. Equality uses the named tolerances of ``course_lib.results``. DeepSpeed tests skip, with
 the reason, when ``deepspeed_available()`` says it cannot run here.
 The memory calculator's numbers are the ZeRO paper's (Rajbhandari et al. 2019, Ψ = 7.5B, N = 64).
 """
@@ -34,7 +34,8 @@ def _zero1_and_profile(profile: bool) -> tuple:
     """Rank function: torch's ZeRO-1 memory, and (when asked) chapter 03's stage profile."""
     from course_lib.experiments import zero
 
-    return torch_zero1_memory(), zero.zero_stage_profile(micro_batch=2, rounds=1) if profile else None
+    stages = zero.zero_stage_profile(micro_batch=2, rounds=1) if profile else None
+    return torch_zero1_memory(), stages
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_deepspeed_zero_trains_like_one_device(ds, stage):
         assert r["losses"][-1] < r["losses"][0] - 0.02
         ADAMW.assert_close(r["losses"], ref["losses"], "losses")
         ADAMW.assert_close(r["params"], ref["params"])
-        r.assert_passed()  # every byte named, and the same equality against the reference run in the rank
+        r.assert_passed()  # every byte named; the same equality, with the reference run in the rank
 
 
 def _predicted_psi_pad(stage: int, world: int) -> int:

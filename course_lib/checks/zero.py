@@ -1,4 +1,4 @@
-"""Chapter 03 checkers: ``Zero1Step`` (ZeRO-1 over one flat buffer) and ``ShardedLinear`` (ZeRO-3, one layer).
+"""Chapter 03 checkers: ``Zero1Step`` (ZeRO-1, one flat buffer), ``ShardedLinear`` (ZeRO-3 layer).
 
 Tolerances are the course's named ones (:mod:`course_lib.results`): ``Zero1Step`` trains with AdamW
 against one device (``ADAMW``); ``ShardedLinear`` computes one layer's output and gradients in
@@ -111,7 +111,8 @@ def check_sharded_linear(cls) -> list[str]:
             return problems + [f"{where}: output has shape {tuple(y.shape)}, nn.Linear's {tuple(y_ref.shape)}"]
         ok, err = _close(y, y_ref, REORDERED)
         if not ok:
-            return problems + [f"{where}: output differs from nn.Linear's by max |error| {err:.3g}, beyond {REORDERED}"]
+            return problems + [f"{where}: output differs from nn.Linear's by max |error| "
+                               f"{err:.3g}, beyond {REORDERED}"]
         with comm.CommLog() as log:
             (y * gs[rank]).sum().backward()
         held = layer.full_weight.untyped_storage().size()
@@ -127,8 +128,8 @@ def check_sharded_linear(cls) -> list[str]:
         else:
             ok, err = _close(x.grad, x_ref.grad, REORDERED)
             if not ok:
-                problems.append(f"{where}: input gradient differs from nn.Linear's by max |error| {err:.3g}, "
-                                f"beyond {REORDERED}")
+                problems.append(f"{where}: input gradient differs from nn.Linear's by max |error| "
+                                f"{err:.3g}, beyond {REORDERED}")
         # the weight gradient data parallelism wants: the average over ranks of each rank's dL/dW
         want = sum(g.reshape(-1, out_f).T @ xq.reshape(-1, in_f) for g, xq in zip(gs, xs)) / world
         want = torch.cat([want.reshape(-1), torch.zeros(size * world - want.numel(), device=dev)])

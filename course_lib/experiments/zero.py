@@ -1,10 +1,10 @@
 """Chapter 03's measurements: each ZeRO stage's bytes held and sent against the formulas, clipping and resume.
 
-Rank functions (run them with ``launch.spawn``), each returning a :class:`~course_lib.results.Result`
-whose rows are the chapter's claims:
+Rank functions (run them with ``launch.spawn``), each returning a
+:class:`~course_lib.results.Result` whose rows are the chapter's claims:
 
-* :func:`zero_stage_report` — one stage: model-state bytes vs the ZeRO formula, bytes sent vs 2Ψ/3Ψ,
-  weights vs one device (:class:`StageReport`);
+* :func:`zero_stage_report` — one stage: model-state bytes vs the ZeRO formula, bytes sent vs
+  2Ψ/3Ψ, weights vs one device (:class:`StageReport`);
 * :func:`zero_clip_and_resume` — global-norm clipping vs one device, checkpoint/resume vs the
   uninterrupted run (:class:`ClipResumeReport`);
 * :func:`zero_stage_profile` — every stage's step time, peak bytes per phase and which collectives
@@ -33,8 +33,8 @@ from ..models import GPT, GPTConfig
 from ..results import ADAMW, EXACT, Result
 from ..zero import ZeroOptimizer
 from ..zero3 import Zero3
-from .common import (OPTIMIZERS, check_global_batch, make_optimizer, median_times, race, reference_run,
-                     shard_batch, state_diff, step_batch, train_step, zero_config)
+from .common import (OPTIMIZERS, check_global_batch, make_optimizer, median_times, race,
+                     reference_run, shard_batch, state_diff, step_batch, train_step, zero_config)
 
 __all__ = ["zero_config", "model_state_accounting", "comm_accounting", "zero_stage_report",
            "zero_clip_and_resume", "zero_stage_profile", "FieldAccess", "StageReport",
@@ -64,7 +64,8 @@ class FieldAccess:
     def pop(self, name: str, default=None):
         """``default`` for a name that is not a field; a field cannot be removed (TypeError)."""
         if name in self.keys():
-            raise TypeError(f"{type(self).__name__}.{name} is a field: a result's fields cannot be removed")
+            raise TypeError(f"{type(self).__name__}.{name} is a field: "
+                            "a result's fields cannot be removed")
         return default
 
 
@@ -125,7 +126,8 @@ def comm_accounting(log: comm.CommLog, wrapper, steps: int = 1) -> dict:
         stage, c, n = 0, 2, dist.get_world_size()
         psi_pad = sum(p.numel() for p in wrapper.parameters())
     else:
-        raise TypeError(f"wrapper must be a DDP, ZeroOptimizer or Zero3, got {type(wrapper).__name__}")
+        raise TypeError(f"wrapper must be a DDP, ZeroOptimizer or Zero3, "
+                        f"got {type(wrapper).__name__}")
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     sent = (log.total("ring_bytes", tag="param") + log.total("ring_bytes", tag="grad")) / steps
@@ -139,7 +141,7 @@ def comm_accounting(log: comm.CommLog, wrapper, steps: int = 1) -> dict:
 
 @dataclass
 class StageReport(FieldAccess, Result):
-    """One ZeRO stage (0 = DDP) on one rank: bytes held and sent against the formulas, weights vs one device."""
+    """One ZeRO stage (0 = DDP) on one rank: bytes held and sent, weights vs one device."""
 
     stage: int
     world_size: int
@@ -159,7 +161,8 @@ class StageReport(FieldAccess, Result):
 def _build(stage: int, model, dev, bucket_cap_mb, zero3_unit: str = "block"):
     """(wrapped model, optimizer) for ZeRO ``stage``; 0 = DDP with one all-reduce per parameter."""
     if stage == 0:
-        wrapped = DDP(model, bucket_cap_mb=None)  # per-parameter all-reduce in place: no bucket copies
+        # one all-reduce per parameter, in place: no bucket copies
+        wrapped = DDP(model, bucket_cap_mb=None)
         return wrapped, make_optimizer("adamw", wrapped.parameters())
     if stage in (1, 2):
         adamw, options = OPTIMIZERS["adamw"]
@@ -177,7 +180,8 @@ def _traffic_formula(stage: int, config: GPTConfig, world: int, traffic: dict, z
     formula, against = traffic["formula"], f"formula {c}Ψ_pad · 4 B · (N−1)/N"
     if stage == 3 and zero3_unit == "param" and config.tie_weights:
         tied_pad = math.ceil(config.vocab_size * config.d_model / world) * world
-        formula += (world - 1) / world * 2 * tied_pad * 4  # gathered once more in forward and backward
+        # gathered once more in forward and once more in backward
+        formula += (world - 1) / world * 2 * tied_pad * 4
         against += " + 2 gathers of the tied weight"
     return formula, against
 
@@ -187,10 +191,10 @@ def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config:
     """Rank function: train ``steps`` AdamW steps at ZeRO ``stage`` (0 = DDP) and measure everything.
 
     Rows: model-state bytes after the last step (before ``zero_grad``) within 1 % of the fp32
-    formula (the excess: AdamW's 4-byte step counter per tensor; the shortfall: no state for padding);
-    the last step's bytes sent (Σ ring bytes of tags "grad" and "param") equal to
-    (N−1)/N · c · Ψ_pad · 4, c = 2 for stages 0–2 and 3 for stage 3; the weights equal to one
-    device trained on the full batches (``ADAMW``). Fields: those numbers, the activation bytes
+    formula (the excess: AdamW's 4-byte step counter per tensor; the shortfall: no state for
+    padding); the last step's bytes sent (Σ ring bytes of tags "grad" and "param") equal to
+    (N−1)/N · c · Ψ_pad · 4, c = 2 for stages 0–2 and 3 for stage 3; the weights equal to
+    one device trained on the full batches (``ADAMW``). Fields: those numbers, the activation bytes
     autograd saved in the last forward (ZeRO does not shard them) and the loss curve.
     ``zero3_unit``: ``Zero3``'s ``unit`` at stage 3 ("block": one all-gather per block + root, the
     default; "param": one per parameter and use, so the tied weight is gathered twice per pass).
@@ -202,8 +206,10 @@ def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config:
     wrapped, opt = _build(stage, model, dev, 25.0, zero3_unit)
     activations = []
 
+    weights = list(wrapped.parameters()) + list(model.parameters())
+
     def forward(x, y):  # the wrapped model, counting what autograd saves for backward
-        with SavedTensorMeter(exclude=list(wrapped.parameters()) + list(model.parameters())) as meter:
+        with SavedTensorMeter(exclude=weights) as meter:
             out = wrapped(x, y)
             activations.append(meter.live_bytes())  # held at the end of forward
         return out
@@ -239,7 +245,7 @@ def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config:
 
 @dataclass
 class ClipResumeReport(FieldAccess, Result):
-    """ZeRO-1/2 with global-norm clipping, uninterrupted and resumed from a checkpoint, vs one device."""
+    """ZeRO-1/2 with global-norm clipping, uninterrupted and resumed from a checkpoint."""
 
     stage: int
     norms: list  # the global gradient norm ZeRO computed, per step (before clipping)
@@ -314,7 +320,8 @@ class _Sampler:
 
     * model states — parameters, their ``.grad``, optimizer state and the wrapper's persistent buffers;
     * transient — ZeRO-2's gradient staging buckets (filling, or in flight in a reduce-scatter:
-      ``ZeroOptimizer.transient_tensors``) and ZeRO-3's gathered full weights (``Zero3.held_tensors``);
+      ``ZeroOptimizer.transient_tensors``) and ZeRO-3's gathered full weights
+      (``Zero3.held_tensors``);
     * activations — tensors saved for backward and not yet freed (weak references, so counting
       does not keep them alive).
     Samples are taken after every module's forward, as every gradient is accumulated, and at the
@@ -331,7 +338,7 @@ class _Sampler:
         self.leaves = leaves
 
     def pack(self, t):
-        """``saved_tensors_hooks`` pack: remember a weak reference to every tensor saved for backward."""
+        """``saved_tensors_hooks`` pack: a weak reference to every tensor saved for backward."""
         self._saved.append(weakref.ref(t))
         return t
 
@@ -365,12 +372,12 @@ class _Sampler:
 
 @dataclass
 class StageProfile(FieldAccess, Result):
-    """Every stage's step time, peak bytes per phase and the collectives each phase issues (one rank)."""
+    """Every stage's step time, peak bytes per phase and the collectives each phase issues."""
 
     world_size: int
     micro_batch: int
     step_s: dict  # stage → median seconds per step (max over ranks); {} without timing
-    peak: dict  # stage → phase → {"model states", "transient", "activations", "total"} at that phase's peak
+    peak: dict  # stage → phase → {"model states", "transient", "activations", "total"} at its peak
     calls: dict  # stage → phase → {collective: calls} (tags "grad" and "param")
     activation_bytes: dict  # stage → bytes saved for backward, held at the end of forward
     psi: int
@@ -390,9 +397,9 @@ def _profile_rows(p: StageProfile) -> None:
     if 2 in calls:
         p.exact("stage 2: reduce-scatters during backward", calls[2]["backward"].get("reduce_scatter", 0),
                 p.buckets_stage2, against="one per bucket")
-        staged = p.peak[2]["backward"]["transient"]
-        p.condition("stage 2: staging bytes in backward, after the step", (staged, p.peak[2]["after step"]["transient"]),
-                    staged > 0 and p.peak[2]["after step"]["transient"] == 0, "> 0, then 0")
+        staged, after = p.peak[2]["backward"]["transient"], p.peak[2]["after step"]["transient"]
+        p.condition("stage 2: staging bytes in backward, after the step", (staged, after),
+                    staged > 0 and after == 0, "> 0, then 0")
     if 3 in calls:
         for phase in ("forward", "backward"):
             p.exact(f"stage 3: all-gathers in {phase}", calls[3][phase].get("all_gather", 0), len(p.units),
@@ -477,6 +484,7 @@ def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 
         psi=built[stages[0]][0].num_params(), units=built[3][1].unit_table() if 3 in built else None,
         buckets_stage1=len(built[1][2].buckets) if 1 in built else None,
         buckets_stage2=len(built[2][2].buckets) if 2 in built else None,
-        title=f"ZeRO stages {', '.join(map(str, stages))}: one step at N = {world}, micro-batch {micro_batch}")
+        title=f"ZeRO stages {', '.join(map(str, stages))}: one step at N = {world}, "
+              f"micro-batch {micro_batch}")
     _profile_rows(profile)
     return profile

@@ -91,14 +91,14 @@ __all__ = [
     "DeepSpeedZero",
 ]
 
-# This section's AdamW: lr 3e-3, weight decay 0.1, torch's default eps (not configs.OPTIMIZERS["adamw"];
-# the libraries' runs predate it, and their numbers in chapters 03 and 09 are these)
+# This section's AdamW: lr 3e-3, weight decay 0.1, torch's default eps -- not
+# configs.OPTIMIZERS["adamw"]: the libraries' runs predate it; chapters 03 and 09 show their numbers
 LR, WEIGHT_DECAY = 3e-3, 0.1
 SEQ_LEN = 16
 
 
 def _mean_loss(local: float) -> float:
-    """The loss of the whole global batch, as one device would see it: the mean of the ranks' fp32 losses."""
+    """The loss of the whole global batch, as one device would see it: the ranks' mean, in fp32."""
     total = torch.tensor(local, device=device())  # fp32, as the loss itself
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
@@ -134,7 +134,7 @@ def zero1_partition(sizes: list[int], world_size: int) -> list[list[int]]:
 
 @dataclass
 class Zero1Memory(FieldAccess, Result):
-    """torch's ``ZeroRedundancyOptimizer`` on one rank, with every rank's optimizer bytes (the whole table)."""
+    """torch's ``ZeroRedundancyOptimizer`` on one rank, with every rank's optimizer bytes."""
 
     rank: int
     world_size: int
@@ -178,7 +178,9 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
                                   weight_decay=WEIGHT_DECAY)
-    losses = [_mean_loss(train_step(ddp, opt, *_batch(step, config, micro_batch))) for step in range(steps)]
+    losses = []
+    for step in range(steps):
+        losses.append(_mean_loss(train_step(ddp, opt, *_batch(step, config, micro_batch))))
 
     local = opt.optim  # this rank's AdamW, over the parameters it owns
     owned = [p for g in local.param_groups for p in g["params"]]
@@ -259,7 +261,7 @@ def deepspeed_expected_bytes(psi_pad: int, world_size: int, stage: int) -> dict:
 
 @dataclass
 class DeepSpeedZero(FieldAccess, Result):
-    """DeepSpeed ZeRO at one stage on one rank: bytes by category, decomposed; training vs one device."""
+    """DeepSpeed ZeRO at one stage on one rank: bytes decomposed; training vs one device."""
 
     stage: int
     world_size: int
@@ -289,7 +291,7 @@ class DeepSpeedZero(FieldAccess, Result):
 
 
 def _deepspeed_rows(r: DeepSpeedZero, reference: dict, params: dict) -> None:
-    """Every byte named (formula + master + overhang + in-flight + Adam steps), and training = one device."""
+    """Every byte named (formula, master, overhang, in-flight, Adam steps); = one device."""
     m, f = r.measured, r.formula_breakdown
     if r.stage > 0:
         r.exact("fp32 master partition (B)", r.fp32_master, 4 * r.psi_pad // r.world_size,
@@ -341,7 +343,8 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
     ``engine.backward`` (before ``engine.step``), when every category exists.
 
     Returns (per rank) a :class:`DeepSpeedZero`: ``stage``, ``world_size``, ``rank``, ``psi``,
-    ``psi_pad``, ``losses`` (mean over the global batch), ``optimizer_type``, ``held``, ``peak``, plus
+    ``psi_pad``, ``losses`` (mean over the global batch), ``optimizer_type``, ``held``, ``peak``,
+    plus
     ``deepspeed_decomposition``'s keys (``measured``, ``formula``, ``fp32_master``,
     ``in_flight_grads``, ``rest``, ``ratio`` ...) and, with ``return_params``, ``params``: the full
     weights by name after training. Rows: the master partition is 4Ψ_pad/N, parameter and
@@ -402,7 +405,8 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
         **deepspeed_decomposition(peak, psi_pad, world, stage, bucket_elements=bucket_elements,
                                   largest_numel=largest),
         params=params if return_params else None,
-        title=f"DeepSpeed ZeRO stage {stage}, N = {world}, rank {rank} (bytes at the peak of backward)")
+        title=f"DeepSpeed ZeRO stage {stage}, N = {world}, rank {rank} "
+              "(bytes at the peak of backward)")
     engine.destroy()
     _deepspeed_rows(result, reference_training(config, steps, micro_batch * world), params)
     return result
@@ -460,8 +464,8 @@ def deepspeed_zero_stages(stages=(0, 1, 2, 3), config: GPTConfig | None = None, 
 def reference_training(config: GPTConfig | None = None, steps: int = 3, global_batch: int = 8) -> dict:
     """Single-device AdamW on the full batch -- what ``deepspeed_zero`` at any stage should equal.
 
-    Returns ``{"losses", "params"}``; needs no ranks (``deepspeed_zero`` runs it for its equality rows,
-    a notebook or test may run it in its own process).
+    Returns ``{"losses", "params"}``; needs no ranks (``deepspeed_zero`` runs it for its equality
+    rows, a notebook or test may run it in its own process).
     """
     config = config or small_config()
     model = GPT(config, seed=0)
