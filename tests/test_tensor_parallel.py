@@ -304,10 +304,11 @@ def test_dtensor_parallelize_module_equals_single_device_and_ours(world):
     L = parallel_config().n_layer
     for r in suite(world):
         d = r["dtensor"]
-        SGD.assert_close(d["logits"], logits, "logits")
-        SGD.assert_close(d["loss"], loss, "loss")
-        _assert_all_close(d["grads"], grads)
-        assert d["collectives"] == {"all_reduce:forward": 2 * L + 1 + 3, "all_reduce:backward": 2 * L + 1}
+        d.assert_passed()  # against one device on the rank, our collective counts, both traps sprung
+        SGD.assert_close(d.logits, logits, "logits")
+        SGD.assert_close(d.loss, loss, "loss")
+        _assert_all_close(d.grads, grads)
+        assert d.collectives == {"all_reduce:forward": 2 * L + 1 + 3, "all_reduce:backward": 2 * L + 1}
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"tp={w}" for w in WORLDS])
@@ -333,8 +334,8 @@ def test_dtensor_sequence_parallel_layernorm_grads_are_partial_and_sum_to_one_de
 
 def test_dtensor_traps_tied_weights_untie_and_local_logits_break_the_loss():
     d = suite(2)[0]["dtensor"]
-    assert d["tied_after_parallelize"] is False
-    assert d["local_logits_error"] is not None and "out of bounds" in d["local_logits_error"]
+    assert d.tied_after_parallelize is False
+    assert d.local_logits_error is not None and "out of bounds" in d.local_logits_error
     with pytest.raises(ValueError, match="silently unties"):
         parallelize_gpt(GPT(parallel_config(tie_weights=True)), tp_mesh=None)
 
@@ -357,8 +358,9 @@ def test_dp_2_x_tp_2_training_equals_single_device_with_collectives_per_mesh_dim
 def test_fsdp2_on_dp_of_a_dtensor_tp_model_equals_single_device():
     _, _, grads = one_device_step()
     for r in suite(4):
-        _assert_all_close(r["fsdp_tp"]["grads"], grads)
-        kinds = r["fsdp_tp"]["collectives"]
+        r["fsdp_tp"].assert_passed()
+        _assert_all_close(r["fsdp_tp"].grads, grads)
+        kinds = r["fsdp_tp"].collectives
         assert kinds["all_reduce@tp"] > 0 and kinds["all_gather@dp"] > 0 and kinds["reduce_scatter@dp"] > 0
         assert not any(k.endswith("@default") for k in kinds)
 

@@ -32,8 +32,9 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, allreduc
 from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch, train_step
 
 __all__ = ["parallel_config", "tp_shard_dim", "check_mesh", "merge_shards", "LinearLayersResult", "linear_layers",
-           "tp_step", "ShardsResult", "tp_training", "dtensor_plan", "parallelize_gpt", "dtensor_step",
-           "dtensor_sequence_parallel_blocks", "DPTPResult", "dp_tp_training", "fsdp_tp_step", "notebook_suite",
+           "tp_step", "ShardsResult", "tp_training", "dtensor_plan", "parallelize_gpt", "DTensorResult", "dtensor_step",
+           "dtensor_sequence_parallel_blocks", "DPTPResult", "dp_tp_training", "FSDPTPResult", "fsdp_tp_step",
+           "notebook_suite",
            "mesh_suite"]
 
 
@@ -208,12 +209,33 @@ def _full(t):
     return _cpu(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
-def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bool = True) -> dict:
+def _one_device_step(config: GPTConfig, batch_size: int, dev) -> tuple[torch.Tensor, float, dict]:
+    """One device on ``step_batch(0)``: logits, loss and gradients (one ``reference_run`` SGD step's ``.grad``)."""
+    model, losses, _ = reference_run(config, 1, batch_size, "sgd", dev=dev)
+    with torch.no_grad():
+        logits = GPT(config, seed=0).to(dev)(step_batch(0, config, batch_size, dev)[0])[0]
+    return logits, losses[0], {n: p.grad for n, p in model.named_parameters()}
+
+
+@dataclass
+class DTensorResult(Result):
+    """The DTensor TP GPT's step on this rank (full tensors) and the two traps."""
+
+    loss: float
+    logits: torch.Tensor = field(repr=False)
+    grads: dict = field(repr=False)
+    collectives: dict  # {"all_reduce:forward"/"…:backward": calls}
+    tied_after_parallelize: bool | None = None
+    local_logits_error: str | None = None
+
+
+def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bool = True) -> DTensorResult:
     """Rank function: the DTensor TP GPT, one forward + backward under ``loss_parallel()``; full grads.
 
     With ``traps``: (1) ``parallelize_module`` on a *tied* GPT — is the tie still there afterwards?
     (2) the default ``ColwiseParallel()`` head (local logits) under the GPT's own cross-entropy:
-    the error it raises (the local V/t logits meet targets in [0, V)).
+    the error it raises (the local V/t logits meet targets in [0, V)). Rows: logits, loss and
+    gradients against one device on this rank, the collectives against ours, the traps sprung.
     """
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
@@ -228,10 +250,19 @@ def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bo
         logits, loss = model(x, y)
         cc.tag = "backward"
         loss.backward()
-    out = {"loss": _full(loss).item(), "logits": _full(logits),
-           "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
-           "collectives": {f"{r['op']}:{r['tag']}": r["calls"] for r in cc.summary()}}
+    res = DTensorResult(_full(loss).item(), _full(logits), {n: _full(p.grad) for n, p in model.named_parameters()},
+                        {f"{r['op']}:{r['tag']}": r["calls"] for r in cc.summary()},
+                        title=f"DTensor parallelize_module, rank {dist.get_rank()}")
+    ref_logits, ref_loss, ref_grads = _one_device_step(config, batch_size, dev)
+    res.equal("DTensor logits (full_tensor)", res.logits, ref_logits, SGD)
+    res.equal("DTensor loss", res.loss, ref_loss, SGD)
+    res.equal("DTensor gradients (full_tensor)", res.grads, ref_grads, SGD)
+    L = config.n_layer
+    res.exact("DTensor collectives", res.collectives, {"all_reduce:forward": 2 * L + 1 + 3,
+                                                       "all_reduce:backward": 2 * L + 1},
+              "ours: 2 per block + embedding + 3 (loss) forward, 2 per block + head backward")
     if traps:
+        out = {}
         tied = GPT(parallel_config(tie_weights=True), seed=0).to(dev)
         plan = dtensor_plan(config.n_layer, loss_parallel=False)
         plan["lm_head"] = type(plan["lm_head"])()  # the trap is about the tie, not the loss
@@ -245,7 +276,12 @@ def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bo
         except Exception as exc:  # noqa: BLE001 — the error itself is what we report
             out["local_logits_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         dist.barrier()
-    return out
+        res.tied_after_parallelize, res.local_logits_error = out["tied_after_parallelize"], out["local_logits_error"]
+        res.condition("trap 1: default ColwiseParallel head under the GPT's loss", res.local_logits_error,
+                      res.local_logits_error is not None, "raises (local V/t logits, targets in [0, V))")
+        res.condition("trap 2: a tied GPT still tied after parallelize_module", res.tied_after_parallelize,
+                      res.tied_after_parallelize is False, "False: the tie is silently gone")
+    return res
 
 
 def dtensor_sequence_parallel_blocks(config: GPTConfig | None = None, batch_size: int = 2, seed: int = 1) -> dict:
@@ -349,12 +385,21 @@ def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int =
     return res
 
 
+@dataclass
+class FSDPTPResult(Result):
+    """FSDP2 × DTensor TP on this rank: full gradients and the collectives per (op, mesh dimension)."""
+
+    grads: dict = field(repr=False)
+    collectives: dict  # {"op@group": calls}
+
+
 def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8,
-                 mesh_shape: tuple[int, int] | None = (2, 2)) -> dict:
+                 mesh_shape: tuple[int, int] | None = (2, 2)) -> FSDPTPResult:
     """Rank function: DTensor TP over "tp", then FSDP2 ``fully_shard`` over the "dp" sub-mesh (torchtitan's order).
 
-    One forward + backward; returns the full gradients (``full_tensor()`` over both dimensions) and
-    the collectives per (op, mesh dimension).
+    One forward + backward: the full gradients (``full_tensor()`` over both dimensions) against one
+    device on this rank, and the collectives per (op, mesh dimension): all-reduces on "tp",
+    all-gathers and reduce-scatters on "dp", none on the default group.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel
@@ -377,7 +422,14 @@ def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8,
     per_group = {}
     for r in cc.records:
         per_group[f"{r.op}@{r.group}"] = per_group.get(f"{r.op}@{r.group}", 0) + 1
-    return {"grads": {n: _full(p.grad) for n, p in model.named_parameters()}, "collectives": per_group}
+    res = FSDPTPResult({n: _full(p.grad) for n, p in model.named_parameters()}, per_group,
+                       title=f"FSDP2 (dp) × DTensor TP (tp), rank {dist.get_rank()}")
+    res.equal("FSDP2 × TP gradients (full_tensor)", res.grads, _one_device_step(config, global_batch, dev)[2], SGD)
+    if mesh_shape[0] > 1 and mesh_shape[1] > 1:
+        kinds = ("all_reduce@tp", "all_gather@dp", "reduce_scatter@dp")
+        res.condition("collectives per mesh dimension", per_group, all(per_group.get(k, 0) > 0 for k in kinds)
+                      and not any(k.endswith("@default") for k in per_group), f"{', '.join(kinds)} > 0; none @default")
+    return res
 
 
 # =========================================================================== one spawn for the notebook

@@ -347,13 +347,13 @@ print("  full_tensor() of every block gradient equals one device (≤ 1e-5):",
 # %%
 dt = runs[0]["dtensor"]
 print("DTensor logits and loss equal one device (≤ 1e-5):",
-      (dt["logits"] - ref_logits).abs().max().item() <= 1e-5 and abs(dt["loss"] - ref_loss.item()) <= 1e-5)
-print("DTensor gradients (full_tensor) equal one device (≤ 1e-5):", max_diff(dt["grads"], ref_grads) <= 1e-5)
-print("DTensor collectives:", dt["collectives"], "— the same counts as ours:",
-      dt["collectives"]["all_reduce:forward"] == sum(tp[0]["forward"].values())
-      and dt["collectives"]["all_reduce:backward"] == sum(tp[0]["backward"].values()))
-print("trap 1, default ColwiseParallel head under the GPT's loss:", dt["local_logits_error"])
-print("trap 2, a tied GPT still tied after parallelize_module:", dt["tied_after_parallelize"])
+      (dt.logits - ref_logits).abs().max().item() <= 1e-5 and abs(dt.loss - ref_loss.item()) <= 1e-5)
+print("DTensor gradients (full_tensor) equal one device (≤ 1e-5):", max_diff(dt.grads, ref_grads) <= 1e-5)
+print("DTensor collectives:", dt.collectives, "— the same counts as ours:",
+      dt.collectives["all_reduce:forward"] == sum(tp[0]["forward"].values())
+      and dt.collectives["all_reduce:backward"] == sum(tp[0]["backward"].values()))
+print("trap 1, default ColwiseParallel head under the GPT's loss:", dt.local_logits_error)
+print("trap 2, a tied GPT still tied after parallelize_module:", dt.tied_after_parallelize)
 
 # %% [markdown]
 # ## 10. Two dimensions: DP × TP on a `DeviceMesh`
@@ -374,8 +374,8 @@ print("collectives per step and mesh dimension:", mesh_runs[0]["dp_tp"].collecti
 ring = mesh_runs[0]["dp_tp"].ring_bytes_step0
 print(f"ring bytes per rank and step: tp {ring['tp']:,.0f}, dp {ring['dp']:,.0f}")
 print("FSDP2 (dp) × DTensor TP (tp): gradients equal one device (≤ 1e-5):",
-      max_diff(mesh_runs[0]["fsdp_tp"]["grads"], ref_grads) <= 1e-5)
-print("FSDP2 × TP collectives per mesh dimension:", mesh_runs[0]["fsdp_tp"]["collectives"])
+      max_diff(mesh_runs[0]["fsdp_tp"].grads, ref_grads) <= 1e-5)
+print("FSDP2 × TP collectives per mesh dimension:", mesh_runs[0]["fsdp_tp"].collectives)
 
 # %% [markdown]
 # **3-D placement on a cluster (DP × PP × TP).** Put the dimension that talks most on the fastest links: **TP
