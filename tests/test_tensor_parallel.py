@@ -324,12 +324,13 @@ def test_dtensor_sequence_parallel_layernorm_grads_are_partial_and_sum_to_one_de
     results = [r["dtensor_sp"] for r in suite(world)]
     want = {n: p.grad for n, p in blocks.named_parameters()}
     for rank, r in enumerate(results):
-        _assert_all_close(r["grads"], want)  # full_tensor() sums the Partial LayerNorm grads over TP
-        SGD.assert_close(r["x_grad"], x.grad.chunk(world, 1)[rank], "x.grad")
-        assert set(r["ln_placements"].values()) == {"Partial"} and len(r["ln_placements"]) == 2 * config.n_layer
-    for name in results[0]["ln_local"]:
-        SGD.assert_close(sum(r["ln_local"][name] for r in results), want[name], name)
-        assert not ADAMW.ok(results[0]["ln_local"][name], want[name])
+        r.assert_passed()  # the same comparisons, made on the rank
+        _assert_all_close(r.grads, want)  # full_tensor() sums the Partial LayerNorm grads over TP
+        SGD.assert_close(r.x_grad, x.grad.chunk(world, 1)[rank], "x.grad")
+        assert set(r.ln_placements.values()) == {"Partial"} and len(r.ln_placements) == 2 * config.n_layer
+    for name in results[0].ln_local:
+        SGD.assert_close(sum(r.ln_local[name] for r in results), want[name], name)
+        assert not ADAMW.ok(results[0].ln_local[name], want[name])
 
 
 def test_dtensor_traps_tied_weights_untie_and_local_logits_break_the_loss():

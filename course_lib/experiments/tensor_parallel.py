@@ -26,14 +26,14 @@ from .. import comm
 from ..launch import device
 from ..memory import SavedTensorMeter
 from ..models import GPT, GPTConfig
-from ..results import SGD, Result, for_optimizer
+from ..results import ADAMW, SGD, Result, for_optimizer
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads,
                                dtensor_plan, dtensor_sequence_parallel_plan, parallelize_gpt, tensor_parallel_gpt)
 from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch, train_step
 
 __all__ = ["parallel_config", "tp_shard_dim", "check_mesh", "merge_shards", "LinearLayersResult", "linear_layers",
            "tp_step", "ShardsResult", "tp_training", "dtensor_plan", "parallelize_gpt", "DTensorResult", "dtensor_step",
-           "dtensor_sequence_parallel_blocks", "DPTPResult", "dp_tp_training", "FSDPTPResult", "fsdp_tp_step",
+           "DTensorSPResult", "dtensor_sequence_parallel_blocks", "DPTPResult", "dp_tp_training", "FSDPTPResult", "fsdp_tp_step",
            "notebook_suite",
            "mesh_suite"]
 
@@ -284,14 +284,34 @@ def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bo
     return res
 
 
-def dtensor_sequence_parallel_blocks(config: GPTConfig | None = None, batch_size: int = 2, seed: int = 1) -> dict:
+@dataclass
+class DTensorSPResult(Result):
+    """The GPT's blocks under DTensor sequence parallelism, on this rank."""
+
+    grads: dict = field(repr=False)  # full tensors
+    x_grad: torch.Tensor = field(repr=False)  # this rank's s/t positions
+    ln_placements: dict  # LayerNorm weight gradient -> its placement's name
+    ln_local: dict = field(repr=False)  # their local (partial) values
+
+
+def _blocks_sum_of_squares(blocks, x: torch.Tensor) -> torch.Tensor:
+    """Σ out² of the blocks on ``x``, backward run: a loss for blocks without the GPT's head."""
+    h = x
+    for block in blocks:
+        h = block(h)
+    h.pow(2).sum().backward()  # blocks only, a sequence shard in: no model(x, y) for train_step
+    return x.grad
+
+
+def dtensor_sequence_parallel_blocks(config: GPTConfig | None = None, batch_size: int = 2,
+                                     seed: int = 1) -> DTensorSPResult:
     """Rank function: the GPT's blocks with DTensor sequence parallelism (torchtitan's plan), loss Σ out².
 
     The input ``x`` (``randn(b, s, h)`` from ``seed``) arrives as this rank's s/t positions; LayerNorms
     are ``SequenceParallel()``, attention and MLP gather the sequence (``PrepareModuleInput``) and the
     row-parallel outputs are ``Shard(1)``. Returns the full gradients, the LayerNorm weight gradients'
     placements (``Partial``: DTensor defers their all-reduce over TP), their local (partial) values,
-    and ``x``'s gradient block.
+    and ``x``'s gradient block; rows compare them with the unsplit blocks run on this rank.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -301,15 +321,25 @@ def dtensor_sequence_parallel_blocks(config: GPTConfig | None = None, batch_size
     plan = dtensor_sequence_parallel_plan(config.n_layer)
     blocks = parallelize_module(GPT(config, seed=0).blocks.to(dev), mesh, plan)
     x = torch.randn(batch_size, config.block_size, config.d_model, generator=torch.Generator().manual_seed(seed))
-    h = x.to(dev).chunk(t, 1)[r].contiguous().requires_grad_(True)
-    xs = h
-    for block in blocks:
-        h = block(h)
-    h.pow(2).sum().backward()
+    x_grad = _blocks_sum_of_squares(blocks, x.to(dev).chunk(t, 1)[r].contiguous().requires_grad_(True))
     ln = {n: p.grad for n, p in blocks.named_parameters() if ".ln_" in f".{n}"}
-    return {"grads": {n: _full(p.grad) for n, p in blocks.named_parameters()}, "x_grad": _cpu(xs.grad),
-            "ln_placements": {n: type(g.placements[0]).__name__ for n, g in ln.items()},
-            "ln_local": {n: _cpu(g.to_local()) for n, g in ln.items()}}
+    res = DTensorSPResult({n: _full(p.grad) for n, p in blocks.named_parameters()}, _cpu(x_grad),
+                          {n: type(g.placements[0]).__name__ for n, g in ln.items()},
+                          {n: _cpu(g.to_local()) for n, g in ln.items()},
+                          title=f"DTensor sequence parallelism (blocks), rank {r}")
+    ref = GPT(config, seed=0).blocks.to(dev)
+    ref_x_grad = _blocks_sum_of_squares(ref, x.to(dev).clone().requires_grad_(True))
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    res.equal("full_tensor() of every block gradient", res.grads, want, SGD)
+    res.equal("x.grad of this rank's positions", res.x_grad, ref_x_grad.chunk(t, 1)[r], SGD)
+    kinds = set(res.ln_placements.values())
+    res.condition("LayerNorm weight gradients' placement", kinds, kinds == {"Partial"} and len(ln) == 2 * config.n_layer,
+                  f"Partial, all {2 * config.n_layer}: the all-reduce over TP is deferred")
+    if t > 1:
+        partial = not any(ADAMW.ok(res.ln_local[n], want[n]) for n in ln)
+        res.condition("a rank's local LayerNorm gradients alone differ from one device", partial, partial,
+                      f"beyond {ADAMW} for every one")
+    return res
 
 
 # =========================================================================== 2-D: DP × TP

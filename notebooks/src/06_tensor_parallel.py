@@ -305,14 +305,14 @@ hb = xb
 for block in blocks_ref:
     hb = block(hb)
 hb.pow(2).sum().backward()
-ln_names = list(dsp["ln_placements"])
-print("DTensor SequenceParallel: LayerNorm weight grads are", set(dsp["ln_placements"].values()),
+ln_names = list(dsp.ln_placements)
+print("DTensor SequenceParallel: LayerNorm weight grads are", set(dsp.ln_placements.values()),
       "DTensors — the all-reduce over TP is deferred until they are redistributed")
 print("  one rank's local (partial) LayerNorm grads differ from one device's:",
-      all(not torch.allclose(dsp["ln_local"][n], dict(blocks_ref.named_parameters())[n].grad, atol=1e-5)
+      all(not torch.allclose(dsp.ln_local[n], dict(blocks_ref.named_parameters())[n].grad, atol=1e-5)
           for n in ln_names))
 print("  full_tensor() of every block gradient equals one device (≤ 1e-5):",
-      max((dsp["grads"][n] - p.grad).abs().max().item() for n, p in blocks_ref.named_parameters()) <= 1e-5)
+      max((dsp.grads[n] - p.grad).abs().max().item() for n, p in blocks_ref.named_parameters()) <= 1e-5)
 
 # %% [markdown]
 # The saving is modest here: in this fp32 model without dropout the replicated part is mostly the LayerNorm inputs,
