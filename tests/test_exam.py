@@ -17,7 +17,7 @@ import pytest
 from course_lib import chapters as course
 from course_lib import quiz as q
 
-x = q  # the exam's API is the quiz package's (course_lib.exam is an alias of it)
+x = q  # the exam's API is the quiz package's
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPED = {item["id"]: item["group"] for item in q.load_bank() if item.get("group")}
@@ -276,13 +276,6 @@ def test_a_passing_check_of_the_learners_exercise_is_recorded_and_the_solution_i
     assert run("count_model_state_bytes").passed
     assert q.progress()["exercises"] == {"count_model_state_bytes": {"passed": True, "passes": 1}}
     assert x.course_progress().exercises["count_model_state_bytes"] == ("single-device", True)
-
-
-def test_the_exam_alias_module_is_the_quiz_packages_api():
-    from course_lib import exam
-
-    for name in ("final_exam", "grade_exam", "exam_items", "run_terminal_exam", "progress_report"):
-        assert getattr(exam, name) is getattr(q, name), name
 
 
 # -- the exercise registry --------------------------------------------------------------------------

@@ -382,7 +382,7 @@ quiz(9)
 # `course-lib exam`.
 
 # %%
-from course_lib.exam import final_exam, grade_exam
+from course_lib.quiz import final_exam, grade_exam
 
 final_exam(n=40, seed=0)
 
@@ -391,7 +391,7 @@ final_exam(n=40, seed=0)
 # everything — a reminder that about half the statements are false:
 
 # %%
-from course_lib.exam import exam_items
+from course_lib.quiz import exam_items
 
 sheet = {item["id"]: "O" for item in exam_items(n=40, seed=0)}
 result = grade_exam(sheet, n=40, seed=0, record=False)
