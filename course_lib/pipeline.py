@@ -26,8 +26,8 @@ Read top to bottom:
    (:class:`Event` s, for :func:`bubble_fractions` and Gantt charts), :class:`LiveMicrobatches` and
    :class:`LiveActivationMeter` — the bytes autograd saved for backward and has *not yet released*
    (a saved tensor leaves the count when the backward that used it has run), so GPipe's ``m`` live
-   micro-batches and 1F1B's ``≤ p`` show up in bytes. :func:`measured_step` runs a step with all three
-   and returns a :class:`StepStats`.
+   micro-batches and 1F1B's ``≤ p`` show up in bytes. :func:`measured_step` runs a step with all
+   three and returns a :class:`StepStats`.
 
 Why sends are asynchronous: on gloo a blocking ``send`` returns only once the receiver has posted its
 ``recv``. In 1F1B stage 0 sends micro-batch 1's activation while stage 1 sends micro-batch 0's
@@ -58,9 +58,9 @@ from .pipeline_schedules import (SCHEDULES, Action, Event, bubble_fractions, che
 
 __all__ = ["Action", "Event", "balanced_split", "GPTStage", "split_gpt", "split_layers", "split_microbatches",
            "gpt_loss", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "make_schedules", "check_schedule",
-           "check_microbatches", "simulate", "peak_live_microbatches", "bubble_fractions", "PipelineRunner",
-           "PipelineObserver", "Timeline", "LiveMicrobatches", "LiveActivationMeter", "StepStats",
-           "measured_step", "SCHEDULES"]
+           "check_microbatches", "simulate", "peak_live_microbatches", "bubble_fractions",
+           "PipelineRunner", "PipelineObserver", "Timeline", "LiveMicrobatches", "LiveActivationMeter",
+           "StepStats", "measured_step", "SCHEDULES"]
 
 
 # =========================================================================== stages
@@ -156,13 +156,13 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineObserver:
-    """What a :class:`PipelineRunner` tells the outside while it runs a step; every hook does nothing here.
+    """What a :class:`PipelineRunner` tells the outside while it runs a step (here: nothing).
 
-    * ``begin(kind, microbatch, chunk)`` / ``end(...)`` bracket every forward (``kind`` "F"), backward
-      ("B") and wait for a peer's message ("wait", chunk −1): ``end`` comes after the computation and
-      before its result is sent;
-    * ``forward()`` is a context manager entered around every forward (and the loss on the last stage):
-      the place for saved-tensor hooks.
+    * ``begin(kind, microbatch, chunk)`` / ``end(...)`` bracket every forward (``kind`` "F"),
+      backward ("B") and wait for a peer's message ("wait", chunk −1): ``end`` comes after the
+      computation and before its result is sent;
+    * ``forward()`` is a context manager entered around every forward (and the loss on the last
+      stage): the place for saved-tensor hooks.
     """
 
     def begin(self, kind: str, microbatch: int, chunk: int) -> None:
@@ -255,7 +255,7 @@ class PipelineRunner:
 
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
              observers: Sequence[PipelineObserver] = ()) -> list[float]:
-        """One training step's forwards and backwards; returns the loss per micro-batch (last stage, else [])."""
+        """One step's forwards and backwards; returns the loss per micro-batch (last stage; else [])."""
         p, m, last = self.p, self.m, self.p * self.v - 1
         x_mb = split_microbatches(inputs, m) if self.stage == 0 else None
         y_mb = split_microbatches(targets, m) if (last % p) == self.stage else None
@@ -313,7 +313,7 @@ class PipelineRunner:
 
 
 class Timeline(PipelineObserver):
-    """Every F, B and wait of a step as an :class:`Event` (``perf_counter`` seconds, one clock per machine)."""
+    """Every F, B and wait of a step as an :class:`Event` (``perf_counter`` seconds)."""
 
     def __init__(self):
         self.events: list[Event] = []
@@ -327,7 +327,7 @@ class Timeline(PipelineObserver):
 
 
 class LiveMicrobatches(PipelineObserver):
-    """Micro-batches whose forward ran and whose backward has not: ``live`` now, ``peak`` over the step."""
+    """Micro-batches whose forward ran and whose backward has not: ``live`` now, ``peak`` at most."""
 
     def __init__(self):
         self.live = self.peak = 0
@@ -349,12 +349,12 @@ class _Saved:
 class LiveActivationMeter(PipelineObserver):
     """Bytes saved for backward and not yet released, counted as they come and go.
 
-    Inside ``with meter.saving():`` (the runner enters it around every forward) every tensor autograd
-    saves is wrapped in a small holder that autograd owns; once the backward that used it has run
-    (``retain_graph=False``), autograd drops the holder and it leaves the count. :meth:`live_bytes`
-    sums the unique storages of the holders still alive, leaving out ``exclude`` (the stage's
-    parameters: a Linear saves its weight, a model state). As an observer it samples the count after
-    every F and B: ``trace`` [(time, bytes)] and ``peak``.
+    Inside ``with meter.saving():`` (the runner enters it around every forward) every tensor
+    autograd saves is wrapped in a small holder that autograd owns; once the backward that used it
+    has run (``retain_graph=False``), autograd drops the holder and it leaves the count.
+    :meth:`live_bytes` sums the unique storages of the holders still alive, leaving out ``exclude``
+    (the stage's parameters: a Linear saves its weight, a model state). As an observer it samples
+    the count after every F and B: ``trace`` [(time, bytes)] and ``peak``.
     """
 
     def __init__(self, exclude=()):
@@ -406,7 +406,9 @@ class StepStats(NamedTuple):
 
 def measured_step(runner: PipelineRunner, inputs: torch.Tensor | None = None,
                   targets: torch.Tensor | None = None) -> StepStats:
-    """``runner.step`` with a :class:`Timeline`, :class:`LiveMicrobatches` and :class:`LiveActivationMeter`."""
-    timeline, live, meter = Timeline(), LiveMicrobatches(), LiveActivationMeter(exclude=runner.params)
+    """``runner.step`` observed by a :class:`Timeline`, :class:`LiveMicrobatches` and a
+    :class:`LiveActivationMeter`: what one step measured, as :class:`StepStats`."""
+    timeline, live = Timeline(), LiveMicrobatches()
+    meter = LiveActivationMeter(exclude=runner.params)
     losses = runner.step(inputs, targets, observers=(timeline, live, meter))
     return StepStats(losses, timeline.events, live.peak, meter.peak, meter.trace)

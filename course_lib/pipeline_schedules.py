@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-__all__ = ["Action", "Event", "check_microbatches", "gpipe", "one_f_one_b", "interleaved_one_f_one_b",
-           "make_schedules", "check_schedule", "simulate", "peak_live_microbatches", "bubble_fractions",
-           "SCHEDULES"]
+__all__ = ["Action", "Event", "check_microbatches", "gpipe", "one_f_one_b",
+           "interleaved_one_f_one_b", "make_schedules", "check_schedule", "simulate",
+           "peak_live_microbatches", "bubble_fractions", "SCHEDULES"]
 
 
 class Action(NamedTuple):
@@ -34,7 +34,7 @@ class Action(NamedTuple):
 
 
 def check_microbatches(num_microbatches) -> None:
-    """Raise unless ``num_microbatches`` is an int ≥ 1 (schedules and the runner's batch split share it)."""
+    """Raise unless ``num_microbatches`` is an int ≥ 1 (the schedules and the batch split)."""
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
 

@@ -1,9 +1,10 @@
 """Chapter 05's measurements: pipelines equal to one device, bubbles, live activations, torch's pipelining.
 
-Rank functions (run them with ``launch.spawn``), each returning a :class:`~course_lib.results.Result`:
+Rank functions (run them with ``launch.spawn``), each returning a
+:class:`~course_lib.results.Result`:
 
-* :func:`pipeline_training` — our GPipe / 1F1B / interleaved 1F1B trained for some steps: this rank's
-  stage weights (:class:`StageResult`), checked against one device trained on this rank;
+* :func:`pipeline_training` — our GPipe / 1F1B / interleaved 1F1B trained for some steps: this
+  rank's stage weights (:class:`StageResult`), checked against one device trained on this rank;
 * :func:`measure_bubbles` — each stage a fixed sleep around a tiny real layer: the bubble measured
   against ``(p−1)/(m+p−1)`` (:class:`BubbleResult`; :func:`sleep_bubbles` is its ``as_dict()``);
 * :func:`gpt_timelines` — the real GPT: timelines, bubbles, live micro-batches and live activation
@@ -59,7 +60,7 @@ def _state(chunks) -> dict:
 
 
 def _one_device(config, steps, global_batch, optimizer, keys) -> dict:
-    """One device trained on the full batches, on this rank: the entries ``keys`` of its state dict."""
+    """One device trained on the full batches, on this rank: its state dict's entries ``keys``."""
     ref = reference_run(config, steps, global_batch, optimizer)[0].state_dict()
     return {k: ref[k] for k in keys}
 
@@ -69,7 +70,7 @@ def _one_device(config, steps, global_batch, optimizer, keys) -> dict:
 
 @dataclass
 class StageResult(Result):
-    """One rank's stage weights after pipeline training (``state``: its part of the GPT's state dict)."""
+    """One rank's stage weights after pipeline training (``state``: its part of the state dict)."""
 
     rank: int
     state: dict = field(repr=False)
@@ -202,7 +203,7 @@ def measure_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f:
     For each schedule and ``m``: ``warmup`` + ``steps`` pipeline steps, each after a barrier; per step
     and rank, bubble = 1 − busy / (latest end − earliest start over all ranks) from ``perf_counter``
     (one clock for all processes on a machine), gathered on every rank; the median over ``steps``.
-    Every rank returns the same bubbles (rank 0's is the one to read) plus the last step's timelines.
+    Every rank returns the same bubbles (read rank 0's) and the last step's timelines.
     """
     p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
@@ -229,7 +230,7 @@ def measure_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f:
 
 
 def sleep_bubbles(*args, **kwargs) -> dict:
-    """:func:`measure_bubbles` as a plain dict (``BubbleResult(**d)`` rebuilds it; chapter 09 reads it so)."""
+    """:func:`measure_bubbles` as a plain dict (``BubbleResult(**d)`` rebuilds it; chapter 09's)."""
     return measure_bubbles(*args, **kwargs).as_dict()
 
 
@@ -238,13 +239,14 @@ def sleep_bubbles(*args, **kwargs) -> dict:
 
 @dataclass
 class TimelineResult(Result):
-    """The GPT pipeline on one rank: per schedule, timelines, bubbles, live micro-batches and bytes, p2p bytes.
+    """The GPT pipeline on one rank, per schedule: timelines, bubbles, live activations, p2p bytes.
 
-    ``schedules[name]`` holds ``events`` (every rank's, seconds from the step's start), ``bubble`` (per
-    rank), ``peak_live`` and ``predicted_peak_live`` (this stage), ``peak_live_bytes``, ``sent_bytes``,
-    ``sends`` and ``recv_bytes`` (this rank, per step). Rows: live micro-batches as the schedule
-    predicts, bytes sent as :func:`~course_lib.formulas.pipeline_p2p_bytes`, and GPipe's live bytes
-    over 1F1B's following their live micro-batches. Bubbles are reported, not checked (unequal stages).
+    ``schedules[name]`` holds ``events`` (every rank's, seconds from the step's start), ``bubble``
+    (per rank), ``peak_live`` and ``predicted_peak_live`` (this stage), ``peak_live_bytes``,
+    ``sent_bytes``, ``sends`` and ``recv_bytes`` (this rank, per step). Rows: live micro-batches as
+    the schedule predicts, bytes sent as :func:`~course_lib.formulas.pipeline_p2p_bytes`, and
+    GPipe's live bytes over 1F1B's following their live micro-batches. Bubbles are reported, not
+    checked (the stages are unequal).
     """
 
     p: int
@@ -276,8 +278,8 @@ def gpt_timelines(schedules=("gpipe", "1f1b"), num_microbatches: int = 8, global
     For each schedule: ``steps`` steps (the first a warm-up), after a barrier each. Per schedule:
     every rank's events of the last step (seconds from its start), the bubble per rank (median over
     the measured steps), this rank's peak live micro-batches and peak live activation bytes, the
-    predicted peak (:func:`~course_lib.pipeline.peak_live_microbatches` of the schedule) and the bytes
-    this rank sent per step (``CommLog``).
+    predicted peak (:func:`~course_lib.pipeline.peak_live_microbatches` of the schedule) and the
+    bytes this rank sent per step (``CommLog``).
     """
     config = config or parallel_config()
     p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
@@ -309,7 +311,7 @@ def gpt_timelines(schedules=("gpipe", "1f1b"), num_microbatches: int = 8, global
 
 @dataclass
 class PPDPResult(StageResult):
-    """One rank of PP × DP: its stage weights, its coordinates, its gradient all-reduces and their groups."""
+    """One rank of PP × DP: stage weights, coordinates, gradient all-reduces and their groups."""
 
     replica: int
     stage: int
@@ -425,7 +427,7 @@ class ZeroBubbleResult(Result):
     """Torch's ``ScheduleInterleavedZeroBubble``: its static action order and the step's loss."""
 
     rank: int
-    order: dict  # rank -> action strings ("2I0": stage 2, input-gradient of micro-batch 0); None = idle slot
+    order: dict  # rank -> action strings ("2I0": stage 2, input-grad of micro-batch 0); None = idle
     loss: float | None  # mean over micro-batches (last stage only)
 
 

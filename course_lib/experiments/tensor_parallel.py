@@ -1,15 +1,22 @@
 """Chapter 06's measurements: tensor parallelism equal to one device, its collectives counted, DTensor, DP×TP.
 
-Rank functions (run them with ``launch.spawn``): :func:`linear_layers` (Column/RowParallelLinear with
-biases vs ``nn.Linear``: :class:`LinearLayersResult`), :func:`tp_step` (one forward + backward of the TP
-GPT: logits, loss, gradient shards, the collectives of each phase, per-rank weight bytes, saved
-activation bytes), :func:`tp_training` (AdamW steps; this rank's weight shards: :class:`ShardsResult`),
-:func:`dtensor_step` (the same plan with ``parallelize_module`` and ``loss_parallel``; the two traps),
-:func:`dp_tp_training` (a 2-D mesh: DP over one dimension, our TP over the other, collectives counted
-per mesh dimension: :class:`DPTPResult`), :func:`fsdp_tp_step` (FSDP2 on the "dp" sub-mesh of a
-DTensor-TP model) and :func:`notebook_suite` / :func:`mesh_suite` (several in one spawn).
-Parent-side: :func:`merge_shards` (the full tensors from every TP rank's shards), with
-:func:`tp_shard_dim`; :func:`check_mesh`. The DTensor plans themselves are technique:
+Rank functions (run them with ``launch.spawn``), most returning a :class:`~course_lib.results.Result`:
+
+* :func:`linear_layers` — Column/RowParallelLinear with biases vs ``nn.Linear``
+  (:class:`LinearLayersResult`);
+* :func:`tp_step` — one forward + backward of the TP GPT: logits, loss, gradient shards, the
+  collectives of each phase, per-rank weight bytes, saved activation bytes (a dict: chapter 09
+  reads its keys);
+* :func:`tp_training` — AdamW steps; this rank's weight shards (:class:`ShardsResult`);
+* :func:`dtensor_step` — the same plan with ``parallelize_module`` and ``loss_parallel``; the two
+  traps (:class:`DTensorResult`); :func:`dtensor_sequence_parallel_blocks` (:class:`DTensorSPResult`);
+* :func:`dp_tp_training` — a 2-D mesh: DP over one dimension, our TP over the other, collectives
+  counted per mesh dimension (:class:`DPTPResult`);
+* :func:`fsdp_tp_step` — FSDP2 on the "dp" sub-mesh of a DTensor-TP model (:class:`FSDPTPResult`);
+* :func:`notebook_suite` / :func:`mesh_suite` — several in one spawn.
+
+Parent-side: :func:`merge_shards` (the full tensors from every TP rank's shards, by
+:func:`tp_shard_dim`); :func:`check_mesh`. The DTensor plans are technique:
 :func:`~course_lib.tensor_parallel.dtensor_plan`, :func:`~course_lib.tensor_parallel.parallelize_gpt`.
 """
 from __future__ import annotations
