@@ -33,13 +33,13 @@ order than one device adds a full batch), so "equal" means equal up to what that
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
 import torch
 
 __all__ = ["Tolerance", "EXACT", "REORDERED", "SGD", "ADAMW", "FP16", "BF16", "for_optimizer",
-           "max_abs_diff", "Row", "Result"]
+           "max_abs_diff", "Row", "Result", "Measured", "FieldAccess"]
 
 
 @dataclass(frozen=True)
@@ -231,3 +231,57 @@ class Result:
         from dataclasses import asdict
 
         return asdict(self)
+
+
+# --------------------------------------------------------------------------- results that read like dicts
+# Notebooks written before results were tables index what an experiment returned (``r["ratio"]``).
+# These two keep that working while the rows carry the checks.
+
+
+@dataclass
+class Measured(Result):
+    """A :class:`Result` that also reads as the numbers it measured: ``res["loss"]``, ``res[0]``, ``len(res)``.
+
+    ``values`` is what a notebook plots and prints (a dict, or a list of rows); the rows are the checks.
+    """
+
+    values: dict | list = field(default_factory=dict)
+
+    def __getitem__(self, key):
+        return self.values[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.values
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def keys(self):
+        return self.values.keys()
+
+    def items(self):
+        return self.values.items()
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+
+class FieldAccess:
+    """Mix into a :class:`Result` dataclass to read its fields by name: ``report["ratio"]``."""
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name not in ("title", "checked")]
+
+    def __getitem__(self, name: str):
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.keys()
+
+    def get(self, name: str, default=None):
+        return getattr(self, name) if name in self.keys() else default

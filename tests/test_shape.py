@@ -295,6 +295,22 @@ BACKWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
                                                                "a step inside the tracker changes the peaks",
     ("experiments/horovod", "_horovod_train"): "a Horovod worker: DistributedOptimizer's zero_grad takes no "
                                                "set_to_none",
+    ("experiments/zero", "zero_stage_profile"): "samples memory and counts collectives per phase (forward, "
+                                               "backward, step) of the measured step",
+    ("experiments/zero_libraries", "deepspeed_zero"): "DeepSpeed's engine owns backward: engine.backward(loss)",
+    ("checks/zero", "check_zero1_step"): "the learner's Zero1Step is not a torch optimizer (zero_grad takes no "
+                                         "arguments)",
+    ("checks/zero", "check_sharded_linear"): "one layer, no optimizer: forward and backward collectives counted "
+                                             "apart",
+    ("experiments/tensor_parallel", "linear_layers"): "one layer with a fixed output gradient, no model or "
+                                                      "optimizer",
+    ("experiments/tensor_parallel", "tp_step"): "collectives counted per phase, activations metered during "
+                                                "forward only",
+    ("experiments/tensor_parallel", "dtensor_step"): "collectives counted per phase under loss_parallel()",
+    ("experiments/tensor_parallel", "_blocks_sum_of_squares"): "blocks only, loss Σout² on a sequence shard: "
+                                                               "no model(x, y)",
+    ("experiments/tensor_parallel", "fsdp_tp_step"): "one forward + backward whose gradients are the result",
+    ("checks/tensor_parallel", "_check"): "the learner's autograd.Function run with a fixed output gradient",
 }
 
 

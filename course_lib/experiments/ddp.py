@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,11 @@ from ..data import make_batch
 from ..ddp import DDP, DDPObserver, make_buckets, naive_allreduce_gradients, torch_ddp, trainable_parameters
 from ..launch import device
 from ..models import GPT, GPTConfig
-from ..results import SGD, for_optimizer
+from ..results import SGD, Measured, for_optimizer
 from .common import (Result, bench_config, check_global_batch, make_optimizer, race, shard_batch, small_config,
                      step_batch, train_step)
 
-__all__ = ["bench_config", "VARIANTS", "RACE_VARIANTS", "EQUALITY_OPTIMIZERS", "Measurements", "EqualityResult",
+__all__ = ["bench_config", "VARIANTS", "RACE_VARIANTS", "EQUALITY_OPTIMIZERS", "EqualityResult",
            "AccumulationResult", "TimelineResult", "DDPTimeline", "equality_with_single_device", "accumulation_with_no_sync",
            "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines", "ddp_benchmark", "scaling",
            "format_throughput"]
@@ -83,35 +83,7 @@ class AccumulationResult(Result):
 
 
 @dataclass
-class Measurements(Result):
-    """A :class:`Result` that also reads as the numbers it measured: ``res["loss"]``, ``res[0]``, ``len(res)``.
-
-    ``values`` is what the notebook plots and prints (a dict, or a list of rows); the rows are the checks.
-    """
-
-    values: dict | list = field(default_factory=dict)
-
-    def __getitem__(self, key):
-        return self.values[key]
-
-    def __contains__(self, key) -> bool:
-        return key in self.values
-
-    def __iter__(self):
-        return iter(self.values)
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def keys(self):
-        return self.values.keys()
-
-    def items(self):
-        return self.values.items()
-
-
-@dataclass
-class TimelineResult(Measurements):
+class TimelineResult(Measured):
     """:func:`ddp_timelines`: ``res[variant]`` is its events; rows: who overlaps, who buckets."""
 
     def check_overlap(self) -> None:

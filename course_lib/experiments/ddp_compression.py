@@ -5,7 +5,7 @@ with fp32, fp16 and bf16 gradient all-reduces on our DDP and torch's, PowerSGD o
 hook, and the bytes each of ours sends per step) and :func:`gradient_allreduce_time` (the measured
 time of the gradient all-reduce, to compare with the α–β prediction). Parent side:
 :func:`predict_gradient_allreduce` fits α–β (``collectives.measure_alpha_beta``) and predicts.
-Both notebook-facing results are :class:`ddp.Measurements`: read like the dicts they were, with rows.
+Both notebook-facing results are :class:`results.Measured`: read like the dicts they were, with rows.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from .. import comm
 from ..ddp import DDP, make_buckets, torch_ddp, trainable_parameters
 from ..launch import device
 from ..models import GPT, GPTConfig
+from ..results import Measured
 from .common import bench_config, make_optimizer, shard_batch, small_config, step_batch, train_step
-from .ddp import Measurements
 
 __all__ = ["COMPRESSION_VARIANTS", "compression_accuracy", "gradient_allreduce_time", "predict_gradient_allreduce"]
 
@@ -59,10 +59,10 @@ def _try_torch_bf16_hook(config: GPTConfig, bucket_cap_mb: float) -> str:
 
 
 def compression_accuracy(steps: int = 40, global_batch: int = 16, bucket_cap_mb: float = 25.0,
-                         variants=COMPRESSION_VARIANTS, config: GPTConfig | None = None) -> Measurements:
+                         variants=COMPRESSION_VARIANTS, config: GPTConfig | None = None) -> Measured:
     """Rank function: train each variant ``steps`` AdamW steps from the same init on the same data.
 
-    Returns :class:`Measurements` reading as ``{"loss": {variant: loss on a held-out batch after
+    Returns :class:`Measured` reading as ``{"loss": {variant: loss on a held-out batch after
     training}, "grad_bytes_per_step": {own variant: CommLog bytes of the gradient all-reduces in one
     step}, "steps", "torch_bf16_hook": "ran" or the error torch raised}``; rows: a 16-bit hook sends
     exactly half of fp32's bytes, and ends within 1 % of fp32's loss. The weights are equal on every
@@ -85,7 +85,7 @@ def compression_accuracy(steps: int = 40, global_batch: int = 16, bucket_cap_mb:
                 grad_bytes[variant] = log.total("tensor_bytes", tag="grad")
         with torch.no_grad():
             loss[variant] = model(x_eval, y_eval)[1].item()
-    result = Measurements(values={"loss": loss, "grad_bytes_per_step": grad_bytes, "steps": steps,
+    result = Measured(values={"loss": loss, "grad_bytes_per_step": grad_bytes, "steps": steps,
                                   "torch_bf16_hook": _try_torch_bf16_hook(config, bucket_cap_mb)})
     for low in ("own_fp16", "own_bf16"):
         if low in grad_bytes and "own_fp32" in grad_bytes:
@@ -126,10 +126,10 @@ def gradient_allreduce_time(config: GPTConfig | None = None, bucket_cap_mb: floa
 
 
 def predict_gradient_allreduce(world_size: int = 2, bucket_cap_mb: float = 25.0,
-                               config: GPTConfig | None = None) -> Measurements:
+                               config: GPTConfig | None = None) -> Measured:
     """Parent side: fit α–β to a short all-reduce sweep, predict the gradient all-reduce, then measure it.
 
-    Returns :class:`Measurements` reading as ``{"alpha_s", "beta_bytes_per_s", "bucket_bytes",
+    Returns :class:`Measured` reading as ``{"alpha_s", "beta_bytes_per_s", "bucket_bytes",
     "predicted_s", "measured_s", "ratio"}`` (ratio = measured / predicted), with one row: the ratio
     lies within 0.5–2× (the fit and the measurement run seconds apart on a shared machine). The
     prediction is made before the measurement runs.
@@ -144,7 +144,7 @@ def predict_gradient_allreduce(world_size: int = 2, bucket_cap_mb: float = 25.0,
     predicted = sum(fit.predict("all_reduce", b, world_size) for b in sizes)
     got = spawn(gradient_allreduce_time, world_size, kwargs=dict(config=config, bucket_cap_mb=bucket_cap_mb))[0]
     ratio = got["measured_s"] / predicted
-    result = Measurements(values={"alpha_s": fit.alpha_s["all_reduce"], "bucket_bytes": sizes,
+    result = Measured(values={"alpha_s": fit.alpha_s["all_reduce"], "bucket_bytes": sizes,
                                   "beta_bytes_per_s": fit.beta_bytes_per_s["all_reduce"],
                                   "predicted_s": predicted, "measured_s": got["measured_s"], "ratio": ratio})
     result.condition("gradient all-reduce: measured / predicted", ratio, 0.5 <= ratio <= 2, "within 0.5–2×",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,8 @@ from ..fsdp_meters import GatheredParamMeter, counted_step
 from ..launch import device
 from ..memory import model_state_bytes
 from ..models import GPT, GPTConfig
-from ..results import ADAMW, BF16, EXACT, for_optimizer
-from .common import (Result, check_global_batch, make_optimizer, max_abs_diff, mean_over_ranks, median_times,
+from ..results import ADAMW, BF16, EXACT, Measured, for_optimizer
+from .common import (check_global_batch, make_optimizer, max_abs_diff, mean_over_ranks, median_times,
                      race, reference_run, shard_batch, step_batch, train_step, zero_config)
 
 __all__ = ["FSDPResult", "digest", "fsdp2_train", "fsdp2_model_state_accounting", "fsdp2_vs_single_device",
@@ -42,19 +42,8 @@ __all__ = ["FSDPResult", "digest", "fsdp2_train", "fsdp2_model_state_accounting"
 
 
 @dataclass
-class FSDPResult(Result):
+class FSDPResult(Measured):
     """Checked rows plus the measured numbers, read as ``result["key"]`` (what the notebook prints)."""
-
-    values: dict = field(default_factory=dict)
-
-    def __getitem__(self, key: str):
-        return self.values[key]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.values
-
-    def keys(self):
-        return self.values.keys()
 
 
 # =========================================================================== pieces

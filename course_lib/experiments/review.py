@@ -58,7 +58,6 @@ def review_suite(bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1
     t_f, t_b = (v / 1e3 for v in bubble_ms)
     bubbles = sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=3)
     bubbles.pop("timelines")
-    profile.pop("peak_trace", None)
     return _plain({"world_size": dist.get_world_size(), "zero": zero, "profile": profile, "fsdp": fsdp, "tp": tp,
                    "bubbles": bubbles})
 

@@ -10,7 +10,7 @@ Rank functions (run them with ``launch.spawn``), each returning a
 * :func:`zero_stage_profile` — every stage's step time, peak bytes per phase and which collectives
   each phase issues (:class:`StageProfile`).
 
-The results also read like the dicts they replace (``report["ratio"]``, :class:`FieldAccess`).
+The results also read like the dicts they replace (``report["ratio"]``, :class:`results.FieldAccess`).
 Accounting helpers, usable in any rank function: :func:`model_state_accounting` (bytes held) and
 :func:`comm_accounting` (bytes sent).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import math
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,43 +30,18 @@ from ..formulas import zero_model_state_breakdown
 from ..launch import device
 from ..memory import SavedTensorMeter, model_state_bytes, tensors_in, unique_storage_bytes
 from ..models import GPT, GPTConfig
-from ..results import ADAMW, EXACT, Result
+from ..results import ADAMW, EXACT, FieldAccess, Result
 from ..zero import ZeroOptimizer
 from ..zero3 import Zero3
 from .common import (OPTIMIZERS, check_global_batch, make_optimizer, median_times, race,
                      reference_run, shard_batch, state_diff, step_batch, train_step, zero_config)
 
 __all__ = ["zero_config", "model_state_accounting", "comm_accounting", "zero_stage_report",
-           "zero_clip_and_resume", "zero_stage_profile", "FieldAccess", "StageReport",
+           "zero_clip_and_resume", "zero_stage_profile", "StageReport",
            "ClipResumeReport", "StageProfile", "MEMORY_FORMULA"]
 
 # per-rank model-state bytes of each stage, fp32 AdamW (0 = DDP)
 MEMORY_FORMULA = {0: "16Ψ", 1: "8Ψ + 8Ψ/N", 2: "4Ψ + 12Ψ/N", 3: "16Ψ/N"}
-
-
-class FieldAccess:
-    """Read a result's fields by name, as the dicts it replaces were read: ``report["ratio"]``."""
-
-    def keys(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name not in ("title", "checked")]
-
-    def __getitem__(self, name: str):
-        if name not in self.keys():
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def __contains__(self, name) -> bool:
-        return name in self.keys()
-
-    def get(self, name: str, default=None):
-        return getattr(self, name) if name in self.keys() else default
-
-    def pop(self, name: str, default=None):
-        """``default`` for a name that is not a field; a field cannot be removed (TypeError)."""
-        if name in self.keys():
-            raise TypeError(f"{type(self).__name__}.{name} is a field: "
-                            "a result's fields cannot be removed")
-        return default
 
 
 # --------------------------------------------------------------------------- accounting

@@ -68,9 +68,8 @@ from ..formulas import zero_model_state_breakdown
 from ..launch import device
 from ..memory import model_state_bytes, storage_bytes, tensors_in
 from ..models import GPT, GPTConfig, tiny_config
-from ..results import ADAMW, Result
+from ..results import ADAMW, FieldAccess, Result
 from ..train import shard_batch, train_step
-from .zero import FieldAccess
 from .zero_deepspeed import deepspeed_available, full_params, import_deepspeed, psi_padded, snapshot, \
     torch_extensions_dir
 
