@@ -214,6 +214,11 @@ class AcceleratorClock:
     def name(self) -> str:
         return f"modelled accelerator clock, {format_rate(self.rate)}" if self.enabled else "real clock"
 
+    @property
+    def late(self) -> float:
+        """How far the last sleep overran its deadline (s): the next sleep is that much shorter."""
+        return self._late
+
     def __repr__(self) -> str:
         return f"AcceleratorClock({self.name})"
 
