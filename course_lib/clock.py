@@ -57,7 +57,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -145,7 +145,7 @@ def count_flops(fn, *args, **kwargs) -> tuple[object, int]:
 
 
 def costed_parts(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """``(name, module, kind)`` for what the clock costs: blocks, embeddings, the head (with the loss).
+    """``(name, module, kind)`` for what the clock costs: blocks, embeddings, head (+ the loss).
 
     A GPT-shaped model (``blocks``, ``wte``, ``wpe``, ``lm_head``, also the TP GPT and a pipeline
     stage) or a ``Sequential`` (each layer a block).
@@ -164,8 +164,8 @@ def costed_parts(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     if isinstance(getattr(model, "lm_head", None), nn.Module):
         parts.append(("lm_head", model.lm_head, "head"))
     if not any(kind == "block" for _, _, kind in parts):
-        raise ValueError(f"{type(model).__name__} has no blocks to cost: the clock wraps a model with "
-                         "`blocks` (ModuleList / ModuleDict) or an nn.Sequential")
+        raise ValueError(f"{type(model).__name__} has no blocks to cost: the clock wraps a model "
+                         "with `blocks` (ModuleList / ModuleDict) or an nn.Sequential")
     return parts
 
 
@@ -184,7 +184,7 @@ class _Cost(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        (_anchor,) = ctx.saved_tensors  # under checkpoint this re-runs the forward (and its sleep) now
+        (_anchor,) = ctx.saved_tensors  # under checkpoint: re-runs the forward (and its sleep)
         ctx.clock.sleep(BACKWARD_FACTOR * ctx.flops, f"{ctx.label} bwd", "backward")
         return (None, None, None, None, *grads)
 
@@ -205,14 +205,16 @@ class AcceleratorClock:
             device = rank_device()
         self.rate = float(rate_flops_per_s)
         self.enabled = models_time(torch.device(device).type, force)
-        self._late = 0.0  # how far the last sleep overshot its deadline (s): the next one is shorter
+        self._late = 0.0  # how far the last sleep overran its deadline (s): the next is shorter
         self._open = None  # the costed module running now, with its FLOP counter
         self._handles, self._modules = [], []
         self.reset()
 
     @property
     def name(self) -> str:
-        return f"modelled accelerator clock, {format_rate(self.rate)}" if self.enabled else "real clock"
+        if not self.enabled:
+            return "real clock"
+        return f"modelled accelerator clock, {format_rate(self.rate)}"
 
     @property
     def late(self) -> float:
@@ -244,7 +246,7 @@ class AcceleratorClock:
 
     @torch.compiler.disable
     def sleep(self, flops: float, label: str, phase: str) -> None:
-        """Sleep ``flops / rate`` seconds (less the last overshoot) and record it under ``label``."""
+        """Sleep ``flops / rate`` seconds (less the last overrun); record it under ``label``."""
         if not self.enabled or flops <= 0:
             return
         seconds = self.seconds_for(flops)
@@ -264,7 +266,7 @@ class AcceleratorClock:
     # ------------------------------------------------------------------ wrapping the model
 
     def apply(self, model: nn.Module, parts=None) -> nn.Module:
-        """Cost ``model``'s blocks, embeddings and head (``parts``: :func:`costed_parts` by default).
+        """Cost ``model``'s blocks, embeddings and head (``parts``: default :func:`costed_parts`).
 
         Apply it to the model before a technique wraps or splits it; returns the model."""
         for name, module, kind in costed_parts(model) if parts is None else parts:
@@ -331,8 +333,8 @@ class Calibration:
     flops: list  # each block's forward FLOPs
 
     def __str__(self) -> str:
-        return (f"{format_rate(self.rate)}: every block sleeps ≥ {self.ratio:.1f}× its real compute "
-                f"({max(self.real_s) * 1e3:.2f} ms at most)")
+        return (f"{format_rate(self.rate)}: every block sleeps ≥ {self.ratio:.1f}× its real "
+                f"compute ({max(self.real_s) * 1e3:.2f} ms at most)")
 
 
 def _time_block(block: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, int]:
@@ -353,23 +355,31 @@ def calibrate(model: nn.Module, *inputs, ratio: float = 10.0, margin: float = 2.
     """Measure each block's real forward+backward at ``model(*inputs)``; rate for ``ratio`` × that.
 
     ``margin`` (default 2) leaves room for timing noise: the rate is chosen for ``ratio · margin``.
-    The model must not be under a clock yet (or be paused).
+    A clock already on the model is paused meanwhile; the blocks are left without gradients.
     """
-    blocks = [(name, m) for name, m, kind in costed_parts(model) if kind == "block"]
+    parts = costed_parts(model)
+    blocks = [(name, m) for name, m, kind in parts if kind == "block"]
+    clocks = {getattr(m, "_accelerator_clock", None) for _, m, _ in parts} - {None}
     seen = {}
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, args[0].detach()))
-               for n, m in blocks]
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    real, flops = zip(*[_time_block(m, seen[n], repeats) for n, m in blocks])
-    modelled_at_1 = [(1 + BACKWARD_FACTOR) * f for f in flops]  # seconds at 1 FLOP/s
-    rate = min(m / (ratio * margin * r) for m, r in zip(modelled_at_1, real))
-    worst = min(m / rate / r for m, r in zip(modelled_at_1, real))
+
+    def keep(name):
+        return lambda module, args: seen.setdefault(name, args[0].detach())
+
+    with ExitStack() as paused:
+        for clock in clocks:
+            paused.enter_context(clock.paused())
+        handles = [m.register_forward_pre_hook(keep(n)) for n, m in blocks]
+        try:
+            with torch.no_grad():
+                model(*inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        real, flops = zip(*[_time_block(m, seen[n], repeats) for n, m in blocks])
     for _, m in blocks:  # the timing runs left gradients on the blocks' parameters
         for p in m.parameters():
             p.grad = None
+    modelled_at_1 = [(1 + BACKWARD_FACTOR) * f for f in flops]  # seconds at 1 FLOP/s
+    rate = min(m / (ratio * margin * r) for m, r in zip(modelled_at_1, real))
+    worst = min(m / rate / r for m, r in zip(modelled_at_1, real))
     return Calibration(rate, worst, list(real), list(flops))

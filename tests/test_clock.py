@@ -1,14 +1,14 @@
-"""The modelled accelerator clock (course_lib/clock.py): it sleeps what the model would cost, and nothing else.
+"""The modelled accelerator clock (course_lib/clock.py): it sleeps what the model costs, no more.
 
-* calibrated, each block sleeps ≥ 10× its real forward+backward (measured as it runs under the clock);
-* sleeps keep a deadline: 200 sleeps of 1 ms take 0.2 s within 2 % (plain ``time.sleep`` drifts ~15 %);
+* calibrated, each block sleeps ≥ 10× its real forward+backward (as it runs under the clock);
+* sleeps keep a deadline: 200 sleeps of 1 ms take 0.2 s ± 2 % (plain ``time.sleep``: +15 %);
 * a checkpointed block (``use_reentrant=False``) sleeps its forward twice, its backward once;
 * the cost follows the local shapes: a block whose Linears are half as wide sleeps half as long;
 * numerics: losses and gradients bit for bit the same with the clock on and off;
 * our DDP and torch DDP on 2 gloo ranks run the same clocked model: equal results, equal modelled
   compute, and every step takes at least that long; under Zero3, FSDP2 and TP (± sequence
   parallelism) a rank is costed for the block it really computes;
-* off on CUDA unless forced (the decision, tested with a device type string), paused, profiler labels.
+* off on CUDA unless forced (tested with a device type string); paused; profiler labels.
 """
 import copy
 import statistics
@@ -37,7 +37,8 @@ def batch(step: int = 0, size: int = BATCH):
 def block_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """Each block's input in ``model(x)`` (detached)."""
     seen = []
-    handles = [b.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach())) for b in model.blocks]
+    keep = lambda module, args: seen.append(args[0].detach())
+    handles = [b.register_forward_pre_hook(keep) for b in model.blocks]
     with torch.no_grad():
         model(x)
     for h in handles:
@@ -70,11 +71,15 @@ def test_calibrated_blocks_sleep_at_least_ten_times_their_real_compute():
     loss.backward()
     for i, (block, h) in enumerate(zip(model.blocks, block_inputs(model, x))):
         modelled = clock.seconds[f"blocks.{i} fwd"] + clock.seconds[f"blocks.{i} bwd"]
-        clock.rate = float("inf")  # the clocked path (FLOP counter, identity Function), sleeping 0 s
+        clock.rate = float("inf")  # the clocked path (FLOP counter, Function), sleeping 0 s
         real = fwd_bwd_seconds(block, h)
         clock.rate = cal.rate
-        assert modelled >= 10 * real, f"block {i}: sleeps {modelled * 1e3:.2f} ms, computes {real * 1e3:.2f} ms"
+        assert modelled >= 10 * real, f"block {i}: sleeps {modelled:.5f} s, computes {real:.5f} s"
     assert cal.ratio >= 10 and cal.rate > 0
+    calls = dict(clock.calls)
+    again = calibrate(model, x, y)  # under the clock now: it is paused while calibrating
+    assert dict(clock.calls) == calls and clock.enabled
+    assert 0.5 <= again.rate / cal.rate <= 2, f"{again} vs {cal}"
 
 
 def test_counted_flops_are_the_matmul_formula():
@@ -117,9 +122,9 @@ def test_checkpointed_block_sleeps_its_forward_twice():
 
 
 def half_width(block: Block) -> Block:
-    """The block as one of two tensor-parallel ranks holds it: half the heads, half the MLP columns."""
+    """The block as one of two tensor-parallel ranks holds it: half the heads, half the MLP."""
     d, half = CFG.d_model, copy.deepcopy(block)
-    half.attn.c_attn = nn.Linear(d, 3 * d // 2, bias=False)  # heads 0 … a/2−1 (laid out head by head)
+    half.attn.c_attn = nn.Linear(d, 3 * d // 2, bias=False)  # half the heads (head by head)
     half.attn.c_proj = nn.Linear(d // 2, d, bias=False)
     half.mlp.c_fc = nn.Linear(d, CFG.mlp_ratio * d // 2, bias=False)
     half.mlp.c_proj = nn.Linear(CFG.mlp_ratio * d // 2, d, bias=False)
@@ -137,7 +142,7 @@ def test_a_block_half_as_wide_sleeps_half_as_long():
     EXACT.assert_close(2 * clocks[1].seconds["0 fwd"], clocks[0].seconds["0 fwd"])
     EXACT.assert_close(2 * clocks[1].seconds["0 bwd"], clocks[0].seconds["0 bwd"])
     assert clocks[0].calls["0 fwd"] == clocks[1].calls["0 fwd"] == 6
-    assert 0.45 <= wall_half / wall_full <= 0.55, f"{wall_half * 1e3:.2f} ms vs {wall_full * 1e3:.2f} ms"
+    assert 0.45 <= wall_half / wall_full <= 0.55, f"{wall_half:.4f} s vs {wall_full:.4f} s"
 
 
 # --------------------------------------------------------------------------- numerics
@@ -241,14 +246,14 @@ def test_our_ddp_and_torch_ddp_run_under_the_same_clock(two_ranks):
         for r in (ours, theirs):
             assert min(r["modelled"]) > 0.01
             for t, m in zip(r["times"], r["modelled"]):
-                assert t >= m, f"rank {rank}: a step took {t * 1e3:.1f} ms < modelled {m * 1e3:.1f} ms"
+                assert t >= m, f"rank {rank}: a step took {t:.4f} s < modelled {m:.4f} s"
         SGD.assert_close(ours["losses"], theirs["losses"], f"rank {rank} losses")
         SGD.assert_close(ours["params"], theirs["params"], f"rank {rank} parameters")
 
 
 def test_a_rank_costs_what_it_computes_under_zero3_fsdp2_and_tensor_parallelism(two_ranks):
     """Data parallel: the whole block on half the batch (weights whole while it runs); TP: half
-    the block on the whole batch (with sequence parallelism too: the Linears see all s positions)."""
+    the block on the whole batch (also with sequence parallelism: the Linears see all s)."""
     b, t, d = BATCH, CFG.block_size, CFG.d_model  # BATCH = this rank's half of the global batch
     whole_block_half_batch = 2 * b * t * 12 * d * d + 2 * 2 * b * t * t * d
     for res in two_ranks:
