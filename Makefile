@@ -12,11 +12,12 @@ export PYTHONHASHSEED := 0
 # Jupyter refuses to run as root (containers) without this flag; normal users never get it.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help setup lab test unit exercises nbval nbval-busy test-multinode course doctor smoke gpu-smoke clean
+.PHONY: help setup lab test lint unit exercises nbval nbval-busy test-multinode course doctor smoke gpu-smoke clean
 
 help:
 	@echo "make lab    - set up and open the course in JupyterLab (notebooks/)"
-	@echo "make test   - set up and run every test (unit, exercises vs solutions, strict nbval)"
+	@echo "make test   - set up and run every test (lint, unit, exercises vs solutions, strict nbval)"
+	@echo "make lint   - ruff check + ruff format --check (configured in pyproject.toml)"
 	@echo "make course - execute every notebook headless and print each one's runtime"
 	@echo "make nbval-busy - strict nbval with one core kept busy by a spinning process (before storing notebooks)"
 	@echo "make test-multinode - (root) just the multi-node tests: Ray and torchrun across two network namespaces"
@@ -39,6 +40,11 @@ lab: $(STAMP)
 
 doctor: $(STAMP)
 	$(VENV)/bin/course-lib doctor
+
+# Lint and format are part of the gate: ruff's rules and line length live in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 unit: $(STAMP)
 	$(PY) -m pytest tests -q -p no:cacheprovider
@@ -67,7 +73,7 @@ test-multinode: $(STAMP)
 horovod: $(STAMP)
 	$(PY) tools/build_horovod.py
 
-test: $(STAMP) horovod
+test: $(STAMP) lint horovod
 	$(VENV)/bin/course-lib doctor
 	$(PY) -m pytest tests -q -p no:cacheprovider
 	$(PY) -m pytest --nbval notebooks --sanitize-with notebooks/sanitize.cfg -q -p no:cacheprovider

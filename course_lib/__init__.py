@@ -2,4 +2,5 @@
 
 One module per chapter; see the notebooks in ``notebooks/`` for the story.
 """
+
 __version__ = "0.1.0"

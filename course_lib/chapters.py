@@ -6,6 +6,7 @@ exercise records and learner progress. A chapter's *number* is read from its not
 a new chapter is inserted by adding a row here and renaming notebook files; nothing a learner saved
 changes meaning.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,8 +27,15 @@ class Chapter:
 
 
 CHAPTERS: tuple[Chapter, ...] = (
-    Chapter("collectives", "00_setup_and_collectives", "Set-up and collectives", "환경 준비와 집합 통신"),
-    Chapter("single-device", "01_single_device", "One device: memory and time", "단일 장치: 메모리와 시간"),
+    Chapter(
+        "collectives", "00_setup_and_collectives", "Set-up and collectives", "환경 준비와 집합 통신"
+    ),
+    Chapter(
+        "single-device",
+        "01_single_device",
+        "One device: memory and time",
+        "단일 장치: 메모리와 시간",
+    ),
     Chapter("ddp", "02_ddp", "Data parallelism and DDP", "데이터 병렬과 DDP"),
     Chapter("zero", "03_zero", "ZeRO-1/2/3", "ZeRO-1/2/3"),
     Chapter("fsdp", "04_fsdp", "FSDP", "FSDP"),
@@ -49,8 +57,10 @@ def chapter(key: str | int) -> Chapter:
     try:
         return _BY_NUMBER[int(key)]
     except (TypeError, ValueError, KeyError):
-        raise ValueError(f"chapter {key!r} is not one of the topics {sorted(_BY_TOPIC)} "
-                         f"(or notebook numbers {sorted(_BY_NUMBER)})") from None
+        raise ValueError(
+            f"chapter {key!r} is not one of the topics {sorted(_BY_TOPIC)} "
+            f"(or notebook numbers {sorted(_BY_NUMBER)})"
+        ) from None
 
 
 def number(topic: str) -> int:

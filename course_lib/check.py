@@ -14,6 +14,7 @@ The registry, :data:`EXERCISES`, is data (:mod:`course_lib.quiz.exercises`): eac
 ``"course_lib.checks.<module>:<function>"`` and imported only when its exercise is checked.
 A pass of the learner's own code is recorded in the progress file (:mod:`course_lib.quiz.progress`).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -42,7 +43,9 @@ class CheckResult:
         return self.status == "passed"
 
     def __str__(self) -> str:
-        mark = {"passed": "PASS", "failed": "FAIL", "unsolved": "UNSOLVED", "error": "ERROR"}[self.status]
+        mark = {"passed": "PASS", "failed": "FAIL", "unsolved": "UNSOLVED", "error": "ERROR"}[
+            self.status
+        ]
         return f"[{mark}] {self.name}: {self.message}"
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the sentence, not the dataclass
@@ -65,8 +68,12 @@ def _load(package: str, ex: Exercise) -> Callable:
     module = importlib.reload(module)  # pick up the learner's latest edit
     import cloudpickle
 
-    cloudpickle.register_pickle_by_value(module)  # ranks run exactly this code, whatever their sys.path
-    if ex.launcher == "parent":  # Ray pickles with its own copy of cloudpickle (a registry of its own)
+    cloudpickle.register_pickle_by_value(
+        module
+    )  # ranks run exactly this code, whatever their sys.path
+    if (
+        ex.launcher == "parent"
+    ):  # Ray pickles with its own copy of cloudpickle (a registry of its own)
         from ray import cloudpickle as ray_cloudpickle
 
         ray_cloudpickle.register_pickle_by_value(module)
@@ -84,11 +91,15 @@ def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckR
         raise ValueError(f"package must be 'exercises' or 'solutions', got {package!r}")
     ex = EXERCISES[name]
     if ex.launcher not in ("spawn", "parent"):
-        raise ValueError(f"exercise {name!r}: launcher must be 'spawn' or 'parent', got {ex.launcher!r}")
+        raise ValueError(
+            f"exercise {name!r}: launcher must be 'spawn' or 'parent', got {ex.launcher!r}"
+        )
     try:
         fn = _load(package, ex)
     except Exception as exc:  # noqa: BLE001 - a syntax error in the learner's file is a result, not a crash
-        return CheckResult(name, "error", f"could not import {package}/{ex.module}.py: {type(exc).__name__}: {exc}")
+        return CheckResult(
+            name, "error", f"could not import {package}/{ex.module}.py: {type(exc).__name__}: {exc}"
+        )
     if ex.launcher == "parent":
         return _recorded(_check_in_parent(name, ex, fn), package)
     from .launch import RankError, RankTimeout, spawn  # torch: imported when a check runs
@@ -101,17 +112,26 @@ def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckR
             if err.exc_type == "NotImplementedError":
                 hint = str(err.__cause__ or "").strip() or "still a TODO"
                 return CheckResult(name, "unsolved", f"not implemented yet — {hint}")
-            return CheckResult(name, "error", f"world_size={world}: rank {err.rank} raised {err.exc_type}: "
-                                              f"{str(err.__cause__ or err).splitlines()[0]}")
+            return CheckResult(
+                name,
+                "error",
+                f"world_size={world}: rank {err.rank} raised {err.exc_type}: "
+                f"{str(err.__cause__ or err).splitlines()[0]}",
+            )
         except RankTimeout as err:
-            return CheckResult(name, "error", f"world_size={world}: {str(err).splitlines()[0]} "
-                                              "(a send without a matching recv?)")
+            return CheckResult(
+                name,
+                "error",
+                f"world_size={world}: {str(err).splitlines()[0]} (a send without a matching recv?)",
+            )
         problems = [p for rank_problems in per_rank for p in rank_problems]
         if problems:
             return CheckResult(name, "failed", f"world_size={world}: {problems[0]}", problems)
         details.append(world)
     sizes = ", ".join(map(str, details))
-    return _recorded(CheckResult(name, "passed", f"matches the reference on world sizes {sizes}"), package)
+    return _recorded(
+        CheckResult(name, "passed", f"matches the reference on world sizes {sizes}"), package
+    )
 
 
 def _recorded(result: CheckResult, package: str) -> CheckResult:
@@ -134,14 +154,18 @@ def _check_in_parent(name: str, ex: Exercise, fn: Callable) -> CheckResult:
     except Exception as exc:  # noqa: BLE001 - the learner's error (Ray wraps a worker's) is a result
         kind, message, where = worker_error(exc)
         if kind == "NotImplementedError":
-            return CheckResult(name, "unsolved", f"not implemented yet — {message or 'still a TODO'}")
+            return CheckResult(
+                name, "unsolved", f"not implemented yet — {message or 'still a TODO'}"
+            )
         return CheckResult(name, "error", f"{kind}: {message}" + (f" ({where})" if where else ""))
     if problems:
         return CheckResult(name, "failed", problems[0], problems)
     return CheckResult(name, "passed", "matches the reference in the checker's real run")
 
 
-_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)', re.MULTILINE)
+_FRAME = re.compile(
+    r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)', re.MULTILINE
+)
 _NOT_IMPLEMENTED = re.compile(r"^(?:[\w.]*\.)?NotImplementedError: (?P<msg>.*)$", re.MULTILINE)
 
 
@@ -154,8 +178,14 @@ def _chain(exc: BaseException) -> list[BaseException]:
             continue
         seen.add(id(e))
         out.append(e)
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "_base_exc", None),
-                 getattr(e, "controller_failure", None), *dict(getattr(e, "worker_failures", None) or {}).values()]
+        todo += [
+            e.__cause__,
+            e.__context__,
+            getattr(e, "cause", None),
+            getattr(e, "_base_exc", None),
+            getattr(e, "controller_failure", None),
+            *dict(getattr(e, "worker_failures", None) or {}).values(),
+        ]
     return out
 
 

@@ -1,4 +1,5 @@
 """``course-lib`` command line: doctor | quiz | exam | progress | check | smoke | run-notebooks."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,14 @@ def doctor() -> int:
     print(f"gpus          {gpus}")
     print(f"backend       {backend} (auto, 2 ranks)")
     if gpus:
-        print(f"ranks         up to {gpus} on nccl (one GPU each); up to {cores} on gloo without oversubscription")
+        print(
+            f"ranks         up to {gpus} on nccl (one GPU each); up to {cores} on gloo without oversubscription"
+        )
     else:
-        print(f"ranks         up to {cores} on gloo without oversubscribing the cores "
-              "(more run, but then measure contention)")
+        print(
+            f"ranks         up to {cores} on gloo without oversubscribing the cores "
+            "(more run, but then measure contention)"
+        )
     print(f"c++ compiler  {cxx or 'MISSING (DeepSpeed JIT-built ops will be skipped)'}")
     print(f"Python.h      {'present' if header.exists() else 'MISSING'} ({header})")
     t0 = time.perf_counter()
@@ -67,8 +72,12 @@ def run_notebooks(paths: list[str], inplace: bool, timeout: int) -> int:
     for f in files:
         nb = nbformat.read(f, as_version=4)
         t0 = time.perf_counter()
-        NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(f.parent)}}).execute()
+        NotebookClient(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(f.parent)}},
+        ).execute()
         dt = time.perf_counter() - t0
         total += dt
         target = f if inplace else out_dir / f.name
@@ -80,29 +89,56 @@ def run_notebooks(paths: list[str], inplace: bool, timeout: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="course-lib", description="Hands-On Distributed Training companion CLI")
+    parser = argparse.ArgumentParser(
+        prog="course-lib", description="Hands-On Distributed Training companion CLI"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="check torch/ray, backend, cores, compiler; spawn 2 ranks")
     q = sub.add_parser("quiz", help="O/X quiz in the terminal")
     q.add_argument("--chapter", required=True, help="a topic (ddp) or a notebook number (2)")
-    q.add_argument("--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English")
+    q.add_argument(
+        "--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English"
+    )
     q.add_argument("-n", type=int, default=None, help="number of statements")
     q.add_argument("--shuffle", action="store_true")
     e = sub.add_parser("exam", help="the final O/X exam over all chapters, in the terminal")
-    e.add_argument("--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English")
-    e.add_argument("-n", type=int, default=40, help="number of statements (the 14 seed statements always included)")
-    e.add_argument("--seed", type=int, default=0, help="which exam form (same seed, same statements)")
-    p = sub.add_parser("progress", help="which chapter quizzes, exercises and the final exam you have done")
-    p.add_argument("--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English")
+    e.add_argument(
+        "--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English"
+    )
+    e.add_argument(
+        "-n",
+        type=int,
+        default=40,
+        help="number of statements (the 14 seed statements always included)",
+    )
+    e.add_argument(
+        "--seed", type=int, default=0, help="which exam form (same seed, same statements)"
+    )
+    p = sub.add_parser(
+        "progress", help="which chapter quizzes, exercises and the final exam you have done"
+    )
+    p.add_argument(
+        "--lang", choices=["ko", "en"], default=None, help="default: $COURSE_LANG, else English"
+    )
     c = sub.add_parser("check", help="check an exercise against its reference on real ranks")
     c.add_argument("name", nargs="?", help="exercise name (omit to list them)")
     c.add_argument("--solutions", action="store_true", help="check the reference solutions instead")
-    s = sub.add_parser("smoke", help="run every chapter's rank functions once, small, with backend=auto")
-    s.add_argument("--world", type=int, default=None, help="ranks (default: one per GPU, else 2 on CPU)")
-    s.add_argument("--chapter", action="append", help="only these chapters (e.g. --chapter 02)")
+    s = sub.add_parser(
+        "smoke", help="run every chapter's rank functions once, small, with backend=auto"
+    )
+    s.add_argument(
+        "--world", type=int, default=None, help="ranks (default: one per GPU, else 2 on CPU)"
+    )
+    s.add_argument(
+        "--chapter",
+        action="append",
+        help="only these chapters, by topic or number (e.g. --chapter ddp or --chapter 02)",
+    )
     r = sub.add_parser("run-notebooks", help="execute notebooks headless and print each runtime")
     r.add_argument("paths", nargs="*", default=["notebooks"])
-    r.add_argument("--inplace", action="store_true", help="store outputs in the notebooks themselves")
+    r.add_argument(
+        "--inplace", action="store_true", help="store outputs in the notebooks themselves"
+    )
     r.add_argument("--timeout", type=int, default=900, help="per-cell timeout (s)")
     ns = parser.parse_args(argv)
 
@@ -144,9 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.cmd == "smoke":
         from .experiments.smoke import format_smoke, run_smoke
 
-        rows = run_smoke(ns.world, chapters=ns.chapter,
-                         progress=lambda r: print(f"  {r.chapter} {r.function}: {r.status} ({r.seconds:.1f} s)",
-                                                  flush=True))
+        rows = run_smoke(
+            ns.world,
+            chapters=ns.chapter,
+            progress=lambda r: print(
+                f"  {r.chapter} {r.function}: {r.status} ({r.seconds:.1f} s)", flush=True
+            ),
+        )
         print(format_smoke(rows))
         return 0 if all(r.status == "pass" for r in rows) else 1
     if ns.cmd == "run-notebooks":

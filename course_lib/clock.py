@@ -52,6 +52,7 @@ The contract
 Don't toggle the clock between a checkpointed forward and its backward (the recompute would add
 a Function the forward did not have).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -65,8 +66,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["AcceleratorClock", "Calibration", "calibrate", "costed_parts", "count_flops",
-           "models_time", "format_rate"]
+__all__ = [
+    "AcceleratorClock",
+    "Calibration",
+    "calibrate",
+    "costed_parts",
+    "count_flops",
+    "models_time",
+    "format_rate",
+]
 
 BACKWARD_FACTOR = 2  # backward = grad of the input + grad of the weights: 2× the forward's matmuls
 LOSS_FLOPS_PER_LOGIT = 3  # softmax cross-entropy: exp, sum, log
@@ -164,8 +172,10 @@ def costed_parts(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     if isinstance(getattr(model, "lm_head", None), nn.Module):
         parts.append(("lm_head", model.lm_head, "head"))
     if not any(kind == "block" for _, _, kind in parts):
-        raise ValueError(f"{type(model).__name__} has no blocks to cost: the clock wraps a model "
-                         "with `blocks` (ModuleList / ModuleDict) or an nn.Sequential")
+        raise ValueError(
+            f"{type(model).__name__} has no blocks to cost: the clock wraps a model "
+            "with `blocks` (ModuleList / ModuleDict) or an nn.Sequential"
+        )
     return parts
 
 
@@ -317,6 +327,7 @@ class AcceleratorClock:
             if isinstance(output, torch.Tensor):
                 return outs[0]
             return tuple(outs) if isinstance(output, tuple) else outs
+
         return finish
 
 
@@ -333,8 +344,10 @@ class Calibration:
     flops: list  # each block's forward FLOPs
 
     def __str__(self) -> str:
-        return (f"{format_rate(self.rate)}: every block sleeps ≥ {self.ratio:.1f}× its real "
-                f"compute ({max(self.real_s) * 1e3:.2f} ms at most)")
+        return (
+            f"{format_rate(self.rate)}: every block sleeps ≥ {self.ratio:.1f}× its real "
+            f"compute ({max(self.real_s) * 1e3:.2f} ms at most)"
+        )
 
 
 def _time_block(block: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, int]:
@@ -350,8 +363,9 @@ def _time_block(block: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float,
     return statistics.median(times), flops
 
 
-def calibrate(model: nn.Module, *inputs, ratio: float = 10.0, margin: float = 2.0,
-              repeats: int = 5) -> Calibration:
+def calibrate(
+    model: nn.Module, *inputs, ratio: float = 10.0, margin: float = 2.0, repeats: int = 5
+) -> Calibration:
     """Measure each block's real forward+backward at ``model(*inputs)``; rate for ``ratio`` × that.
 
     ``margin`` (default 2) leaves room for timing noise: the rate is chosen for ``ratio · margin``.

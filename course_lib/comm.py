@@ -36,6 +36,7 @@ Two recorders, one record type (:class:`CommRecord`) and one query API (``select
 
 These bytes are ring-model accounting (what a ring moves per rank), not bytes counted on the wire.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -44,8 +45,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-__all__ = ["CommLog", "CommRecord", "CollectiveCounter", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "send", "recv", "isend", "irecv", "ring_factor", "group_name"]
+__all__ = [
+    "CommLog",
+    "CommRecord",
+    "CollectiveCounter",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "ring_factor",
+    "group_name",
+]
 
 _ACTIVE: list["CommLog"] = []
 
@@ -53,8 +67,14 @@ _ACTIVE: list["CommLog"] = []
 def ring_factor(op: str, world_size: int) -> float:
     """Bytes one rank sends in a ring, per byte of ``tensor_bytes``."""
     n = world_size
-    factors = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-               "broadcast": 1.0 if n > 1 else 0.0, "send": 1.0, "recv": 0.0}
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "broadcast": 1.0 if n > 1 else 0.0,
+        "send": 1.0,
+        "recv": 0.0,
+    }
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; expected one of {sorted(factors)}")
     return factors[op]
@@ -87,7 +107,7 @@ def group_name(group=None) -> str:
         return "default"
     desc = getattr(group, "group_desc", "") or ""
     if desc.startswith("mesh_"):
-        return desc[len("mesh_"):]
+        return desc[len("mesh_") :]
     return group.group_name
 
 
@@ -97,9 +117,13 @@ class _Records:
     records: list[CommRecord]
 
     def select(self, *, op: str | None = None, tag: str | None = None) -> list[CommRecord]:
-        return [r for r in self.records if (op is None or r.op == op) and (tag is None or r.tag == tag)]
+        return [
+            r for r in self.records if (op is None or r.op == op) and (tag is None or r.tag == tag)
+        ]
 
-    def total(self, field: str = "tensor_bytes", *, op: str | None = None, tag: str | None = None) -> float:
+    def total(
+        self, field: str = "tensor_bytes", *, op: str | None = None, tag: str | None = None
+    ) -> float:
         return sum(getattr(r, field) for r in self.select(op=op, tag=tag))
 
     def count(self, *, op: str | None = None, tag: str | None = None) -> int:
@@ -109,9 +133,18 @@ class _Records:
         """One row per (op, tag, dtype, group): calls, Σ tensor_bytes, Σ ring_bytes."""
         rows: dict[tuple, dict] = {}
         for r in self.records:
-            row = rows.setdefault((r.op, r.tag, r.dtype, r.group),
-                                  {"op": r.op, "tag": r.tag, "dtype": r.dtype, "group": r.group, "calls": 0,
-                                   "tensor_bytes": 0, "ring_bytes": 0.0})
+            row = rows.setdefault(
+                (r.op, r.tag, r.dtype, r.group),
+                {
+                    "op": r.op,
+                    "tag": r.tag,
+                    "dtype": r.dtype,
+                    "group": r.group,
+                    "calls": 0,
+                    "tensor_bytes": 0,
+                    "ring_bytes": 0.0,
+                },
+            )
             row["calls"] += 1
             row["tensor_bytes"] += r.tensor_bytes
             row["ring_bytes"] += r.ring_bytes
@@ -149,35 +182,58 @@ def _record(op: str, t: torch.Tensor, tag: str | None, group, nbytes: int | None
         return
     n = _world(group)
     tb = t.numel() * t.element_size() if nbytes is None else nbytes
-    rec = CommRecord(op, tag, str(t.dtype).replace("torch.", ""), tb // t.element_size(), tb,
-                     tb * ring_factor(op, n), n, group_name(group))
+    rec = CommRecord(
+        op,
+        tag,
+        str(t.dtype).replace("torch.", ""),
+        tb // t.element_size(),
+        tb,
+        tb * ring_factor(op, n),
+        n,
+        group_name(group),
+    )
     for log in _ACTIVE:
         log.records.append(rec)
 
 
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None, async_op: bool = False, tag=None):
+def all_reduce(
+    tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None, async_op: bool = False, tag=None
+):
     """In place: every rank ends with the reduction (default: sum) of all ranks' ``tensor``."""
     _record("all_reduce", tensor, tag, group)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, *, group=None,
-                   async_op: bool = False, tag=None):
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op=dist.ReduceOp.SUM,
+    *,
+    group=None,
+    async_op: bool = False,
+    tag=None,
+):
     """Rank r receives chunk r of the reduction of every rank's ``input`` (``input.numel() == N·output.numel()``)."""
     n = _world(group)
     if input.numel() != n * output.numel():
-        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected world_size={n} × "
-                         f"output's {output.numel()} = {n * output.numel()}")
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected world_size={n} × "
+            f"output's {output.numel()} = {n * output.numel()}"
+        )
     _record("reduce_scatter", input, tag, group)
     return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False, tag=None):
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, *, group=None, async_op: bool = False, tag=None
+):
     """``output`` = concatenation of every rank's ``input`` in rank order (``output.numel() == N·input.numel()``)."""
     n = _world(group)
     if output.numel() != n * input.numel():
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected world_size={n} × "
-                         f"input's {input.numel()} = {n * input.numel()}")
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, expected world_size={n} × "
+            f"input's {input.numel()} = {n * input.numel()}"
+        )
     _record("all_gather", output, tag, group)
     return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
@@ -216,14 +272,23 @@ def irecv(tensor: torch.Tensor, src: int, *, group=None, tag=None):
 # by the names this module uses
 _C10D, _FUNCOL = torch.ops.c10d, torch.ops._c10d_functional
 _OP_NAMES = {
-    _C10D._allgather_base_: "all_gather", _C10D.allgather_: "all_gather",
-    _C10D.allgather_into_tensor_coalesced_: "all_gather", _C10D.allgather_coalesced_: "all_gather",
-    _C10D._reduce_scatter_base_: "reduce_scatter", _C10D.reduce_scatter_: "reduce_scatter",
+    _C10D._allgather_base_: "all_gather",
+    _C10D.allgather_: "all_gather",
+    _C10D.allgather_into_tensor_coalesced_: "all_gather",
+    _C10D.allgather_coalesced_: "all_gather",
+    _C10D._reduce_scatter_base_: "reduce_scatter",
+    _C10D.reduce_scatter_: "reduce_scatter",
     _C10D.reduce_scatter_tensor_coalesced_: "reduce_scatter",
-    _C10D.allreduce_: "all_reduce", _C10D.allreduce_coalesced_: "all_reduce", _C10D.broadcast_: "broadcast",
-    _FUNCOL.all_gather_into_tensor: "all_gather", _FUNCOL.all_gather_into_tensor_coalesced: "all_gather",
-    _FUNCOL.reduce_scatter_tensor: "reduce_scatter", _FUNCOL.reduce_scatter_tensor_coalesced: "reduce_scatter",
-    _FUNCOL.all_reduce: "all_reduce", _FUNCOL.all_reduce_coalesced: "all_reduce", _FUNCOL.broadcast: "broadcast",
+    _C10D.allreduce_: "all_reduce",
+    _C10D.allreduce_coalesced_: "all_reduce",
+    _C10D.broadcast_: "broadcast",
+    _FUNCOL.all_gather_into_tensor: "all_gather",
+    _FUNCOL.all_gather_into_tensor_coalesced: "all_gather",
+    _FUNCOL.reduce_scatter_tensor: "reduce_scatter",
+    _FUNCOL.reduce_scatter_tensor_coalesced: "reduce_scatter",
+    _FUNCOL.all_reduce: "all_reduce",
+    _FUNCOL.all_reduce_coalesced: "all_reduce",
+    _FUNCOL.broadcast: "broadcast",
 }
 
 
@@ -302,7 +367,16 @@ class CollectiveCounter(_Records, CommDebugMode):
             tb = sum(t.numel() * t.element_size() for t in biggest)
             pg = _op_group(func, args, kwargs)
             n = pg.size() if pg is not None else dist.get_world_size()
-            self.records.append(CommRecord(op, self.tag, str(biggest[0].dtype).replace("torch.", ""),
-                                           sum(t.numel() for t in biggest), tb, tb * ring_factor(op, n), n,
-                                           group_name(pg)))
+            self.records.append(
+                CommRecord(
+                    op,
+                    self.tag,
+                    str(biggest[0].dtype).replace("torch.", ""),
+                    sum(t.numel() for t in biggest),
+                    tb,
+                    tb * ring_factor(op, n),
+                    n,
+                    group_name(pg),
+                )
+            )
         return out

@@ -9,20 +9,35 @@
 Experiments, checkers and tests import these from here (a foundation module), so a checker never
 imports an experiment to learn which model it runs.
 """
+
 from __future__ import annotations
 
 import torch
 
 from .models import GPTConfig, equality_config
 
-__all__ = ["small_config", "zero_config", "bench_config", "parallel_config", "OPTIMIZERS", "make_optimizer"]
-
+__all__ = [
+    "small_config",
+    "zero_config",
+    "bench_config",
+    "parallel_config",
+    "OPTIMIZERS",
+    "make_optimizer",
+]
 
 
 def small_config(**overrides) -> GPTConfig:
     """26k parameters, bias-free, tied: equality checks and exercises (fast on any laptop)."""
-    return equality_config(**{"vocab_size": 32, "block_size": 16, "n_layer": 2, "n_head": 2, "d_model": 32,
-                              **overrides})
+    return equality_config(
+        **{
+            "vocab_size": 32,
+            "block_size": 16,
+            "n_layer": 2,
+            "n_head": 2,
+            "d_model": 32,
+            **overrides,
+        }
+    )
 
 
 def zero_config(**overrides) -> GPTConfig:
@@ -31,14 +46,30 @@ def zero_config(**overrides) -> GPTConfig:
     ``d_model = 63`` makes many sizes odd, so ZeRO's per-element padding and FSDP2's per-row
     padding both happen at N = 2 and 4.
     """
-    return equality_config(**{"vocab_size": 512, "d_model": 63, "n_layer": 2, "n_head": 3, "block_size": 16,
-                              **overrides})
+    return equality_config(
+        **{
+            "vocab_size": 512,
+            "d_model": 63,
+            "n_layer": 2,
+            "n_head": 3,
+            "block_size": 16,
+            **overrides,
+        }
+    )
 
 
 def bench_config(**overrides) -> GPTConfig:
     """A model where communication matters on CPU: d_model 256, 4 layers (≈3.2M params, 12.6 MB of fp32 grads)."""
-    return equality_config(**{"vocab_size": 32, "block_size": 32, "n_layer": 4, "n_head": 4, "d_model": 256,
-                              **overrides})
+    return equality_config(
+        **{
+            "vocab_size": 32,
+            "block_size": 32,
+            "n_layer": 4,
+            "n_head": 4,
+            "d_model": 256,
+            **overrides,
+        }
+    )
 
 
 def parallel_config(**overrides) -> GPTConfig:
@@ -47,8 +78,17 @@ def parallel_config(**overrides) -> GPTConfig:
     Untied: the embedding (first stage) and the output head (last stage) live on different
     ranks in a pipeline, and in tensor parallelism they are split along different dimensions.
     """
-    return equality_config(**{"vocab_size": 32, "block_size": 16, "n_layer": 4, "n_head": 4, "d_model": 64,
-                              "tie_weights": False, **overrides})
+    return equality_config(
+        **{
+            "vocab_size": 32,
+            "block_size": 16,
+            "n_layer": 4,
+            "n_head": 4,
+            "d_model": 64,
+            "tie_weights": False,
+            **overrides,
+        }
+    )
 
 
 # =========================================================================== optimizers

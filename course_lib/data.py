@@ -47,10 +47,14 @@ def _check_sizes(num: int, seq_len: int, vocab_size: int, what: str) -> None:
         raise ValueError(f"vocab_size={vocab_size} must be >= 1")
 
 
-def counter_sequences(num: int, length: int, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+def counter_sequences(
+    num: int, length: int, vocab_size: int, generator: torch.Generator
+) -> torch.Tensor:
     """``num`` sequences of ``length`` tokens (int64): two random, then x[t] = x[t-2] + 1 mod V."""
     seqs = torch.empty(num, length, dtype=torch.long)
-    seqs[:, : min(2, length)] = torch.randint(vocab_size, (num, min(2, length)), generator=generator)
+    seqs[:, : min(2, length)] = torch.randint(
+        vocab_size, (num, min(2, length)), generator=generator
+    )
     for t in range(2, length):
         seqs[:, t] = (seqs[:, t - 2] + 1) % vocab_size
     return seqs
@@ -95,7 +99,9 @@ class SyntheticDataset(Dataset):
         return seq[:-1], seq[1:]
 
 
-def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    batch_size: int, seq_len: int, vocab_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch ``(x, y)``, each (batch_size, seq_len) int64, fully determined by ``seed``.
 
     Handy in a training loop: ``make_batch(B, T, V, seed=step)`` gives a fresh

@@ -32,6 +32,7 @@ The rule that keeps every rank in step (buckets launched strictly in bucket orde
 all-reduce at the end of backward, zeros for gradients a rank does not have) lives in
 ``grad_buckets.py``, shared with ZeRO-2; read its docstring before changing the code.
 """
+
 from __future__ import annotations
 
 import time
@@ -45,8 +46,17 @@ from . import comm
 from .grad_buckets import GradBuckets, make_buckets
 from .sharding import mark_reduced_by
 
-__all__ = ["DDP", "DDPObserver", "naive_allreduce_gradients", "torch_ddp", "trainable_parameters",
-           "make_buckets", "fp16_compress_hook", "bf16_compress_hook", "COMM_HOOKS"]
+__all__ = [
+    "DDP",
+    "DDPObserver",
+    "naive_allreduce_gradients",
+    "torch_ddp",
+    "trainable_parameters",
+    "make_buckets",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "COMM_HOOKS",
+]
 
 
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -130,17 +140,28 @@ class DDP(nn.Module):
     See ``grad_buckets.py`` for the rule that keeps the ranks' collectives matched.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0, process_group=None,
-                 gradient_as_bucket_view: bool = False, find_unused_parameters: bool = False,
-                 comm_hook=None, observer: DDPObserver | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float | None = 25.0,
+        process_group=None,
+        gradient_as_bucket_view: bool = False,
+        find_unused_parameters: bool = False,
+        comm_hook=None,
+        observer: DDPObserver | None = None,
+    ):
         super().__init__()
         if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
-            raise ValueError(f"bucket_cap_mb must be None (one all-reduce per parameter) or a size >= 0 in MiB, "
-                             f"got {bucket_cap_mb!r}")
+            raise ValueError(
+                f"bucket_cap_mb must be None (one all-reduce per parameter) or a size >= 0 in MiB, "
+                f"got {bucket_cap_mb!r}"
+            )
         if isinstance(comm_hook, str):
             if comm_hook not in COMM_HOOKS:
-                raise ValueError(f"comm_hook must be None, one of {sorted(COMM_HOOKS)} or a callable "
-                                 f"hook(bucket, process_group) -> (work, finish), got {comm_hook!r}")
+                raise ValueError(
+                    f"comm_hook must be None, one of {sorted(COMM_HOOKS)} or a callable "
+                    f"hook(bucket, process_group) -> (work, finish), got {comm_hook!r}"
+                )
             comm_hook = COMM_HOOKS[comm_hook]
         self.comm_hook = comm_hook
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -168,10 +189,12 @@ class DDP(nn.Module):
         self._slot: dict[nn.Parameter, torch.Tensor] = {}
         if bucket_cap_mb is not None:
             for i, params in enumerate(groups):
-                flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                flat = torch.zeros(
+                    sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+                )
                 self._flat[i], offset = flat, 0
                 for p in params:
-                    self._slot[p] = flat[offset:offset + p.numel()].view_as(p)
+                    self._slot[p] = flat[offset : offset + p.numel()].view_as(p)
                     offset += p.numel()
         self._inflight: list[tuple] = []  # (bucket, work, buffer, finish)
         # How the averages reach .grad at the end of backward: one writer per mode.
@@ -181,9 +204,16 @@ class DDP(nn.Module):
             self._write_grad = self._grad_as_bucket_view
         else:
             self._write_grad = self._grad_copied_back
-        self._grad_buckets = GradBuckets(groups, self._copy_in, self._launch, self._finish_backward,
-                                         process_group=process_group, armed=lambda: self._armed,
-                                         find_unused=find_unused_parameters, names=names)
+        self._grad_buckets = GradBuckets(
+            groups,
+            self._copy_in,
+            self._launch,
+            self._finish_backward,
+            process_group=process_group,
+            armed=lambda: self._armed,
+            find_unused=find_unused_parameters,
+            names=names,
+        )
         mark_reduced_by([p for _, p in named], "course_lib.ddp.DDP")
 
     @property
@@ -201,7 +231,9 @@ class DDP(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled():  # an eval forward under no_grad must not disarm a pending backward
+        if (
+            torch.is_grad_enabled()
+        ):  # an eval forward under no_grad must not disarm a pending backward
             self._armed = self._sync_enabled
             self._grad_buckets.reset()
             self._inflight = []
@@ -228,7 +260,9 @@ class DDP(nn.Module):
             return  # per-parameter mode, or .grad already is the bucket view (accumulated in place)
         slot.copy_(p.grad)  # into the bucket's flat buffer
         if self.gradient_as_bucket_view:
-            p.grad = slot  # from now on .grad *is* the bucket: no copy back, one gradient copy in memory
+            p.grad = (
+                slot  # from now on .grad *is* the bucket: no copy back, one gradient copy in memory
+            )
 
     def _launch(self, i: int, missing: list) -> None:
         """All-reduce bucket i asynchronously; ``missing`` params contribute an accumulated .grad or zeros."""
@@ -245,7 +279,10 @@ class DDP(nn.Module):
             buf = p.grad if p.grad is not None else torch.zeros_like(p)
         buf.div_(self.world_size)  # sum of grad/N over ranks = the average
         if self.comm_hook is None:
-            work, finish = comm.all_reduce(buf, group=self.process_group, async_op=True, tag="grad"), None
+            work, finish = (
+                comm.all_reduce(buf, group=self.process_group, async_op=True, tag="grad"),
+                None,
+            )
         else:
             work, finish = self.comm_hook(buf, self.process_group)
         self.observer.on_bucket_launch(i, work)
@@ -263,7 +300,9 @@ class DDP(nn.Module):
                 if used_anywhere[p]:
                     self._write_grad(p, buf)
                 else:
-                    p.grad = None  # no rank has a gradient: the optimizer must skip it, as on one device
+                    p.grad = (
+                        None  # no rank has a gradient: the optimizer must skip it, as on one device
+                    )
         self._inflight = []
         self.observer.on_step_done()
 
@@ -291,7 +330,9 @@ class DDP(nn.Module):
 
 
 def _cast_hook(bucket: torch.Tensor, process_group, dtype: torch.dtype):
-    low = bucket.to(dtype)  # bucket already holds grad / N: the sum cannot overflow where the grads did not
+    low = bucket.to(
+        dtype
+    )  # bucket already holds grad / N: the sum cannot overflow where the grads did not
     work = comm.all_reduce(low, group=process_group, async_op=True, tag="grad")
     return work, lambda: bucket.copy_(low)  # cast back into the fp32 bucket
 
@@ -312,7 +353,9 @@ COMM_HOOKS = {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
 # --------------------------------------------------------------------------- for contrast
 
 
-def naive_allreduce_gradients(module: nn.Module, process_group=None, timeline: list | None = None) -> None:
+def naive_allreduce_gradients(
+    module: nn.Module, process_group=None, timeline: list | None = None
+) -> None:
     """Average every gradient over ranks *after* backward: one blocking all-reduce per parameter.
 
     The simplest correct data parallelism (what chapter 02's exercise (a) asks for). Two
@@ -333,7 +376,9 @@ def naive_allreduce_gradients(module: nn.Module, process_group=None, timeline: l
             timeline.append(("comm", name, t0, time.perf_counter()))
 
 
-def torch_ddp(module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, **kwargs) -> nn.Module:
+def torch_ddp(
+    module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None, **kwargs
+) -> nn.Module:
     """Wrap ``module`` with PyTorch's own ``DistributedDataParallel`` (for comparison with :class:`DDP`).
 
     On CPU ``device_ids`` must be None; under nccl the module's GPU is passed. Extra keyword
@@ -343,7 +388,12 @@ def torch_ddp(module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None
 
     device = next(module.parameters()).device
     device_ids = [device] if device.type == "cuda" else None
-    wrapped = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
-                                      process_group=process_group, **kwargs)
+    wrapped = DistributedDataParallel(
+        module,
+        device_ids=device_ids,
+        bucket_cap_mb=bucket_cap_mb,
+        process_group=process_group,
+        **kwargs,
+    )
     mark_reduced_by(module.parameters(), "torch.nn.parallel.DistributedDataParallel")
     return wrapped

@@ -7,17 +7,26 @@
 
 Chapters 05–09 add theirs here (pipeline bubble, tensor-parallel communication, the planner).
 """
+
 from __future__ import annotations
 
-__all__ = ["activation_bytes_estimate", "korthikanti_activation_bytes", "zero_model_state_breakdown",
-           "zero_model_state_bytes", "pipeline_bubble", "pipeline_bubble_megatron", "pipeline_p2p_bytes"]
+__all__ = [
+    "activation_bytes_estimate",
+    "korthikanti_activation_bytes",
+    "zero_model_state_breakdown",
+    "zero_model_state_bytes",
+    "pipeline_bubble",
+    "pipeline_bubble_megatron",
+    "pipeline_p2p_bytes",
+]
 
 
 # --------------------------------------------------------------------------- activations, derived
 
 
-def activation_bytes_estimate(config, batch_size: int, seq_len: int | None = None, *,
-                              with_loss: bool = True) -> dict[str, int]:
+def activation_bytes_estimate(
+    config, batch_size: int, seq_len: int | None = None, *, with_loss: bool = True
+) -> dict[str, int]:
     """Bytes autograd saves for one forward of ``models.GPT`` in fp32 on the CPU, no dropout.
 
     Derived by listing what every op saves (``saved_tensors_table`` shows the
@@ -71,7 +80,9 @@ def activation_bytes_estimate(config, batch_size: int, seq_len: int | None = Non
     "head", "total"}`` in bytes.
     """
     if config.dropout != 0.0:
-        raise ValueError(f"activation_bytes_estimate assumes dropout=0.0, got dropout={config.dropout}")
+        raise ValueError(
+            f"activation_bytes_estimate assumes dropout=0.0, got dropout={config.dropout}"
+        )
     s = config.block_size if seq_len is None else seq_len
     if s > config.block_size:
         raise ValueError(f"sequence length {s} exceeds block_size={config.block_size}")
@@ -88,13 +99,26 @@ def activation_bytes_estimate(config, batch_size: int, seq_len: int | None = Non
     if with_loss:
         head += f * b * s * V + 8 * b * s + 4  # log-probs, int64 targets, 0-d total weight
     layers = config.n_layer * per_layer
-    return dict(per_layer=per_layer, layers=layers, embedding=embedding, head=head,
-                total=layers + embedding + head)
+    return dict(
+        per_layer=per_layer,
+        layers=layers,
+        embedding=embedding,
+        head=head,
+        total=layers + embedding + head,
+    )
 
 
-def korthikanti_activation_bytes(seq_len: int, batch_size: int, hidden: int, n_heads: int, n_layers: int = 1,
-                                 *, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                                 recompute: str = "none") -> float:
+def korthikanti_activation_bytes(
+    seq_len: int,
+    batch_size: int,
+    hidden: int,
+    n_heads: int,
+    n_layers: int = 1,
+    *,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
     """Activation bytes per the Megatron analysis (Korthikanti et al. 2022, arXiv:2205.05198, Table 2).
 
     16-bit activations, 1-byte dropout masks, attention softmax stored; per layer::
@@ -124,8 +148,9 @@ def korthikanti_activation_bytes(seq_len: int, batch_size: int, hidden: int, n_h
 # --------------------------------------------------------------------------- ZeRO formulas
 
 
-def zero_model_state_breakdown(psi: float, world_size: int, stage: int, precision: str = "mixed",
-                               k: float | None = None) -> dict[str, float]:
+def zero_model_state_breakdown(
+    psi: float, world_size: int, stage: int, precision: str = "mixed", k: float | None = None
+) -> dict[str, float]:
     """Per-rank bytes of params / grads / optimizer under ZeRO stage 0-3 (ZeRO paper, Figure 1).
 
     ``psi`` parameters, ``world_size`` N data-parallel ranks, Adam. Per parameter:
@@ -169,8 +194,9 @@ def zero_model_state_breakdown(psi: float, world_size: int, stage: int, precisio
     return dict(params=params, grads=grads, optimizer=optimizer, total=params + grads + optimizer)
 
 
-def zero_model_state_bytes(psi: float, world_size: int, stage: int, precision: str = "mixed",
-                           k: float | None = None) -> float:
+def zero_model_state_bytes(
+    psi: float, world_size: int, stage: int, precision: str = "mixed", k: float | None = None
+) -> float:
     """Total per-rank model-state bytes under ZeRO; see ``zero_model_state_breakdown``.
 
     >>> round(zero_model_state_bytes(7.5e9, 64, stage=1) / 1e9, 1)   # GB
@@ -193,8 +219,11 @@ def pipeline_bubble(num_stages: int, num_microbatches: int, num_chunks: int = 1)
     >>> pipeline_bubble(4, 4)   # 3/7
     0.42857142857142855
     """
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                        ("num_chunks", num_chunks)):
+    for name, value in (
+        ("num_stages", num_stages),
+        ("num_microbatches", num_microbatches),
+        ("num_chunks", num_chunks),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     p, m, v = num_stages, num_microbatches, num_chunks
@@ -207,8 +236,9 @@ def pipeline_bubble_megatron(num_stages: int, num_microbatches: int, num_chunks:
     return (num_stages - 1) / (num_chunks * num_microbatches)
 
 
-def pipeline_p2p_bytes(num_stages: int, num_microbatches: int, activation_bytes: float, stage: int,
-                       num_chunks: int = 1) -> float:
+def pipeline_p2p_bytes(
+    num_stages: int, num_microbatches: int, activation_bytes: float, stage: int, num_chunks: int = 1
+) -> float:
     """Bytes stage ``stage`` sends per step: one activation forward and one gradient backward per micro-batch
     and boundary it owns (the first stage sends no input gradient, the last no activation)."""
     p, v = num_stages, num_chunks
@@ -220,8 +250,9 @@ def pipeline_p2p_bytes(num_stages: int, num_microbatches: int, activation_bytes:
 # --------------------------------------------------------------------------- activation checkpointing
 
 
-def checkpointed_block_activation_bytes(n_layer: int, batch_size: int, seq_len: int, d_model: int,
-                                        bytes_per_element: int = 4) -> int:
+def checkpointed_block_activation_bytes(
+    n_layer: int, batch_size: int, seq_len: int, d_model: int, bytes_per_element: int = 4
+) -> int:
     """What a stack of ``n_layer`` blocks keeps for backward when each block is checkpointed: its input.
 
     A checkpointed block saves only its input x (b·s·h floats) and recomputes everything inside
@@ -229,8 +260,13 @@ def checkpointed_block_activation_bytes(n_layer: int, batch_size: int, seq_len: 
     exist only while that one block is recomputed. L blocks: L·b·s·h·bytes — the residual stream
     between blocks, and the only activation memory of the stack that grows with depth.
     """
-    for name, value in (("n_layer", n_layer), ("batch_size", batch_size), ("seq_len", seq_len),
-                        ("d_model", d_model), ("bytes_per_element", bytes_per_element)):
+    for name, value in (
+        ("n_layer", n_layer),
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("d_model", d_model),
+        ("bytes_per_element", bytes_per_element),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     return n_layer * batch_size * seq_len * d_model * bytes_per_element
@@ -253,7 +289,9 @@ def training_flops_per_token(num_params: float, n_layer: int, seq_len: int, d_mo
     ``s ≈ d``.
     """
     if min(num_params, n_layer, seq_len, d_model) <= 0:
-        raise ValueError("training_flops_per_token: num_params, n_layer, seq_len and d_model must be > 0")
+        raise ValueError(
+            "training_flops_per_token: num_params, n_layer, seq_len and d_model must be > 0"
+        )
     return 6 * num_params + 12 * n_layer * seq_len * d_model
 
 
@@ -263,18 +301,24 @@ __all__ += ["training_flops_per_token"]
 # --------------------------------------------------------------------------- tensor parallelism (chapter 06)
 
 
-def tp_allreduce_bytes_per_layer(batch_size: int, seq_len: int, d_model: int, dtype_bytes: int = 4) -> dict:
+def tp_allreduce_bytes_per_layer(
+    batch_size: int, seq_len: int, d_model: int, dtype_bytes: int = 4
+) -> dict:
     """Megatron TP's all-reduces in one transformer layer and step: 2 forward (g) + 2 backward (f), each of b·s·h.
 
     Returns ``{"calls": 4, "tensor_bytes": 4·b·s·h·bytes}``; one rank sends ``2(t−1)/t`` of that in a
     ring. With sequence parallelism each becomes a reduce-scatter + an all-gather: same volume.
     """
     if min(batch_size, seq_len, d_model, dtype_bytes) <= 0:
-        raise ValueError("tp_allreduce_bytes_per_layer: batch_size, seq_len, d_model and dtype_bytes must be > 0")
+        raise ValueError(
+            "tp_allreduce_bytes_per_layer: batch_size, seq_len, d_model and dtype_bytes must be > 0"
+        )
     return {"calls": 4, "tensor_bytes": 4 * batch_size * seq_len * d_model * dtype_bytes}
 
 
-def tp_ring_bytes_per_token(n_layer: int, d_model: int, tp_size: int, dtype_bytes: int = 4) -> float:
+def tp_ring_bytes_per_token(
+    n_layer: int, d_model: int, tp_size: int, dtype_bytes: int = 4
+) -> float:
     """Bytes one rank sends per token for TP's block all-reduces: ``L · 4 · h · bytes · 2(t−1)/t``.
 
     It grows with depth and width and does **not** shrink with a bigger batch: every token's
@@ -285,13 +329,17 @@ def tp_ring_bytes_per_token(n_layer: int, d_model: int, tp_size: int, dtype_byte
     return n_layer * 4 * d_model * dtype_bytes * 2 * (tp_size - 1) / tp_size
 
 
-def dp_ring_bytes_per_token(num_params: float, world_size: int, tokens_per_rank: int, dtype_bytes: int = 4) -> float:
+def dp_ring_bytes_per_token(
+    num_params: float, world_size: int, tokens_per_rank: int, dtype_bytes: int = 4
+) -> float:
     """Bytes one DP rank sends per token it trains on: ``2(N−1)/N · Ψ · bytes / tokens per rank per step``.
 
     Once per step, whatever the batch: a larger batch makes it cheaper per token (TP's is not).
     """
     if num_params <= 0 or world_size < 1 or tokens_per_rank < 1:
-        raise ValueError("dp_ring_bytes_per_token: num_params > 0, world_size >= 1, tokens_per_rank >= 1")
+        raise ValueError(
+            "dp_ring_bytes_per_token: num_params > 0, world_size >= 1, tokens_per_rank >= 1"
+        )
     return 2 * (world_size - 1) / world_size * num_params * dtype_bytes / tokens_per_rank
 
 

@@ -48,6 +48,7 @@ mixed precision, sharded checkpoints — is in :mod:`course_lib.experiments.fsdp
 collectives are counted with :class:`course_lib.comm.CollectiveCounter` and its gathered weights
 with :class:`course_lib.fsdp_meters.GatheredParamMeter`.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,14 +59,23 @@ import torch.nn as nn
 
 from .launch import device
 
-__all__ = ["fsdp2_wrap", "padded_numel", "full_state_dict", "full_training_state", "set_prefetch",
-           "save_sharded_checkpoint", "load_sharded_checkpoint"]
+__all__ = [
+    "fsdp2_wrap",
+    "padded_numel",
+    "full_state_dict",
+    "full_training_state",
+    "set_prefetch",
+    "save_sharded_checkpoint",
+    "load_sharded_checkpoint",
+]
 
 
 # =========================================================================== wrapping
 
 
-def fsdp2_wrap(model: nn.Module, mesh=None, reshard_after_forward: bool = True, mp_policy=None) -> nn.Module:
+def fsdp2_wrap(
+    model: nn.Module, mesh=None, reshard_after_forward: bool = True, mp_policy=None
+) -> nn.Module:
     """Shard ``model`` with FSDP2: ``fully_shard`` every block of ``model.blocks``, then the root.
 
     Why per block: ``fully_shard(m)`` makes *one* communication group of ``m``'s parameters
@@ -96,35 +106,56 @@ def fsdp2_wrap(model: nn.Module, mesh=None, reshard_after_forward: bool = True, 
         raise TypeError(f"fsdp2_wrap wraps an nn.Module, got {type(model).__name__}")
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
-        found = "no .blocks" if blocks is None else f".blocks of type {type(blocks).__name__}" + \
-            (f" and length {len(blocks)}" if hasattr(blocks, "__len__") else "")
-        raise TypeError(f"fsdp2_wrap needs a model whose transformer blocks are in a non-empty `model.blocks` "
-                        f"(nn.ModuleList): each block becomes one FSDP unit; {type(model).__name__} has {found}. "
-                        f"For another model call torch.distributed.fsdp.fully_shard on its layers, then on the root")
+        found = (
+            "no .blocks"
+            if blocks is None
+            else f".blocks of type {type(blocks).__name__}"
+            + (f" and length {len(blocks)}" if hasattr(blocks, "__len__") else "")
+        )
+        raise TypeError(
+            f"fsdp2_wrap needs a model whose transformer blocks are in a non-empty `model.blocks` "
+            f"(nn.ModuleList): each block becomes one FSDP unit; {type(model).__name__} has {found}. "
+            f"For another model call torch.distributed.fsdp.fully_shard on its layers, then on the root"
+        )
     wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if wrapped:  # fully_shard itself would fail later with a bare AssertionError, or shard twice
-        raise ValueError(f"fsdp2_wrap: this model is already sharded with fully_shard (FSDP modules: "
-                         f"{', '.join(wrapped[:4])}{' …' if len(wrapped) > 4 else ''}); wrap a fresh model")
+        raise ValueError(
+            f"fsdp2_wrap: this model is already sharded with fully_shard (FSDP modules: "
+            f"{', '.join(wrapped[:4])}{' …' if len(wrapped) > 4 else ''}); wrap a fresh model"
+        )
     if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be True (ZeRO-3: re-gather in backward) or False (keep "
-                        f"gathered weights until backward), got {reshard_after_forward!r}")
+        raise TypeError(
+            f"reshard_after_forward must be True (ZeRO-3: re-gather in backward) or False (keep "
+            f"gathered weights until backward), got {reshard_after_forward!r}"
+        )
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, "
-                        f"got {type(mp_policy).__name__}")
+        raise TypeError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, "
+            f"got {type(mp_policy).__name__}"
+        )
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("fsdp2_wrap needs an initialised process group: run it on ranks started by "
-                           "course_lib.launch.spawn (or torchrun)")
+        raise RuntimeError(
+            "fsdp2_wrap needs an initialised process group: run it on ranks started by "
+            "course_lib.launch.spawn (or torchrun)"
+        )
     world = dist.get_world_size()
     if mesh is None:
         mesh = init_device_mesh(device().type, (world,))
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {type(mesh).__name__}")
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {type(mesh).__name__}"
+        )
     if mesh.ndim != 1 or mesh.size() != world:
-        raise ValueError(f"fsdp2_wrap shards over every rank of the process group: mesh must be 1-D of size "
-                         f"world_size={world}, got shape {tuple(mesh.shape)} "
-                         f"(use init_device_mesh('{device().type}', ({world},)), or mesh=None)")
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
-                  mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy())
+        raise ValueError(
+            f"fsdp2_wrap shards over every rank of the process group: mesh must be 1-D of size "
+            f"world_size={world}, got shape {tuple(mesh.shape)} "
+            f"(use init_device_mesh('{device().type}', ({world},)), or mesh=None)"
+        )
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+    )
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -173,14 +204,18 @@ def full_training_state(model, optimizer) -> dict[str, torch.Tensor]:
     flat = {f"model.{k}": v for k, v in msd.items()}
     for fqn, st in osd["state"].items():
         for name, v in st.items():
-            flat[f"optim.state.{fqn}.{name}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            flat[f"optim.state.{fqn}.{name}"] = (
+                v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            )
     return flat
 
 
 # =========================================================================== prefetch plans
 
 
-def set_prefetch(model: nn.Module, forward: dict | None = None, backward: dict | None = None) -> None:
+def set_prefetch(
+    model: nn.Module, forward: dict | None = None, backward: dict | None = None
+) -> None:
     """Explicit prefetch: ``{unit: [units to all-gather before it runs]}``, for forward and/or backward.
 
     FSDP2 already overlaps one unit ahead where the device runs ahead of Python (CUDA streams);
@@ -195,17 +230,26 @@ def set_prefetch(model: nn.Module, forward: dict | None = None, backward: dict |
 
     def check(m, role: str) -> None:
         if id(m) not in names:
-            raise ValueError(f"set_prefetch: the {role} {type(m).__name__} (id {id(m):#x}) is not a module of this "
-                             f"model; name units of the model you prefetch for, e.g. model.blocks[i]")
+            raise ValueError(
+                f"set_prefetch: the {role} {type(m).__name__} (id {id(m):#x}) is not a module of this "
+                f"model; name units of the model you prefetch for, e.g. model.blocks[i]"
+            )
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"set_prefetch: the {role} {names[id(m)]!r} ({type(m).__name__}) is not a fully_shard "
-                             f"unit; only units have an all-gather to prefetch")
+            raise ValueError(
+                f"set_prefetch: the {role} {names[id(m)]!r} ({type(m).__name__}) is not a fully_shard "
+                f"unit; only units have an all-gather to prefetch"
+            )
 
-    for plan, setter in ((forward, "set_modules_to_forward_prefetch"), (backward, "set_modules_to_backward_prefetch")):
+    for plan, setter in (
+        (forward, "set_modules_to_forward_prefetch"),
+        (backward, "set_modules_to_backward_prefetch"),
+    ):
         if plan is None:
             continue
         if not isinstance(plan, dict):
-            raise TypeError(f"a prefetch plan is a dict {{unit: [units]}}, got {type(plan).__name__}")
+            raise TypeError(
+                f"a prefetch plan is a dict {{unit: [units]}}, got {type(plan).__name__}"
+            )
         for unit, targets in plan.items():
             check(unit, "unit")
             targets = list(targets)
@@ -238,32 +282,46 @@ def load_sharded_checkpoint(model: nn.Module, optimizer, path: str) -> None:
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     if not os.path.isfile(os.path.join(os.fspath(path), ".metadata")):
         raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata file)")
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # the layout to fill (creates optimizer state)
+        model_sd, optim_sd = get_state_dict(
+            model, optimizer
+        )  # the layout to fill (creates optimizer state)
     else:
         model_sd, optim_sd = get_model_state_dict(model), None
-    saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
+    saved = {k[len("model.") :]: v for k, v in meta.items() if k.startswith("model.")}
     missing = [k for k in model_sd if k not in saved]
     if missing:
-        raise KeyError(f"checkpoint {path} has no entry for model key {missing[0]!r} ({len(missing)} missing); "
-                       f"it was saved from another model")
+        raise KeyError(
+            f"checkpoint {path} has no entry for model key {missing[0]!r} ({len(missing)} missing); "
+            f"it was saved from another model"
+        )
     unexpected = sorted(set(saved) - set(model_sd))
     if unexpected:
-        raise KeyError(f"checkpoint {path} holds model key {unexpected[0]!r} that this model does not have "
-                       f"({len(unexpected)} unexpected); it was saved from another model")
+        raise KeyError(
+            f"checkpoint {path} holds model key {unexpected[0]!r} that this model does not have "
+            f"({len(unexpected)} unexpected); it was saved from another model"
+        )
     for k, v in model_sd.items():
         want, got = tuple(v.shape), tuple(getattr(saved[k], "size", ()))
         if want != got:
-            raise ValueError(f"checkpoint {path}: model key {k!r} has shape {got} there, {want} in this model")
+            raise ValueError(
+                f"checkpoint {path}: model key {k!r} has shape {got} there, {want} in this model"
+            )
     state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)  # in place: each rank reads the slices its shards cover
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )

@@ -15,6 +15,7 @@ torch's public hooks (module hooks, dispatch modes, ``FSDPMemTracker``):
 * :func:`tracker_bytes` — a tracker snapshot's ``{category: bytes}`` for one device type;
 * :class:`Zero3Timeline` — our ``Zero3``'s gathers and frees, attached as a ``zero3.Zero3Observer``.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,16 @@ from .comm import CollectiveCounter
 from .train import train_step
 from .zero3 import Zero3Observer
 
-__all__ = ["gathered_param_bytes", "GatheredParamMeter", "phased_step", "counted_step", "IssueTimeline",
-           "memory_tracker", "tracker_bytes", "Zero3Timeline"]
+__all__ = [
+    "gathered_param_bytes",
+    "GatheredParamMeter",
+    "phased_step",
+    "counted_step",
+    "IssueTimeline",
+    "memory_tracker",
+    "tracker_bytes",
+    "Zero3Timeline",
+]
 
 
 # --------------------------------------------------------------------------- gathered parameters
@@ -70,8 +79,11 @@ class GatheredParamMeter:
 
     def __init__(self, model: nn.Module):
         self.model, self.peak = model, 0
-        self.handles = [m.register_forward_pre_hook(self._hook) for m in model.modules()
-                        if not list(m.children())]
+        self.handles = [
+            m.register_forward_pre_hook(self._hook)
+            for m in model.modules()
+            if not list(m.children())
+        ]
 
     def _hook(self, module, args) -> None:
         self.peak = max(self.peak, gathered_param_bytes(self.model))
@@ -108,16 +120,20 @@ def phased_step(model, optimizer, x, y, set_phase, after_backward=None) -> float
         handle.remove()
 
 
-def counted_step(model, optimizer, x, y, counter: CollectiveCounter | None = None,
-                 after_backward=None) -> tuple[CollectiveCounter, float]:
+def counted_step(
+    model, optimizer, x, y, counter: CollectiveCounter | None = None, after_backward=None
+) -> tuple[CollectiveCounter, float]:
     """:func:`phased_step` under a counter tagged ``forward`` → ``backward`` → ``step``.
 
-    Returns ``(counter, loss)``. ``counter``: a fresh :class:`CollectiveCounter` by default (or an :class:`IssueTimeline`).
+    Returns ``(counter, loss)``. ``counter``: a fresh :class:`CollectiveCounter` by default
+    (or an :class:`IssueTimeline`).
     """
     cc = counter if counter is not None else CollectiveCounter()
     cc.tag = "forward"
     with cc:
-        loss = phased_step(model, optimizer, x, y, lambda phase: setattr(cc, "tag", phase), after_backward)
+        loss = phased_step(
+            model, optimizer, x, y, lambda phase: setattr(cc, "tag", phase), after_backward
+        )
     return cc, loss
 
 
@@ -166,8 +182,13 @@ def memory_tracker(model, optimizer):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             snaps = self._curr_mem_snap.values()
-            self.trace.append((self.phase, sum(s.get("Total", 0) for s in snaps),
-                               sum(s.get(_FSDPRefType.UNSHARDED_PARAM, 0) for s in snaps)))
+            self.trace.append(
+                (
+                    self.phase,
+                    sum(s.get("Total", 0) for s in snaps),
+                    sum(s.get(_FSDPRefType.UNSHARDED_PARAM, 0) for s in snaps),
+                )
+            )
             return out
 
     return Traced()

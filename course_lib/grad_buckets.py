@@ -32,6 +32,7 @@ whose hook did not fire on this rank raises a clear error at the end of backward
 was still launched and waited for, so the collectives stay matched in this step). ZeRO-2 keeps the
 flags (``find_unused=True``, the default here).
 """
+
 from __future__ import annotations
 
 import time
@@ -59,7 +60,12 @@ def make_buckets(params: list, cap_bytes: float) -> list[list]:
     for item in reversed(list(params)):
         p = item[1] if isinstance(item, tuple) else item
         nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > cap_bytes or first.dtype != p.dtype or first.device != p.device:
+        if (
+            not buckets
+            or size + nbytes > cap_bytes
+            or first.dtype != p.dtype
+            or first.device != p.device
+        ):
             buckets.append([])
             size, first = 0, p
         buckets[-1].append(item)
@@ -87,9 +93,17 @@ class GradBuckets:
     One instance per wrapper; hooks stay registered for the parameters' lifetime.
     """
 
-    def __init__(self, buckets: list[list[nn.Parameter]], copy_in: Callable, launch: Callable, finish: Callable,
-                 process_group=None, armed: Callable[[], bool] = lambda: True, find_unused: bool = True,
-                 names: dict | None = None):
+    def __init__(
+        self,
+        buckets: list[list[nn.Parameter]],
+        copy_in: Callable,
+        launch: Callable,
+        finish: Callable,
+        process_group=None,
+        armed: Callable[[], bool] = lambda: True,
+        find_unused: bool = True,
+        names: dict | None = None,
+    ):
         self.buckets = buckets
         self.process_group = process_group
         self.find_unused, self._names = find_unused, names or {}
@@ -97,7 +111,9 @@ class GradBuckets:
         self._bucket_of = {p: i for i, ps in enumerate(buckets) for p in ps}
         self.reset()
         for p in self._bucket_of:
-            if p.requires_grad:  # a frozen parameter never fires: its bucket goes at the end of backward
+            if (
+                p.requires_grad
+            ):  # a frozen parameter never fires: its bucket goes at the end of backward
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def reset(self) -> None:
@@ -131,20 +147,28 @@ class GradBuckets:
         while self.next < len(self.buckets):
             self._launch_next([p for p in self.buckets[self.next] if p not in self.fired])
         order = [p for ps in self.buckets for p in ps]
-        if not self.find_unused:  # like torch DDP's default: every parameter is used in every forward
+        if (
+            not self.find_unused
+        ):  # like torch DDP's default: every parameter is used in every forward
             unused = [p for p in order if p not in self.fired]
             self._finish(dict.fromkeys(order, True), t_end_compute)
             self.reset()
             if unused:
-                shown = [self._names.get(p, f"tensor of shape {tuple(p.shape)}") for p in unused[:5]]
-                raise RuntimeError(f"{len(unused)} trainable parameter(s) got no gradient in this backward "
-                                   f"({', '.join(shown)}{', …' if len(unused) > 5 else ''}): with "
-                                   f"find_unused_parameters=False every trainable parameter must take part in "
-                                   f"every forward, as in torch DDP. Pass find_unused_parameters=True (one "
-                                   f"extra all-reduce of a byte per parameter per step) or freeze the parameter.")
+                shown = [
+                    self._names.get(p, f"tensor of shape {tuple(p.shape)}") for p in unused[:5]
+                ]
+                raise RuntimeError(
+                    f"{len(unused)} trainable parameter(s) got no gradient in this backward "
+                    f"({', '.join(shown)}{', …' if len(unused) > 5 else ''}): with "
+                    f"find_unused_parameters=False every trainable parameter must take part in "
+                    f"every forward, as in torch DDP. Pass find_unused_parameters=True (one "
+                    f"extra all-reduce of a byte per parameter per step) or freeze the parameter."
+                )
             return
         dev = order[0].device if order else torch.device("cpu")
-        used = torch.tensor([p.grad is not None or p in self.fired for p in order], dtype=torch.uint8, device=dev)
+        used = torch.tensor(
+            [p.grad is not None or p in self.fired for p in order], dtype=torch.uint8, device=dev
+        )
         comm.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, tag="used")
         self._finish(dict(zip(order, map(bool, used.tolist()))), t_end_compute)
         self.reset()

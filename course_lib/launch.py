@@ -20,6 +20,7 @@ remote traceback; a rank that hangs is ended at ``timeout``; in every case no
 child process outlives the call. Ranks never print to the notebook: their stdout
 and stderr go to a per-rank log whose tail is attached to errors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,17 @@ import traceback
 from datetime import timedelta
 from typing import Callable, Sequence
 
-__all__ = ["spawn", "device", "hello", "resolve_backend", "RankError", "RankTimeout", "free_port", "gpu_count",
-           "write_atomic"]
+__all__ = [
+    "spawn",
+    "device",
+    "hello",
+    "resolve_backend",
+    "RankError",
+    "RankTimeout",
+    "free_port",
+    "gpu_count",
+    "write_atomic",
+]
 
 DEFAULT_TIMEOUT = 300.0  # seconds for the whole call
 _LOG_TAIL = 3000
@@ -46,8 +56,15 @@ _LOG_TAIL = 3000
 class RankError(RuntimeError):
     """A rank raised (or died). ``.rank``, ``.exc_type`` (name), ``.remote_traceback``."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str, log_tail: str = ""):
-        self.rank, self.exc_type, self.remote_traceback, self.log_tail = rank, exc_type, remote_traceback, log_tail
+    def __init__(
+        self, rank: int, exc_type: str, message: str, remote_traceback: str, log_tail: str = ""
+    ):
+        self.rank, self.exc_type, self.remote_traceback, self.log_tail = (
+            rank,
+            exc_type,
+            remote_traceback,
+            log_tail,
+        )
         text = f"rank {rank} raised {exc_type}: {message}\n\n--- remote traceback (rank {rank}) ---\n{remote_traceback}"
         if log_tail.strip():
             text += f"\n--- rank {rank} output (tail) ---\n{log_tail}"
@@ -59,8 +76,10 @@ class RankTimeout(TimeoutError):
 
     def __init__(self, ranks: Sequence[int], timeout: float, log_tails: dict[int, str]):
         self.ranks = list(ranks)
-        text = (f"rank(s) {self.ranks} did not finish within timeout={timeout:g}s and were terminated "
-                f"(a rank waiting in a collective that another rank never called hangs until then)")
+        text = (
+            f"rank(s) {self.ranks} did not finish within timeout={timeout:g}s and were terminated "
+            f"(a rank waiting in a collective that another rank never called hangs until then)"
+        )
         for r, tail in log_tails.items():
             if tail.strip():
                 text += f"\n--- rank {r} output (tail) ---\n{tail}"
@@ -92,7 +111,9 @@ def resolve_backend(backend: str, world_size: int) -> str:
     if backend == "auto":
         return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl" and gpus < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) visible")
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) visible"
+        )
     return backend
 
 
@@ -102,7 +123,9 @@ def device():
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        return torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        )
     return torch.device("cpu")
 
 
@@ -139,7 +162,9 @@ def write_atomic(path: str, blob: bytes) -> None:
 def _rank_entry() -> None:
     run_dir, rank = os.environ["COURSE_LIB_RUN_DIR"], int(os.environ["RANK"])
     world_size, backend = int(os.environ["WORLD_SIZE"]), os.environ["COURSE_LIB_BACKEND"]
-    threading.Thread(target=_watch_parent, args=(int(os.environ["COURSE_LIB_PARENT_PID"]),), daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(int(os.environ["COURSE_LIB_PARENT_PID"]),), daemon=True
+    ).start()
     _silence_rank_warnings()
     import cloudpickle
 
@@ -152,8 +177,13 @@ def _rank_entry() -> None:
         if backend == "nccl":
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=float(os.environ["COURSE_LIB_PG_TIMEOUT"])), **kwargs)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=float(os.environ["COURSE_LIB_PG_TIMEOUT"])),
+            **kwargs,
+        )
         with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
             fn, args, kw = cloudpickle.load(f)
         out = fn(*args, **kw)
@@ -167,8 +197,10 @@ def _rank_entry() -> None:
             exc_blob = cloudpickle.dumps(exc)
         except Exception:  # noqa: BLE001
             exc_blob = None
-        write_atomic(os.path.join(run_dir, f"rank{rank}.err"),
-                      pickle.dumps((type(exc).__name__, str(exc), tb, exc_blob)))
+        write_atomic(
+            os.path.join(run_dir, f"rank{rank}.err"),
+            pickle.dumps((type(exc).__name__, str(exc), tb, exc_blob)),
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
@@ -223,7 +255,9 @@ def _raise_first_failure(procs, ok: list[str], err: list[str], logs: list[str]) 
     """
     for r, p in enumerate(procs):
         if p.poll() is not None and not os.path.exists(ok[r]) and not os.path.exists(err[r]):
-            raise RankError(r, "ProcessDied", f"exit code {p.returncode} without a result", "", _tail(logs[r]))
+            raise RankError(
+                r, "ProcessDied", f"exit code {p.returncode} without a result", "", _tail(logs[r])
+            )
     _, r = min((os.stat(e).st_mtime_ns, r) for r, e in enumerate(err) if os.path.exists(e))
     with open(err[r], "rb") as f:
         name, msg, tb, exc_blob = pickle.load(f)
@@ -236,8 +270,15 @@ def _raise_first_failure(procs, ok: list[str], err: list[str], logs: list[str]) 
     raise RankError(r, name, msg, tb, _tail(logs[r])) from cause
 
 
-def spawn(fn: Callable, world_size: int = 2, *, args: Sequence = (), kwargs: dict | None = None,
-          backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> list:
+def spawn(
+    fn: Callable,
+    world_size: int = 2,
+    *,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return ``[result_rank0, result_rank1, ...]``.
 
     Raises :class:`RankError` if a rank raises or dies (the first failure, with its
@@ -258,36 +299,63 @@ def spawn(fn: Callable, world_size: int = 2, *, args: Sequence = (), kwargs: dic
     try:
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as exc:  # noqa: BLE001
-        raise TypeError(f"the function or its arguments cannot be sent to a rank (cloudpickle failed: {exc}); "
-                        "pass picklable values (tensors, numbers, configs), not open files, locks or processes"
-                        ) from exc
+        raise TypeError(
+            f"the function or its arguments cannot be sent to a rank (cloudpickle failed: {exc}); "
+            "pass picklable values (tensors, numbers, configs), not open files, locks or processes"
+        ) from exc
 
     run_dir = tempfile.mkdtemp(prefix="course_lib_run_")
     write_atomic(os.path.join(run_dir, "payload.pkl"), payload)
     port = free_port()
     path = os.pathsep.join([p or os.getcwd() for p in sys.path])
-    base_env = dict(os.environ, PYTHONPATH=path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                    WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), COURSE_LIB_RUN_DIR=run_dir,
-                    COURSE_LIB_BACKEND=backend, COURSE_LIB_PG_TIMEOUT=str(timeout),
-                    COURSE_LIB_PARENT_PID=str(os.getpid()), PYTHONWARNINGS="ignore",
-                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    base_env = dict(
+        os.environ,
+        PYTHONPATH=path,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        COURSE_LIB_RUN_DIR=run_dir,
+        COURSE_LIB_BACKEND=backend,
+        COURSE_LIB_PG_TIMEOUT=str(timeout),
+        COURSE_LIB_PARENT_PID=str(os.getpid()),
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+    )
     logs = [os.path.join(run_dir, f"rank{r}.log") for r in range(world_size)]
     procs: list = []
     try:
         for r in range(world_size):
             with open(logs[r], "wb") as log:  # ranks never print into the notebook
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-c", "from course_lib.launch import _rank_entry; _rank_entry()"],
-                    env=dict(base_env, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd()))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-c",
+                            "from course_lib.launch import _rank_entry; _rank_entry()",
+                        ],
+                        env=dict(base_env, RANK=str(r), LOCAL_RANK=str(r)),
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=os.getcwd(),
+                    )
+                )
         deadline = time.monotonic() + timeout
         ok = [os.path.join(run_dir, f"rank{r}.ok") for r in range(world_size)]
         err = [os.path.join(run_dir, f"rank{r}.err") for r in range(world_size)]
         while not all(os.path.exists(f) for f in ok):
-            failed = [r for r in range(world_size) if os.path.exists(err[r]) or
-                      (procs[r].poll() is not None and not os.path.exists(ok[r]))]
+            failed = [
+                r
+                for r in range(world_size)
+                if os.path.exists(err[r])
+                or (procs[r].poll() is not None and not os.path.exists(ok[r]))
+            ]
             if failed:
-                time.sleep(0.3)  # let the other ranks' echoes and last writes land, then name the cause
+                time.sleep(
+                    0.3
+                )  # let the other ranks' echoes and last writes land, then name the cause
                 _raise_first_failure(procs, ok, err, logs)
             if time.monotonic() > deadline:
                 running = [r for r in range(world_size) if not os.path.exists(ok[r])]
@@ -312,8 +380,13 @@ def hello() -> dict:
 
     t = torch.tensor([float(dist.get_rank())], device=device())
     dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-            "device": str(device()), "sum_of_ranks": int(t.item())}
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "device": str(device()),
+        "sum_of_ranks": int(t.item()),
+    }
 
 
 # --------------------------------------------------------------------------- torchrun entry point
@@ -340,7 +413,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("target", help="module:function to run on every rank")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
-    parser.add_argument("--arg", action="append", default=[], help="positional argument (Python literal)")
+    parser.add_argument(
+        "--arg", action="append", default=[], help="positional argument (Python literal)"
+    )
     ns = parser.parse_args(argv)
     import ast
 

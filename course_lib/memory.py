@@ -55,7 +55,10 @@ def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple, int] | None:
         return None
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # e.g. sparse tensors: fall back to the tensor itself
+    except (
+        RuntimeError,
+        NotImplementedError,
+    ):  # e.g. sparse tensors: fall back to the tensor itself
         return ("tensor", id(t)), t.numel() * t.element_size()
     if storage.nbytes() == 0:
         return None
@@ -100,7 +103,9 @@ def model_state_bytes(model_or_params, optimizer=None, extra=()) -> dict[str, in
     not charged twice.
     """
     if optimizer is not None and not hasattr(optimizer, "state"):
-        raise TypeError(f"optimizer must have a .state mapping (torch.optim.Optimizer), got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must have a .state mapping (torch.optim.Optimizer), got {type(optimizer).__name__}"
+        )
     if isinstance(model_or_params, nn.Module):
         params = list(model_or_params.parameters())
     elif isinstance(model_or_params, torch.Tensor):
@@ -191,7 +196,9 @@ class SavedTensorMeter:
         self._held: dict = {}
         self.bytes = 0  # unique, non-excluded storage bytes saved for backward
         self.count = 0  # number of such storages
-        self.records: list[tuple[tuple, torch.dtype, int]] = []  # (shape, dtype, storage bytes) per new storage
+        self.records: list[
+            tuple[tuple, torch.dtype, int]
+        ] = []  # (shape, dtype, storage bytes) per new storage
         self._hooks = None
 
     def _pack(self, t: torch.Tensor):
@@ -225,8 +232,10 @@ class SavedTensorMeter:
         saves the gathered full weight for the matmul's backward, then frees it with
         ``resize_(0)`` and re-gathers it before backward — it is not held as an activation.
         """
-        return sum(h.untyped_storage().nbytes() if isinstance(h, torch.Tensor) else h.nbytes()
-                   for h in self._held.values())
+        return sum(
+            h.untyped_storage().nbytes() if isinstance(h, torch.Tensor) else h.nbytes()
+            for h in self._held.values()
+        )
 
     def __enter__(self) -> "SavedTensorMeter":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -283,8 +292,16 @@ def saved_tensors_table(output: torch.Tensor, exclude=()) -> list[dict]:
                 python_number = t.dim() == 0 and t.dtype in (torch.float64, torch.complex128)
                 new = kb[0] not in seen_storages and kb[0] not in excluded and not python_number
                 seen_storages.add(kb[0])
-                rows.append(dict(op=node.name(), name=attr[len("_saved_"):], shape=tuple(t.shape),
-                                 dtype=t.dtype, bytes=kb[1], new=new))
+                rows.append(
+                    dict(
+                        op=node.name(),
+                        name=attr[len("_saved_") :],
+                        shape=tuple(t.shape),
+                        dtype=t.dtype,
+                        bytes=kb[1],
+                        new=new,
+                    )
+                )
         stack.extend(next_node for next_node, _ in reversed(node.next_functions))
     return rows
 
@@ -294,8 +311,11 @@ def saved_tensors_table(output: torch.Tensor, exclude=()) -> list[dict]:
 
 def format_bytes(n: float, binary: bool = False, digits: int = 1) -> str:
     """``format_bytes(1.2e11) -> '120.0 GB'``; ``binary=True`` uses KiB/MiB/GiB (powers of 1024)."""
-    base, units = (1024, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]) if binary else \
-        (1000, ["B", "kB", "MB", "GB", "TB", "PB"])
+    base, units = (
+        (1024, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"])
+        if binary
+        else (1000, ["B", "kB", "MB", "GB", "TB", "PB"])
+    )
     if n < 0:
         return "-" + format_bytes(-n, binary, digits)
     if n < base:

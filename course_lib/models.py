@@ -30,7 +30,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "tiny_config", "equality_config"]
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "tiny_config",
+    "equality_config",
+]
 
 
 @dataclass

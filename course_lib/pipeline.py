@@ -40,6 +40,7 @@ activations and gradients flow in both directions between two ranks; the receive
 the sender's schedule (schedules are deterministic) and posts its receives from that peer in exactly
 the sender's order, each as late as possible.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,15 +53,48 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
-from .pipeline_schedules import (SCHEDULES, Action, Event, bubble_fractions, check_microbatches,
-                                 check_schedule, gpipe, interleaved_one_f_one_b, make_schedules, one_f_one_b,
-                                 peak_live_microbatches, simulate)
+from .pipeline_schedules import (
+    SCHEDULES,
+    Action,
+    Event,
+    bubble_fractions,
+    check_microbatches,
+    check_schedule,
+    gpipe,
+    interleaved_one_f_one_b,
+    make_schedules,
+    one_f_one_b,
+    peak_live_microbatches,
+    simulate,
+)
 
-__all__ = ["Action", "Event", "balanced_split", "GPTStage", "split_gpt", "split_layers", "split_microbatches",
-           "gpt_loss", "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "make_schedules", "check_schedule",
-           "check_microbatches", "simulate", "peak_live_microbatches", "bubble_fractions",
-           "PipelineRunner", "PipelineObserver", "Timeline", "LiveMicrobatches", "LiveActivationMeter",
-           "StepStats", "measured_step", "SCHEDULES"]
+__all__ = [
+    "Action",
+    "Event",
+    "balanced_split",
+    "GPTStage",
+    "split_gpt",
+    "split_layers",
+    "split_microbatches",
+    "gpt_loss",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_one_f_one_b",
+    "make_schedules",
+    "check_schedule",
+    "check_microbatches",
+    "simulate",
+    "peak_live_microbatches",
+    "bubble_fractions",
+    "PipelineRunner",
+    "PipelineObserver",
+    "Timeline",
+    "LiveMicrobatches",
+    "LiveActivationMeter",
+    "StepStats",
+    "measured_step",
+    "SCHEDULES",
+]
 
 
 # =========================================================================== stages
@@ -71,8 +105,10 @@ def balanced_split(n_items: int, n_parts: int) -> list[tuple[int, int]]:
     if n_parts < 1:
         raise ValueError(f"num_stages={n_parts} must be >= 1")
     if n_parts > n_items:
-        raise ValueError(f"more stages than layers: {n_parts} stages for {n_items} layers "
-                         "(every stage needs at least one layer)")
+        raise ValueError(
+            f"more stages than layers: {n_parts} stages for {n_items} layers "
+            "(every stage needs at least one layer)"
+        )
     base, extra = divmod(n_items, n_parts)
     bounds, start = [], 0
     for i in range(n_parts):
@@ -102,7 +138,9 @@ class GPTStage(nn.Module):
         self.first, self.last = first, last
         if first:
             self.wte, self.wpe = model.wte, model.wpe
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first_block, end_block)})
+        self.blocks = nn.ModuleDict(
+            {str(i): model.blocks[i] for i in range(first_block, end_block)}
+        )
         if last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
 
@@ -125,25 +163,34 @@ def split_gpt(model, num_stages: int, num_chunks: int = 1) -> list[GPTStage]:
     """
     config = model.config
     if config.tie_weights:
-        raise ValueError("tied weights: lm_head.weight is wte.weight, which would live on the first and the last "
-                         "stage at once; use an untied model (experiments.common.parallel_config()) — Megatron "
-                         "instead all-reduces that one gradient between the first and last stage")
+        raise ValueError(
+            "tied weights: lm_head.weight is wte.weight, which would live on the first and the last "
+            "stage at once; use an untied model (experiments.common.parallel_config()) — Megatron "
+            "instead all-reduces that one gradient between the first and last stage"
+        )
     if num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks} must be >= 1")
     total = num_stages * num_chunks
     if num_chunks > 1 and total > config.n_layer:
-        raise ValueError(f"v·p > layers: {num_chunks} chunks × {num_stages} stages = {total} virtual stages for "
-                         f"{config.n_layer} layers (each virtual stage needs at least one block)")
+        raise ValueError(
+            f"v·p > layers: {num_chunks} chunks × {num_stages} stages = {total} virtual stages for "
+            f"{config.n_layer} layers (each virtual stage needs at least one block)"
+        )
     bounds = balanced_split(config.n_layer, total)
-    return [GPTStage(model, a, b, first=(k == 0), last=(k == total - 1)) for k, (a, b) in enumerate(bounds)]
+    return [
+        GPTStage(model, a, b, first=(k == 0), last=(k == total - 1))
+        for k, (a, b) in enumerate(bounds)
+    ]
 
 
 def split_microbatches(x: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
     """``x`` cut along the batch dimension into ``num_microbatches`` equal micro-batches."""
     check_microbatches(num_microbatches)
     if x.shape[0] % num_microbatches:
-        raise ValueError(f"batch of {x.shape[0]} is not divisible into num_microbatches={num_microbatches} equal "
-                         "micro-batches")
+        raise ValueError(
+            f"batch of {x.shape[0]} is not divisible into num_microbatches={num_microbatches} equal "
+            "micro-batches"
+        )
     return list(x.chunk(num_microbatches))
 
 
@@ -212,22 +259,44 @@ class PipelineRunner:
     over the batch in ``.grad`` (accumulated, then divided by ``m``).
     """
 
-    def __init__(self, chunks: Sequence[nn.Module], stage: int, schedules: Sequence[Sequence[Action]],
-                 num_microbatches: int, *, activation_shape: Sequence[int], dtype=torch.float32,
-                 loss_fn: Callable = gpt_loss, ranks: Sequence[int] | None = None, device=None):
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        stage: int,
+        schedules: Sequence[Sequence[Action]],
+        num_microbatches: int,
+        *,
+        activation_shape: Sequence[int],
+        dtype=torch.float32,
+        loss_fn: Callable = gpt_loss,
+        ranks: Sequence[int] | None = None,
+        device=None,
+    ):
         self.chunks = list(chunks)
-        self.p, self.v, self.m, self.stage = len(schedules), len(self.chunks), num_microbatches, stage
+        self.p, self.v, self.m, self.stage = (
+            len(schedules),
+            len(self.chunks),
+            num_microbatches,
+            stage,
+        )
         self.ranks = list(range(self.p)) if ranks is None else list(ranks)
         if len(self.ranks) != self.p:
-            raise ValueError(f"ranks={self.ranks} must name one global rank per stage ({self.p} stages)")
-        simulate(schedules, num_microbatches, self.v)  # every stage's rules and the cross-stage dependencies
+            raise ValueError(
+                f"ranks={self.ranks} must name one global rank per stage ({self.p} stages)"
+            )
+        simulate(
+            schedules, num_microbatches, self.v
+        )  # every stage's rules and the cross-stage dependencies
         self.schedules = [[Action(*a) for a in acts] for acts in schedules]
         self.loss_fn, self.shape, self.dtype = loss_fn, tuple(activation_shape), dtype
         self.device = device if device is not None else next(self.chunks[0].parameters()).device
         self.params = [q for c in self.chunks for q in c.parameters()]
         # The order in which each peer sends to this rank: (kind, microbatch, virtual stage it is for).
-        self._incoming = {peer: [msg for msg, dst in self._sends_of(peer) if dst == stage]
-                          for peer in range(self.p) if peer != stage}
+        self._incoming = {
+            peer: [msg for msg, dst in self._sends_of(peer) if dst == stage]
+            for peer in range(self.p)
+            if peer != stage
+        }
 
     def _virtual(self, chunk: int, stage: int | None = None) -> int:
         return chunk * self.p + (self.stage if stage is None else stage)
@@ -250,11 +319,18 @@ class PipelineRunner:
             msg = queue[cursor[peer]]
             cursor[peer] += 1
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            posted[msg] = (comm.irecv(buf, self.ranks[peer], tag="activation" if msg[0] == "act" else "grad"), buf)
+            posted[msg] = (
+                comm.irecv(buf, self.ranks[peer], tag="activation" if msg[0] == "act" else "grad"),
+                buf,
+            )
         return posted.pop(key)
 
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-             observers: Sequence[PipelineObserver] = ()) -> list[float]:
+    def step(
+        self,
+        inputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        observers: Sequence[PipelineObserver] = (),
+    ) -> list[float]:
         """One step's forwards and backwards; returns the loss per micro-batch (last stage; else [])."""
         p, m, last = self.p, self.m, self.p * self.v - 1
         x_mb = split_microbatches(inputs, m) if self.stage == 0 else None
@@ -288,7 +364,12 @@ class PipelineRunner:
                     if s == last:
                         losses.append(out.item())
                     else:
-                        sends.append((comm.isend(out.detach(), self.ranks[(s + 1) % p], tag="activation"), out))
+                        sends.append(
+                            (
+                                comm.isend(out.detach(), self.ranks[(s + 1) % p], tag="activation"),
+                                out,
+                            )
+                        )
                 else:
                     grad = None if s == last else wait_for(("grad", a.microbatch, s), (s + 1) % p)
                     obs.begin("B", a.microbatch, a.chunk)
@@ -296,14 +377,20 @@ class PipelineRunner:
                     torch.autograd.backward(out, grad_tensors=grad)
                     obs.end("B", a.microbatch, a.chunk)
                     if s > 0:
-                        sends.append((comm.isend(x.grad, self.ranks[(s - 1) % p], tag="grad"), x.grad))
+                        sends.append(
+                            (comm.isend(x.grad, self.ranks[(s - 1) % p], tag="grad"), x.grad)
+                        )
                     del out, x
             except Exception as exc:
-                raise RuntimeError(f"pipeline stage {s} (rank {self.ranks[self.stage]}) failed in {a!r}: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                raise RuntimeError(
+                    f"pipeline stage {s} (rank {self.ranks[self.stage]}) failed in {a!r}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
         for work, _ in sends:  # keep each sent tensor alive until its send completed
             work.wait()
-        for q in self.params:  # accumulated over m micro-batches of mean losses → the mean over the batch
+        for q in (
+            self.params
+        ):  # accumulated over m micro-batches of mean losses → the mean over the batch
             if q.grad is not None:
                 q.grad.div_(m)
         return losses
@@ -404,8 +491,9 @@ class StepStats(NamedTuple):
     live_bytes: list  # (time, live activation bytes) after every F and B
 
 
-def measured_step(runner: PipelineRunner, inputs: torch.Tensor | None = None,
-                  targets: torch.Tensor | None = None) -> StepStats:
+def measured_step(
+    runner: PipelineRunner, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+) -> StepStats:
     """``runner.step`` observed by a :class:`Timeline`, :class:`LiveMicrobatches` and a
     :class:`LiveActivationMeter`: what one step measured, as :class:`StepStats`."""
     timeline, live = Timeline(), LiveMicrobatches()

@@ -13,13 +13,25 @@ the dependencies across stages with unit costs (F = 1, B = 2): a schedule that w
 rejected before any rank runs it. :func:`bubble_fractions` measures idle time / whole step time
 per rank from a timeline of :class:`Event` s. The runner that executes schedules is ``pipeline.py``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-__all__ = ["Action", "Event", "check_microbatches", "gpipe", "one_f_one_b",
-           "interleaved_one_f_one_b", "make_schedules", "check_schedule", "simulate",
-           "peak_live_microbatches", "bubble_fractions", "SCHEDULES"]
+__all__ = [
+    "Action",
+    "Event",
+    "check_microbatches",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_one_f_one_b",
+    "make_schedules",
+    "check_schedule",
+    "simulate",
+    "peak_live_microbatches",
+    "bubble_fractions",
+    "SCHEDULES",
+]
 
 
 class Action(NamedTuple):
@@ -35,7 +47,11 @@ class Action(NamedTuple):
 
 def check_microbatches(num_microbatches) -> None:
     """Raise unless ``num_microbatches`` is an int ≥ 1 (the schedules and the batch split)."""
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+    if (
+        isinstance(num_microbatches, bool)
+        or not isinstance(num_microbatches, int)
+        or num_microbatches < 1
+    ):
         raise ValueError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
 
 
@@ -64,13 +80,17 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Acti
     m = num_microbatches
     warmup = min(num_stages - 1 - stage, m)
     actions = [Action("F", i) for i in range(warmup)]
-    for i in range(m - warmup):  # steady state: the forward of micro-batch warmup+i, the backward of i
+    for i in range(
+        m - warmup
+    ):  # steady state: the forward of micro-batch warmup+i, the backward of i
         actions += [Action("F", warmup + i), Action("B", i)]
     actions += [Action("B", i) for i in range(m - warmup, m)]
     return actions
 
 
-def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, stage: int, num_chunks: int = 2) -> list[Action]:
+def interleaved_one_f_one_b(
+    num_stages: int, num_microbatches: int, stage: int, num_chunks: int = 2
+) -> list[Action]:
     """Interleaved 1F1B (Megatron-LM): rank ``stage`` runs chunks ``c`` = virtual stages ``c·p + stage``.
 
     Micro-batches go round in groups of ``p``: forward number ``k`` is micro-batch
@@ -83,8 +103,10 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, stage: int, 
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"num_chunks={v!r} must be an int >= 1")
     if m % p:
-        raise ValueError(f"interleaved 1F1B needs num_microbatches divisible by num_stages: m={m}, p={p} "
-                         "(micro-batches go round the ranks in groups of p)")
+        raise ValueError(
+            f"interleaved 1F1B needs num_microbatches divisible by num_stages: m={m}, p={p} "
+            "(micro-batches go round the ranks in groups of p)"
+        )
     total = m * v
 
     def fwd(k: int) -> Action:
@@ -101,10 +123,16 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, stage: int, 
     return actions
 
 
-SCHEDULES: dict[str, Callable] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
+SCHEDULES: dict[str, Callable] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_one_f_one_b,
+}
 
 
-def make_schedules(schedule, num_stages: int, num_microbatches: int, **kwargs) -> list[list[Action]]:
+def make_schedules(
+    schedule, num_stages: int, num_microbatches: int, **kwargs
+) -> list[list[Action]]:
     """Every stage's action list: ``schedule`` is a name in :data:`SCHEDULES` or a generator function."""
     fn = SCHEDULES.get(schedule) if isinstance(schedule, str) else schedule
     if fn is None:
@@ -112,34 +140,49 @@ def make_schedules(schedule, num_stages: int, num_microbatches: int, **kwargs) -
     return [list(fn(num_stages, num_microbatches, s, **kwargs)) for s in range(num_stages)]
 
 
-def check_schedule(actions: Sequence[Action], num_microbatches: int, num_chunks: int = 1, stage: int | None = None):
+def check_schedule(
+    actions: Sequence[Action], num_microbatches: int, num_chunks: int = 1, stage: int | None = None
+):
     """One stage's rules: every (micro-batch, chunk) exactly one F and one B, and its F before its B."""
     where = "" if stage is None else f"stage {stage}: "
     seen_f, seen_b = set(), set()
     for i, a in enumerate(actions):
         if not isinstance(a, tuple) or len(a) < 2 or a[0] not in ("F", "B"):
-            raise ValueError(f"{where}action {i} = {a!r} is not an Action(op, microbatch) with op 'F' or 'B'")
+            raise ValueError(
+                f"{where}action {i} = {a!r} is not an Action(op, microbatch) with op 'F' or 'B'"
+            )
         a = Action(*a)
         if not (0 <= a.microbatch < num_microbatches and 0 <= a.chunk < num_chunks):
-            raise ValueError(f"{where}action {i} = {a!r}: micro-batch must be in 0…{num_microbatches - 1} and "
-                             f"chunk in 0…{num_chunks - 1}")
+            raise ValueError(
+                f"{where}action {i} = {a!r}: micro-batch must be in 0…{num_microbatches - 1} and "
+                f"chunk in 0…{num_chunks - 1}"
+            )
         key = (a.microbatch, a.chunk)
         if a.op == "F":
             if key in seen_f:
-                raise ValueError(f"{where}action {i} = {a!r}: the forward of micro-batch {a.microbatch} runs twice")
+                raise ValueError(
+                    f"{where}action {i} = {a!r}: the forward of micro-batch {a.microbatch} runs twice"
+                )
             seen_f.add(key)
         else:
             if key not in seen_f:
-                raise ValueError(f"{where}action {i} = {a!r}: backward before its forward (a micro-batch's F must "
-                                 "come before its B on the same stage)")
+                raise ValueError(
+                    f"{where}action {i} = {a!r}: backward before its forward (a micro-batch's F must "
+                    "come before its B on the same stage)"
+                )
             if key in seen_b:
-                raise ValueError(f"{where}action {i} = {a!r}: the backward of micro-batch {a.microbatch} runs twice")
+                raise ValueError(
+                    f"{where}action {i} = {a!r}: the backward of micro-batch {a.microbatch} runs twice"
+                )
             seen_b.add(key)
     missing = {(mb, c) for mb in range(num_microbatches) for c in range(num_chunks)} - seen_b
     if missing:
         mb, c = min(missing)
-        raise ValueError(f"{where}micro-batch {mb}" + (f" (chunk {c})" if num_chunks > 1 else "") +
-                         " never runs its forward and backward (every micro-batch needs one F and one B)")
+        raise ValueError(
+            f"{where}micro-batch {mb}"
+            + (f" (chunk {c})" if num_chunks > 1 else "")
+            + " never runs its forward and backward (every micro-batch needs one F and one B)"
+        )
 
 
 class Event(NamedTuple):
@@ -152,8 +195,13 @@ class Event(NamedTuple):
     end: float
 
 
-def simulate(schedules: Sequence[Sequence[Action]], num_microbatches: int, num_chunks: int = 1,
-             t_f: float = 1.0, t_b: float = 2.0) -> list[list[Event]]:
+def simulate(
+    schedules: Sequence[Sequence[Action]],
+    num_microbatches: int,
+    num_chunks: int = 1,
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+) -> list[list[Event]]:
     """Run all stages' schedules on paper: each F costs ``t_f``, each B ``t_b``, communication is free.
 
     An F on virtual stage ``s`` starts when the rank is free *and* stage ``s−1`` has finished that
@@ -192,8 +240,10 @@ def simulate(schedules: Sequence[Sequence[Action]], num_microbatches: int, num_c
     stuck = [r for r in range(p) if pos[r] < len(schedules[r])]
     if stuck:
         waits = ", ".join(f"stage {r} at {Action(*schedules[r][pos[r]])!r}" for r in stuck)
-        raise ValueError(f"the schedules deadlock: {waits} each wait for a micro-batch another stage has not "
-                         "produced (an F needs the previous stage's F, a B the next stage's B)")
+        raise ValueError(
+            f"the schedules deadlock: {waits} each wait for a micro-batch another stage has not "
+            "produced (an F needs the previous stage's F, a B the next stage's B)"
+        )
     return events
 
 

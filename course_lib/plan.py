@@ -34,16 +34,32 @@ All sizes are decimal (1 GB = 10⁹ bytes), as in the ZeRO paper.
 This module is the model only; the ipywidgets form over :func:`recommend` is
 ``course_lib.viz.planner_widget`` (the view layer, with the other widgets).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from .formulas import (activation_bytes_estimate, korthikanti_activation_bytes, pipeline_bubble,
-                       zero_model_state_breakdown)
+from .formulas import (
+    activation_bytes_estimate,
+    korthikanti_activation_bytes,
+    pipeline_bubble,
+    zero_model_state_breakdown,
+)
 
-__all__ = ["PlanError", "Model", "Cluster", "Layout", "memory_per_gpu", "gpt_num_params", "recommend", "Plan",
-           "zero_paper_table", "ZERO_NAMES", "check_layout"]
+__all__ = [
+    "PlanError",
+    "Model",
+    "Cluster",
+    "Layout",
+    "memory_per_gpu",
+    "gpt_num_params",
+    "recommend",
+    "Plan",
+    "zero_paper_table",
+    "ZERO_NAMES",
+    "check_layout",
+]
 
 GB = 1e9
 ZERO_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -61,8 +77,16 @@ def _positive_int(name: str, value) -> None:
 
 def gpt_num_params(config) -> int:
     """Parameters of ``models.GPT(config)``, counted from the config (the same number ``GPT.num_params()`` gives)."""
-    h, r, V, L, bias = config.d_model, config.mlp_ratio, config.vocab_size, config.n_layer, config.bias
-    block = (4 + 2 * r) * h * h + 2 * h * (2 if bias else 1)  # Linear weights; two LayerNorms (weight, bias)
+    h, r, V, L, bias = (
+        config.d_model,
+        config.mlp_ratio,
+        config.vocab_size,
+        config.n_layer,
+        config.bias,
+    )
+    block = (4 + 2 * r) * h * h + 2 * h * (
+        2 if bias else 1
+    )  # Linear weights; two LayerNorms (weight, bias)
     block += (3 * h + h + r * h + h) if bias else 0  # Linear biases
     head = 0 if config.tie_weights else V * h
     return V * h + config.block_size * h + L * block + h + (h if bias else 0) + head
@@ -86,7 +110,11 @@ class Model:
     config: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        if isinstance(self.params, bool) or not isinstance(self.params, (int, float)) or not self.params > 0:
+        if (
+            isinstance(self.params, bool)
+            or not isinstance(self.params, (int, float))
+            or not self.params > 0
+        ):
             raise PlanError(f"params={self.params!r} (the parameter count Ψ) must be a number > 0")
         for name in ("layers", "hidden", "heads", "seq_len"):
             _positive_int(name, getattr(self, name))
@@ -98,13 +126,23 @@ class Model:
     @classmethod
     def from_config(cls, config, name: str = "course GPT") -> "Model":
         """The course's ``GPTConfig`` as a :class:`Model` (Ψ counted by :func:`gpt_num_params`)."""
-        return cls(gpt_num_params(config), config.n_layer, config.d_model, config.n_head, config.block_size,
-                   config.vocab_size, name, config)
+        return cls(
+            gpt_num_params(config),
+            config.n_layer,
+            config.d_model,
+            config.n_head,
+            config.block_size,
+            config.vocab_size,
+            name,
+            config,
+        )
 
     def label(self) -> str:
         size = f"{self.params / 1e9:g}B" if self.params >= 1e8 else f"{self.params:,.0f}"
-        return f"{self.name + ': ' if self.name else ''}Ψ = {size} parameters, L = {self.layers}, " \
-               f"h = {self.hidden}, a = {self.heads}, s = {self.seq_len}"
+        return (
+            f"{self.name + ': ' if self.name else ''}Ψ = {size} parameters, L = {self.layers}, "
+            f"h = {self.hidden}, a = {self.heads}, s = {self.seq_len}"
+        )
 
 
 @dataclass(frozen=True)
@@ -116,8 +154,11 @@ class Cluster:
     nodes: int = 1
 
     def __post_init__(self):
-        if isinstance(self.gpu_memory_gb, bool) or not isinstance(self.gpu_memory_gb, (int, float)) \
-                or not self.gpu_memory_gb > 0:
+        if (
+            isinstance(self.gpu_memory_gb, bool)
+            or not isinstance(self.gpu_memory_gb, (int, float))
+            or not self.gpu_memory_gb > 0
+        ):
             raise PlanError(f"gpu_memory_gb={self.gpu_memory_gb!r} must be a number > 0")
         _positive_int("gpus_per_node", self.gpus_per_node)
         _positive_int("nodes", self.nodes)
@@ -127,8 +168,10 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
     def label(self) -> str:
-        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} × {self.gpus_per_node} " \
-               f"GPU{'s' if self.gpus_per_node > 1 else ''} × {self.gpu_memory_gb:g} GB"
+        return (
+            f"{self.nodes} node{'s' if self.nodes > 1 else ''} × {self.gpus_per_node} "
+            f"GPU{'s' if self.gpus_per_node > 1 else ''} × {self.gpu_memory_gb:g} GB"
+        )
 
 
 @dataclass(frozen=True)
@@ -179,27 +222,43 @@ def check_layout(model: Model, layout: Layout, cluster: Cluster | None = None) -
     """Raise :class:`PlanError` naming the first rule ``layout`` breaks for ``model`` (and ``cluster``)."""
     t, p = layout.tp, layout.pp
     if model.heads % t:
-        raise PlanError(f"num_heads={model.heads} is not divisible by tp_size={t}: tensor parallelism gives each "
-                        f"rank whole attention heads")
+        raise PlanError(
+            f"num_heads={model.heads} is not divisible by tp_size={t}: tensor parallelism gives each "
+            f"rank whole attention heads"
+        )
     if model.hidden % t:
         raise PlanError(f"hidden={model.hidden} is not divisible by tp_size={t}")
     if layout.sp and model.seq_len % t:
-        raise PlanError(f"seq_len={model.seq_len} is not divisible by tp_size={t}: sequence parallelism splits "
-                        f"the sequence over the TP ranks")
+        raise PlanError(
+            f"seq_len={model.seq_len} is not divisible by tp_size={t}: sequence parallelism splits "
+            f"the sequence over the TP ranks"
+        )
     if model.layers % p:
-        raise PlanError(f"layers={model.layers} is not divisible by pp_size={p}: equal pipeline stages")
+        raise PlanError(
+            f"layers={model.layers} is not divisible by pp_size={p}: equal pipeline stages"
+        )
     if cluster is not None:
         if layout.world != cluster.gpus:
-            raise PlanError(f"dp_size × tp_size × pp_size = {layout.dp} × {t} × {p} = {layout.world} must equal the "
-                            f"number of GPUs, nodes × gpus_per_node = {cluster.nodes} × {cluster.gpus_per_node} = "
-                            f"{cluster.gpus}")
+            raise PlanError(
+                f"dp_size × tp_size × pp_size = {layout.dp} × {t} × {p} = {layout.world} must equal the "
+                f"number of GPUs, nodes × gpus_per_node = {cluster.nodes} × {cluster.gpus_per_node} = "
+                f"{cluster.gpus}"
+            )
         if cluster.gpus_per_node % t:
-            raise PlanError(f"tp_size={t} does not divide gpus_per_node={cluster.gpus_per_node}: a tensor-parallel "
-                            f"group must stay inside one node (4 all-reduces per layer need its fast links)")
+            raise PlanError(
+                f"tp_size={t} does not divide gpus_per_node={cluster.gpus_per_node}: a tensor-parallel "
+                f"group must stay inside one node (4 all-reduces per layer need its fast links)"
+            )
 
 
-def memory_per_gpu(model: Model, layout: Layout, *, micro_batch: int = 1, num_microbatches: int | None = None,
-                   precision: str = "mixed") -> dict:
+def memory_per_gpu(
+    model: Model,
+    layout: Layout,
+    *,
+    micro_batch: int = 1,
+    num_microbatches: int | None = None,
+    precision: str = "mixed",
+) -> dict:
     """Bytes per GPU of ``layout``: params / grads / optimizer (``model_states``), ``activations``, ``total``.
 
     Model states: the ZeRO formula on Ψ/(t·p) over ``dp`` ranks. Activations of one ``micro_batch``:
@@ -219,13 +278,22 @@ def memory_per_gpu(model: Model, layout: Layout, *, micro_batch: int = 1, num_mi
     states = zero_model_state_breakdown(model.params / (t * p), layout.dp, layout.zero, precision)
     if precision == "fp32":
         if model.config is None or t > 1 or p > 1 or layout.recompute != "none":
-            raise PlanError("precision='fp32' activations are derived for the course GPT on one device: pass "
-                            "Model.from_config(config) with tp_size = pp_size = 1 and recompute='none'")
+            raise PlanError(
+                "precision='fp32' activations are derived for the course GPT on one device: pass "
+                "Model.from_config(config) with tp_size = pp_size = 1 and recompute='none'"
+            )
         acts = activation_bytes_estimate(model.config, micro_batch, model.seq_len)["total"]
     else:
-        per_mb = korthikanti_activation_bytes(model.seq_len, micro_batch, model.hidden, model.heads,
-                                              model.layers // p, tensor_parallel=t, sequence_parallel=layout.sp,
-                                              recompute=layout.recompute)
+        per_mb = korthikanti_activation_bytes(
+            model.seq_len,
+            micro_batch,
+            model.hidden,
+            model.heads,
+            model.layers // p,
+            tensor_parallel=t,
+            sequence_parallel=layout.sp,
+            recompute=layout.recompute,
+        )
         logits = 4 * model.seq_len * micro_batch * model.vocab / t if model.vocab else 0.0
         first = per_mb * min(p, m) + (logits if p == 1 else 0.0)
         acts = max(first, per_mb + logits)  # the first stage, or the last one with the loss
@@ -241,8 +309,10 @@ def zero_paper_table(psi: float = 7.5e9, world_size: int = 64) -> dict[str, floa
     model's shape does not enter them, so a placeholder 1-layer shape is used).
     """
     model = Model(psi, 1, 64, 1, 1)
-    return {ZERO_NAMES[z]: memory_per_gpu(model, Layout(dp=world_size, zero=z))["model_states"] / GB
-            for z in range(4)}
+    return {
+        ZERO_NAMES[z]: memory_per_gpu(model, Layout(dp=world_size, zero=z))["model_states"] / GB
+        for z in range(4)
+    }
 
 
 # --------------------------------------------------------------------------- the recommendation
@@ -264,20 +334,28 @@ class Plan:
     num_microbatches: int = 8
 
     def table(self) -> str:
-        lines = [f"{'layout':<40} {'states GB':>9} {'acts GB':>8} {'total GB':>9}  "
-                 f"fits ≤ {self.usable_bytes / GB:.0f} GB"]
+        lines = [
+            f"{'layout':<40} {'states GB':>9} {'acts GB':>8} {'total GB':>9}  "
+            f"fits ≤ {self.usable_bytes / GB:.0f} GB"
+        ]
         for lay, mem, fits in self.tried:
             mark = " ← chosen" if lay == self.layout else ""
-            lines.append(f"{lay.name():<40} {mem['model_states'] / GB:>9.1f} {mem['activations'] / GB:>8.1f} "
-                         f"{mem['total'] / GB:>9.1f}  {'yes' if fits else 'no'}{mark}")
+            lines.append(
+                f"{lay.name():<40} {mem['model_states'] / GB:>9.1f} {mem['activations'] / GB:>8.1f} "
+                f"{mem['total'] / GB:>9.1f}  {'yes' if fits else 'no'}{mark}"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         mem = self.memory
-        lines = [f"model:   {self.model.label()}", f"cluster: {self.cluster.label()} (usable "
-                 f"{self.usable_bytes / GB:.0f} GB per GPU); micro-batch {self.micro_batch}",
-                 f"→ {self.layout.name()}: {mem['total'] / GB:.1f} GB per GPU (model states "
-                 f"{mem['model_states'] / GB:.1f} + activations {mem['activations'] / GB:.1f})", "why:"]
+        lines = [
+            f"model:   {self.model.label()}",
+            f"cluster: {self.cluster.label()} (usable "
+            f"{self.usable_bytes / GB:.0f} GB per GPU); micro-batch {self.micro_batch}",
+            f"→ {self.layout.name()}: {mem['total'] / GB:.1f} GB per GPU (model states "
+            f"{mem['model_states'] / GB:.1f} + activations {mem['activations'] / GB:.1f})",
+            "why:",
+        ]
         lines += [f"  - {r}" for r in self.reasons]
         for lay, m, note in self.alternatives:
             lines.append(f"also fits: {lay.name()}: {m['total'] / GB:.1f} GB per GPU — {note}")
@@ -288,34 +366,54 @@ class Plan:
 
 def _tp_size(model: Model, cluster: Cluster) -> int:
     """The largest divisor of ``gpus_per_node`` that also divides the heads, hidden and sequence (≥ 1)."""
-    return max(t for t in range(1, cluster.gpus_per_node + 1) if cluster.gpus_per_node % t == 0
-               and model.heads % t == 0 and model.hidden % t == 0 and model.seq_len % t == 0)
+    return max(
+        t
+        for t in range(1, cluster.gpus_per_node + 1)
+        if cluster.gpus_per_node % t == 0
+        and model.heads % t == 0
+        and model.hidden % t == 0
+        and model.seq_len % t == 0
+    )
 
 
 def _ladder(model: Model, cluster: Cluster, recompute: str) -> list[tuple[Layout, str]]:
     g, t = cluster.gpus, _tp_size(model, cluster)
-    steps = [(Layout(dp=g, zero=0, recompute=recompute),
-              "DDP: the model states and activations fit on every GPU; one gradient all-reduce (2Ψ) per step, "
-              "overlapped with backward, no change to the model"),
-             (Layout(dp=g, zero=2, recompute=recompute),
-              "ZeRO-2 (DeepSpeed stage 2, FSDP2 reshard_after_forward=False): DDP's 16Ψ does not fit; sharding "
-              "gradients and optimizer states costs no extra traffic (reduce-scatter + all-gather = 2Ψ)"),
-             (Layout(dp=g, zero=3, recompute=recompute),
-              "ZeRO-3 / FSDP (fully_shard): ZeRO-2 does not fit; parameters sharded too, at 3Ψ of traffic")]
+    steps = [
+        (
+            Layout(dp=g, zero=0, recompute=recompute),
+            "DDP: the model states and activations fit on every GPU; one gradient all-reduce (2Ψ) per step, "
+            "overlapped with backward, no change to the model",
+        ),
+        (
+            Layout(dp=g, zero=2, recompute=recompute),
+            "ZeRO-2 (DeepSpeed stage 2, FSDP2 reshard_after_forward=False): DDP's 16Ψ does not fit; sharding "
+            "gradients and optimizer states costs no extra traffic (reduce-scatter + all-gather = 2Ψ)",
+        ),
+        (
+            Layout(dp=g, zero=3, recompute=recompute),
+            "ZeRO-3 / FSDP (fully_shard): ZeRO-2 does not fit; parameters sharded too, at 3Ψ of traffic",
+        ),
+    ]
     if g == 1:
         return steps[:1]  # one GPU: nothing to shard over
     if t > 1 and g > 1:
         for z in (2, 3):
-            steps.append((Layout(dp=g // t, tp=t, zero=z, recompute=recompute),
-                          f"TP {t} inside each node (Narayanan et al. 2021: tensor parallelism up to the GPUs of a "
-                          f"node, where its 4 all-reduces per layer use fast links) with sequence parallelism, "
-                          f"which divides the weights and the activations (that ZeRO does not shard) by {t}; "
-                          f"{ZERO_NAMES[z]}{' / FSDP' if z == 3 else ' (FSDP SHARD_GRAD_OP)'} over "
-                          f"the {g // t} TP groups, across nodes"))
+            steps.append(
+                (
+                    Layout(dp=g // t, tp=t, zero=z, recompute=recompute),
+                    f"TP {t} inside each node (Narayanan et al. 2021: tensor parallelism up to the GPUs of a "
+                    f"node, where its 4 all-reduces per layer use fast links) with sequence parallelism, "
+                    f"which divides the weights and the activations (that ZeRO does not shard) by {t}; "
+                    f"{ZERO_NAMES[z]}{' / FSDP' if z == 3 else ' (FSDP SHARD_GRAD_OP)'} over "
+                    f"the {g // t} TP groups, across nodes",
+                )
+            )
     return steps
 
 
-def _three_d(model: Model, cluster: Cluster, usable: float, micro_batch: int, m: int, recompute: str):
+def _three_d(
+    model: Model, cluster: Cluster, usable: float, micro_batch: int, m: int, recompute: str
+):
     """TP inside the node × the smallest pipeline across nodes that fits × ZeRO-1 data parallel (or None)."""
     t = _tp_size(model, cluster)
     for p in range(2, cluster.nodes + 1):
@@ -328,8 +426,14 @@ def _three_d(model: Model, cluster: Cluster, usable: float, micro_batch: int, m:
     return None
 
 
-def recommend(model: Model, cluster: Cluster, *, micro_batch: int = 1, num_microbatches: int = 8,
-              reserve: float = 0.1) -> Plan:
+def recommend(
+    model: Model,
+    cluster: Cluster,
+    *,
+    micro_batch: int = 1,
+    num_microbatches: int = 8,
+    reserve: float = 0.1,
+) -> Plan:
     """Walk the ladder (module docstring) and return the first layout that fits, with the reasons.
 
     ``reserve``: the fraction of each GPU's memory kept free for the CUDA context, communication buffers
@@ -350,40 +454,66 @@ def recommend(model: Model, cluster: Cluster, *, micro_batch: int = 1, num_micro
             if not fits:
                 continue
             reasons = [why] if cluster.gpus > 1 else ["one GPU: plain training (a DDP of one) fits"]
-            reasons += [f"{lay_.name()} would need {mem_['total'] / GB:.1f} GB per GPU (model states "
-                        f"{mem_['model_states'] / GB:.1f} + activations {mem_['activations'] / GB:.1f}) > "
-                        f"{usable / GB:.0f} GB usable" for lay_, mem_, _ in tried[:-1]]
+            reasons += [
+                f"{lay_.name()} would need {mem_['total'] / GB:.1f} GB per GPU (model states "
+                f"{mem_['model_states'] / GB:.1f} + activations {mem_['activations'] / GB:.1f}) > "
+                f"{usable / GB:.0f} GB usable"
+                for lay_, mem_, _ in tried[:-1]
+            ]
             if recompute == "full":
-                reasons.append("full activation recompute: even with model parallelism the activations do not fit "
-                               "otherwise; it costs one more forward per step (≈ +33 % compute)")
+                reasons.append(
+                    "full activation recompute: even with model parallelism the activations do not fit "
+                    "otherwise; it costs one more forward per step (≈ +33 % compute)"
+                )
             else:
-                reasons.append("activations: selective recompute (FlashAttention-style attention keeps no s×s "
-                               "scores), no full recompute needed")
-            plan = Plan(model, cluster, lay, mem, reasons, usable, tried, [], micro_batch, num_microbatches)
+                reasons.append(
+                    "activations: selective recompute (FlashAttention-style attention keeps no s×s "
+                    "scores), no full recompute needed"
+                )
+            plan = Plan(
+                model, cluster, lay, mem, reasons, usable, tried, [], micro_batch, num_microbatches
+            )
             if lay.tp > 1 and cluster.nodes > 1:
                 alt = _three_d(model, cluster, usable, micro_batch, num_microbatches, recompute)
                 if alt:
                     p = alt[0].pp
-                    plan.alternatives.append((*alt, f"3D (Megatron-DeepSpeed): the pipeline crosses nodes with only "
-                                              f"boundary activations, ZeRO-1 data parallel; bubble "
-                                              f"(p−1)/(m+p−1) = {pipeline_bubble(p, num_microbatches):.2f} "
-                                              f"at m = {num_microbatches}"))
+                    plan.alternatives.append(
+                        (
+                            *alt,
+                            f"3D (Megatron-DeepSpeed): the pipeline crosses nodes with only "
+                            f"boundary activations, ZeRO-1 data parallel; bubble "
+                            f"(p−1)/(m+p−1) = {pipeline_bubble(p, num_microbatches):.2f} "
+                            f"at m = {num_microbatches}",
+                        )
+                    )
             return plan
     raise PlanError(_missing(model, cluster, usable, micro_batch, reserve))
 
 
-def _missing(model: Model, cluster: Cluster, usable: float, micro_batch: int, reserve: float) -> str:
+def _missing(
+    model: Model, cluster: Cluster, usable: float, micro_batch: int, reserve: float
+) -> str:
     """What a model that fits nowhere needs: fewer activations, or how many GPUs."""
     t = _tp_size(model, cluster)
-    acts = memory_per_gpu(model, Layout(tp=t, recompute="full"), micro_batch=micro_batch)["activations"]
-    head = (f"{model.label()} does not fit on {cluster.label()} ({usable / GB:.0f} GB usable per GPU, "
-            f"reserve {reserve:.0%}) with any layout, even ZeRO-3 with TP {t} and full recompute")
+    acts = memory_per_gpu(model, Layout(tp=t, recompute="full"), micro_batch=micro_batch)[
+        "activations"
+    ]
+    head = (
+        f"{model.label()} does not fit on {cluster.label()} ({usable / GB:.0f} GB usable per GPU, "
+        f"reserve {reserve:.0%}) with any layout, even ZeRO-3 with TP {t} and full recompute"
+    )
     if acts >= usable:
-        return (f"{head}: the activations alone need {acts / GB:.1f} GB per GPU — shorten seq_len or the "
-                f"micro-batch, or split the sequence further (context parallelism)")
-    need = math.ceil(16 * model.params / (usable - acts))  # ZeRO-3 over G GPUs: 16Ψ/G + activations ≤ usable
+        return (
+            f"{head}: the activations alone need {acts / GB:.1f} GB per GPU — shorten seq_len or the "
+            f"micro-batch, or split the sequence further (context parallelism)"
+        )
+    need = math.ceil(
+        16 * model.params / (usable - acts)
+    )  # ZeRO-3 over G GPUs: 16Ψ/G + activations ≤ usable
     nodes = math.ceil(need / cluster.gpus_per_node)
-    return (f"{head}: the model states (16Ψ = {16 * model.params / GB:,.0f} GB in total) need at least "
-            f"{need} GPUs of {cluster.gpu_memory_gb:g} GB ({nodes} node{'s' if nodes > 1 else ''} of "
-            f"{cluster.gpus_per_node}) instead of {cluster.gpus}; or offload "
-            f"optimizer states and parameters to CPU/NVMe (ZeRO-Offload / ZeRO-Infinity)")
+    return (
+        f"{head}: the model states (16Ψ = {16 * model.params / GB:,.0f} GB in total) need at least "
+        f"{need} GPUs of {cluster.gpu_memory_gb:g} GB ({nodes} node{'s' if nodes > 1 else ''} of "
+        f"{cluster.gpus_per_node}) instead of {cluster.gpus}; or offload "
+        f"optimizer states and parameters to CPU/NVMe (ZeRO-Offload / ZeRO-Infinity)"
+    )

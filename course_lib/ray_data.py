@@ -19,6 +19,7 @@ this module only adds what Ray Data does not say by itself:
 * :func:`operator_times` — the per-operator remote wall time from ``Dataset.stats()``' text, to name the
   bottleneck operator.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,17 @@ import re
 import threading
 import time
 
-__all__ = ["known_num_rows", "parquet_num_rows", "check_enough_rows", "name_batches", "timed", "split_ids",
-           "operator_times", "quiet", "KEEP_WORKERS"]
+__all__ = [
+    "known_num_rows",
+    "parquet_num_rows",
+    "check_enough_rows",
+    "name_batches",
+    "timed",
+    "split_ids",
+    "operator_times",
+    "quiet",
+    "KEEP_WORKERS",
+]
 
 # ``ray.init(_system_config=KEEP_WORKERS)``: keep idle task worker processes alive instead of killing those above
 # ``num_cpus`` after 1 s. Ray Data's 0.5-CPU tasks run 4 at a time on 2 CPUs; on a busy 2-core laptop starting a
@@ -82,7 +92,8 @@ def check_enough_rows(ds_or_rows, num_workers: int, batch_size: int) -> int | No
         raise ValueError(
             f"the dataset has {rows} rows, fewer than num_workers × batch_size = {num_workers} × {batch_size} = "
             f"{num_workers * batch_size}: split equally, each worker gets {rows // num_workers} rows, less than "
-            f"one batch of {batch_size}. Use more data, fewer workers or a smaller batch_size")
+            f"one batch of {batch_size}. Use more data, fewer workers or a smaller batch_size"
+        )
     return rows
 
 
@@ -93,15 +104,21 @@ def name_batches(fn, batch_size: int, id_column: str = "id"):
     ``batch_size`` rows); the message keeps the original exception's type and text, and ``functools.wraps``
     keeps the function's name, so Ray's operator is still called ``MapBatches(<name>)``.
     """
+
     @functools.wraps(fn)
     def wrapped(batch, *args, **kwargs):
         try:
             return fn(batch, *args, **kwargs)
         except Exception as exc:
             ids = batch[id_column] if id_column in batch else None
-            where = "a batch without an id column" if ids is None or len(ids) == 0 else (
-                f"batch {int(ids[0]) // batch_size} (ids {int(ids[0])}..{int(ids[-1])})")
-            raise RuntimeError(f"{fn.__name__} failed on {where}: {type(exc).__name__}: {exc}") from exc
+            where = (
+                "a batch without an id column"
+                if ids is None or len(ids) == 0
+                else (f"batch {int(ids[0]) // batch_size} (ids {int(ids[0])}..{int(ids[-1])})")
+            )
+            raise RuntimeError(
+                f"{fn.__name__} failed on {where}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     return wrapped
 
@@ -118,8 +135,16 @@ def timed(batches):
         yield time.perf_counter() - t0, batch
 
 
-def split_ids(ds, n: int, *, equal: bool = True, batch_size: int = 8, epochs: int = 1, id_column: str = "id",
-              **iter_kwargs) -> list[list[list[list[int]]]]:
+def split_ids(
+    ds,
+    n: int,
+    *,
+    equal: bool = True,
+    batch_size: int = 8,
+    epochs: int = 1,
+    id_column: str = "id",
+    **iter_kwargs,
+) -> list[list[list[list[int]]]]:
     """``ids[epoch][split]`` = the batches (lists of ids) split ``split`` of ``ds.streaming_split(n)`` saw.
 
     The splits are consumed concurrently, one thread each, like ``n`` Train workers (a split's epoch waits

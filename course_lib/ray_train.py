@@ -17,6 +17,7 @@ The notebooks call the real Ray API (``@ray.remote``, ``ray.get``, ``TorchTraine
 * :class:`ReportLog` — a ``ray.train.UserCallback`` that keeps *every* ``ray.train.report`` (Train v2's
   ``Result.metrics_dataframe`` keeps only those reported with a checkpoint) and drives a progress line.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -26,17 +27,25 @@ import tempfile
 import uuid
 import warnings
 
-__all__ = ["ENV", "start", "stop", "run_config_kwargs", "check_resources", "ReportLog", "auto_use_gpu"]
+__all__ = [
+    "ENV",
+    "start",
+    "stop",
+    "run_config_kwargs",
+    "check_resources",
+    "ReportLog",
+    "auto_use_gpu",
+]
 
 # Environment for the driver and (through runtime_env) every Ray worker.
 ENV = {
-    "RAY_AUTH_MODE": "disabled",                  # local cluster, nothing to authenticate against
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",   # no cloud preemption on a laptop
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",   # notice a dead worker within a fraction of a second
+    "RAY_AUTH_MODE": "disabled",  # local cluster, nothing to authenticate against
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",  # no cloud preemption on a laptop
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",  # notice a dead worker within a fraction of a second
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "240",  # 60 s by default: too short for worker start-up on a busy laptop
-    "RAY_TRAIN_V2_ENABLED": "1",                  # Train v2 (the default in 2.60; v1 hangs on 2 CPUs here)
+    "RAY_TRAIN_V2_ENABLED": "1",  # Train v2 (the default in 2.60; v1 hangs on 2 CPUs here)
     "RAY_DEDUP_LOGS": "0",
-    "OMP_NUM_THREADS": "1",                       # one thread per worker: 2 workers × 2 threads on 2 cores is slow
+    "OMP_NUM_THREADS": "1",  # one thread per worker: 2 workers × 2 threads on 2 cores is slow
     "PYTHONWARNINGS": "ignore",
 }
 
@@ -67,11 +76,20 @@ def start(num_cpus: int = 2, **init_kwargs):
         raise ValueError(f"num_cpus must be an integer >= 1, got {num_cpus!r}")
     warnings.filterwarnings("ignore", module="ray")
     for attempt in range(3):
-        temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+        temp_dir = tempfile.mkdtemp(
+            prefix="ray", dir="/tmp"
+        )  # short: Ray's socket paths must stay < 108 bytes
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-                     configure_logging=True, logging_level="ERROR", runtime_env={"env_vars": dict(ENV)},
-                     **init_kwargs)
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                _temp_dir=temp_dir,
+                configure_logging=True,
+                logging_level="ERROR",
+                runtime_env={"env_vars": dict(ENV)},
+                **init_kwargs,
+            )
             break
         except Exception as exc:  # noqa: BLE001
             # On a busy machine Ray's agents can miss the raylet's fixed 15 s start-up wait (ray-project/ray#65983):
@@ -101,11 +119,18 @@ def run_config_kwargs(prefix: str = "run") -> dict:
     if "storage" not in _state:
         raise RuntimeError("call course_lib.ray_train.start() first")
     _state["runs"] += 1
-    return {"name": f"{prefix}-{_state['runs']}-{uuid.uuid4().hex[:6]}", "storage_path": _state["storage"]}
+    return {
+        "name": f"{prefix}-{_state['runs']}-{uuid.uuid4().hex[:6]}",
+        "storage_path": _state["storage"],
+    }
 
 
-def check_resources(num_workers: int, resources_per_worker: dict | None = None, use_gpu: bool = False,
-                    autoscaling: bool = False) -> None:
+def check_resources(
+    num_workers: int,
+    resources_per_worker: dict | None = None,
+    use_gpu: bool = False,
+    autoscaling: bool = False,
+) -> None:
     """Raise (or, on an autoscaling cluster, warn) if ``num_workers`` cannot all be placed.
 
     Ray does not fail on an impossible request: the workers stay *pending* and ``fit()`` waits forever.
@@ -123,9 +148,11 @@ def check_resources(num_workers: int, resources_per_worker: dict | None = None, 
     for resource, amount in per.items():
         need, avail = num_workers * amount, have.get(resource, 0.0)
         if need > avail + 1e-9:
-            msg = (f"num_workers={num_workers} × {amount:g} {resource} per worker = {need:g} {resource}, but this "
-                   f"Ray cluster has {avail:g} {resource}: the workers would wait for resources forever. Use fewer "
-                   f"workers, a smaller resources_per_worker={{'{resource}': ...}}, or a bigger cluster")
+            msg = (
+                f"num_workers={num_workers} × {amount:g} {resource} per worker = {need:g} {resource}, but this "
+                f"Ray cluster has {avail:g} {resource}: the workers would wait for resources forever. Use fewer "
+                f"workers, a smaller resources_per_worker={{'{resource}': ...}}, or a bigger cluster"
+            )
             if autoscaling:
                 warnings.warn(msg + " (an autoscaling cluster may add nodes)", stacklevel=2)
             else:
@@ -157,7 +184,9 @@ class ReportLog(_user_callback_base()):
     def after_exception(self, run_context, worker_exceptions):
         # Ray hands callbacks the worker's exception *without* its traceback (only fit()'s TrainingFailedError
         # carries the traceback text), so keep its type and message.
-        self._store.failed.remote({r: f"{type(e).__name__}: {e}" for r, e in worker_exceptions.items()})
+        self._store.failed.remote(
+            {r: f"{type(e).__name__}: {e}" for r, e in worker_exceptions.items()}
+        )
 
     def history(self) -> list[dict]:
         """Rank 0's reported metrics in order, each with ``"checkpoint": bool`` added."""
@@ -188,8 +217,12 @@ class ReportLog(_user_callback_base()):
                 if len(hist) > shown:
                     n = shown = len(hist)
                     bar = "#" * int(20 * min(n, total) / total) if total else ""
-                    print(f"\rreport {n}{'/' + str(total) if total else ''} [{bar:<20}] "
-                          f"{key}={hist[-1].get(key, 0):.4f}", end="", flush=True)
+                    print(
+                        f"\rreport {n}{'/' + str(total) if total else ''} [{bar:<20}] "
+                        f"{key}={hist[-1].get(key, 0):.4f}",
+                        end="",
+                        flush=True,
+                    )
 
         thread = threading.Thread(target=show, daemon=True)
         thread.start()

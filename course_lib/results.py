@@ -30,6 +30,7 @@ order than one device adds a full batch), so "equal" means equal up to what that
   (compression hooks, mixed precision): fp16 keeps 10 explicit mantissa bits (relative step 2⁻¹¹ ≈ 4.9e-4),
   bf16 keeps 7 (2⁻⁸ ≈ 3.9e-3); a few steps accumulate a few such roundings.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,21 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-__all__ = ["Tolerance", "EXACT", "REORDERED", "SGD", "ADAMW", "FP16", "BF16", "for_optimizer",
-           "max_abs_diff", "Row", "Result", "Measured", "FieldAccess"]
+__all__ = [
+    "Tolerance",
+    "EXACT",
+    "REORDERED",
+    "SGD",
+    "ADAMW",
+    "FP16",
+    "BF16",
+    "for_optimizer",
+    "max_abs_diff",
+    "Row",
+    "Result",
+    "Measured",
+    "FieldAccess",
+]
 
 
 @dataclass(frozen=True)
@@ -67,16 +81,26 @@ class Tolerance:
                 diff = (_tensor(g) - _tensor(w)).abs()
                 bound = self.atol + self.rtol * _tensor(w).abs()
                 where = f"[{key}]" if key is not None else ""
-                raise AssertionError(f"{msg + ': ' if msg else ''}{where} max|Δ| = {diff.max().item():.3e} "
-                                     f"exceeds {self} (worst bound there {bound.flatten()[diff.argmax()]:.3e})")
+                raise AssertionError(
+                    f"{msg + ': ' if msg else ''}{where} max|Δ| = {diff.max().item():.3e} "
+                    f"exceeds {self} (worst bound there {bound.flatten()[diff.argmax()]:.3e})"
+                )
 
 
 EXACT = Tolerance("exact", 0.0, 0.0, "same operations in the same order")
-REORDERED = Tolerance("reordered fp32 sums", 1e-6, 1e-7, "same computation, another order of fp32 additions")
+REORDERED = Tolerance(
+    "reordered fp32 sums", 1e-6, 1e-7, "same computation, another order of fp32 additions"
+)
 SGD = Tolerance("SGD", 1e-5, 1e-6, "linear update: reordering noise stays at fp32 rounding")
-ADAMW = Tolerance("AdamW", 1e-5, 5e-5, "Adam amplifies noise on ~0 gradients; eps=1e-6 bounds it (1.2e-5 seen)")
-FP16 = Tolerance("fp16 rounding", 1e-3, 1e-3, "10 explicit mantissa bits: 4.9e-4 relative per rounding")
-BF16 = Tolerance("bf16 rounding", 2e-2, 1e-2, "7 explicit mantissa bits: 3.9e-3 relative per rounding")
+ADAMW = Tolerance(
+    "AdamW", 1e-5, 5e-5, "Adam amplifies noise on ~0 gradients; eps=1e-6 bounds it (1.2e-5 seen)"
+)
+FP16 = Tolerance(
+    "fp16 rounding", 1e-3, 1e-3, "10 explicit mantissa bits: 4.9e-4 relative per rounding"
+)
+BF16 = Tolerance(
+    "bf16 rounding", 2e-2, 1e-2, "7 explicit mantissa bits: 3.9e-3 relative per rounding"
+)
 
 
 def for_optimizer(name: str) -> Tolerance:
@@ -117,7 +141,9 @@ def _close(got, want, tol: Tolerance) -> bool:
 
 def max_abs_diff(got, want) -> float:
     """max |got − want| over every element (dicts compared over the reference's keys)."""
-    return max(((_tensor(g) - _tensor(w)).abs().max().item() for g, w in _pairs(got, want)), default=0.0)
+    return max(
+        ((_tensor(g) - _tensor(w)).abs().max().item() for g, w in _pairs(got, want)), default=0.0
+    )
 
 
 # --------------------------------------------------------------------------- the result table
@@ -179,7 +205,9 @@ class Result:
         self.checked.append(row)
         return row
 
-    def condition(self, quantity: str, measured, ok: bool, rule: str, reference=None, against: str = "") -> Row:
+    def condition(
+        self, quantity: str, measured, ok: bool, rule: str, reference=None, against: str = ""
+    ) -> Row:
         """A row for a condition that is not a comparison with one value (``rule`` says what must hold)."""
         row = Row(quantity, measured, reference, against, rule, bool(ok))
         self.checked.append(row)
@@ -203,9 +231,21 @@ class Result:
     def table(self) -> str:
         """The rows as an aligned text table (what ``print(result)`` shows)."""
         head = ("quantity", "measured", "reference", "tolerance", "verdict")
-        body = [(r.quantity, _fmt(r.measured),
-                 " ".join(s for s in (_fmt(r.reference) if r.reference is not None else "", r.against) if s) or "—",
-                 r.tolerance, "PASS" if r.verdict else "FAIL") for r in self.checks()]
+        body = [
+            (
+                r.quantity,
+                _fmt(r.measured),
+                " ".join(
+                    s
+                    for s in (_fmt(r.reference) if r.reference is not None else "", r.against)
+                    if s
+                )
+                or "—",
+                r.tolerance,
+                "PASS" if r.verdict else "FAIL",
+            )
+            for r in self.checks()
+        ]
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(5)]
         lines = [self.title] if self.title else []
         lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
@@ -223,9 +263,14 @@ class Result:
         """Raise ``AssertionError`` listing every failed row."""
         bad = self.failures()
         if bad:
-            raise AssertionError("failed checks:\n" + "\n".join(
-                f"  {r.quantity}: measured {_fmt(r.measured)}, reference {_fmt(r.reference)} {r.against}, "
-                f"{r.tolerance}" for r in bad))
+            raise AssertionError(
+                "failed checks:\n"
+                + "\n".join(
+                    f"  {r.quantity}: measured {_fmt(r.measured)}, reference {_fmt(r.reference)} {r.against}, "
+                    f"{r.tolerance}"
+                    for r in bad
+                )
+            )
 
     def as_dict(self) -> dict:
         from dataclasses import asdict

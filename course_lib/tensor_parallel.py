@@ -48,6 +48,7 @@ Read top to bottom:
    ``parallelize_module`` plan for the GPT, :func:`parallelize_gpt` applies it to a "tp" mesh, and
    :func:`dtensor_sequence_parallel_plan` is the sequence-parallel plan for the GPT's blocks.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,11 +60,27 @@ import torch.nn.functional as F
 
 from . import comm
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_last_dim", "split_last_dim", "gather_sequence", "scatter_sequence",
-           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "qkv_rows", "parallelize_mlp", "parallelize_attention", "TensorParallelGPT", "tensor_parallel_gpt",
-           "allreduce_sequence_parallel_grads", "dtensor_plan", "parallelize_gpt",
-           "dtensor_sequence_parallel_plan"]
+__all__ = [
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_last_dim",
+    "split_last_dim",
+    "gather_sequence",
+    "scatter_sequence",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "qkv_rows",
+    "parallelize_mlp",
+    "parallelize_attention",
+    "TensorParallelGPT",
+    "tensor_parallel_gpt",
+    "allreduce_sequence_parallel_grads",
+    "dtensor_plan",
+    "parallelize_gpt",
+    "dtensor_sequence_parallel_plan",
+]
 
 
 def _size_rank(group) -> tuple[int, int]:
@@ -72,8 +89,10 @@ def _size_rank(group) -> tuple[int, int]:
 
 def _divisible(what: str, n: int, t: int) -> None:
     if n % t:
-        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size t={t}: tensor parallelism "
-                         f"splits it into t equal parts")
+        raise ValueError(
+            f"{what}={n} is not divisible by the tensor-parallel size t={t}: tensor parallelism "
+            f"splits it into t equal parts"
+        )
 
 
 # =========================================================================== 1. communication pieces
@@ -112,11 +131,14 @@ def _my_block(x, dim, group):
     return x.chunk(t, dim=dim)[r].contiguous()
 
 
-_OPS = {"identity": _identity, "all_reduce": _all_reduce,
-        "all_gather_last": lambda x, g, tag: _all_gather_dim(x, -1, g, tag),
-        "my_block_last": lambda x, g, tag: _my_block(x, -1, g),
-        "all_gather_seq": lambda x, g, tag: _all_gather_dim(x, 1, g, tag),
-        "reduce_scatter_seq": lambda x, g, tag: _reduce_scatter_dim(x, 1, g, tag)}
+_OPS = {
+    "identity": _identity,
+    "all_reduce": _all_reduce,
+    "all_gather_last": lambda x, g, tag: _all_gather_dim(x, -1, g, tag),
+    "my_block_last": lambda x, g, tag: _my_block(x, -1, g),
+    "all_gather_seq": lambda x, g, tag: _all_gather_dim(x, 1, g, tag),
+    "reduce_scatter_seq": lambda x, g, tag: _reduce_scatter_dim(x, 1, g, tag),
+}
 
 
 class _Comm(torch.autograd.Function):
@@ -172,14 +194,26 @@ class ColumnParallelLinear(nn.Module):
     this rank's s/t positions, all-gathered along s in forward (reduce-scattered in backward).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 process_group=None, sequence_parallel: bool = False, tag: str = "tp"):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        process_group=None,
+        sequence_parallel: bool = False,
+        tag: str = "tp",
+    ):
         super().__init__()
         t, _ = _size_rank(process_group)
         _divisible("out_features", out_features, t)
         self.in_features, self.out_features, self.tp_size = in_features, out_features, t
         self.gather_output, self.process_group, self.sequence_parallel, self.tag = (
-            gather_output, process_group, sequence_parallel, tag)
+            gather_output,
+            process_group,
+            sequence_parallel,
+            tag,
+        )
         self.copy_input = True
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features // t)) if bias else None
@@ -192,8 +226,13 @@ class ColumnParallelLinear(nn.Module):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
         t, r = _size_rank(process_group)
         _divisible(f"out_features of {tuple(linear.weight.shape)} weight", linear.out_features, t)
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, process_group=process_group,
-                **kwargs).to(linear.weight.device, linear.weight.dtype)
+        m = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            process_group=process_group,
+            **kwargs,
+        ).to(linear.weight.device, linear.weight.dtype)
         with torch.no_grad():
             m.weight.copy_(linear.weight.chunk(t, 0)[r])
             if linear.bias is not None:
@@ -203,7 +242,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_sequence(x, self.process_group, self.tag)
-        elif self.copy_input:  # False only when the caller already gathered the sequence (attention under SP)
+        elif (
+            self.copy_input
+        ):  # False only when the caller already gathered the sequence (attention under SP)
             x = copy_to_tp(x, self.process_group, self.tag)  # f
         y = F.linear(x, self.weight, self.bias)
         return gather_last_dim(y, self.process_group, self.tag) if self.gather_output else y
@@ -221,14 +262,26 @@ class RowParallelLinear(nn.Module):
     added **once**, after the sum (added before it, the all-reduce would add it t times).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 process_group=None, sequence_parallel: bool = False, tag: str = "tp"):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        process_group=None,
+        sequence_parallel: bool = False,
+        tag: str = "tp",
+    ):
         super().__init__()
         t, _ = _size_rank(process_group)
         _divisible("in_features", in_features, t)
         self.in_features, self.out_features, self.tp_size = in_features, out_features, t
         self.input_is_parallel, self.process_group, self.sequence_parallel, self.tag = (
-            input_is_parallel, process_group, sequence_parallel, tag)
+            input_is_parallel,
+            process_group,
+            sequence_parallel,
+            tag,
+        )
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -242,8 +295,13 @@ class RowParallelLinear(nn.Module):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
         t, r = _size_rank(process_group)
         _divisible(f"in_features of {tuple(linear.weight.shape)} weight", linear.in_features, t)
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, process_group=process_group,
-                **kwargs).to(linear.weight.device, linear.weight.dtype)
+        m = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            process_group=process_group,
+            **kwargs,
+        ).to(linear.weight.device, linear.weight.dtype)
         with torch.no_grad():
             m.weight.copy_(linear.weight.chunk(t, 1)[r])
             if linear.bias is not None:
@@ -267,7 +325,9 @@ class RowParallelLinear(nn.Module):
 # =========================================================================== 3. MLP and attention
 
 
-def parallelize_mlp(mlp: nn.Module, process_group=None, sequence_parallel: bool = False) -> nn.Module:
+def parallelize_mlp(
+    mlp: nn.Module, process_group=None, sequence_parallel: bool = False
+) -> nn.Module:
     """In place: ``c_fc`` column-parallel, ``c_proj`` row-parallel; GELU stays local. Returns ``mlp``."""
     kw = dict(process_group=process_group, sequence_parallel=sequence_parallel)
     mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, **kw)
@@ -280,10 +340,15 @@ def qkv_rows(n_head: int, head_dim: int, tp_size: int, rank: int) -> dict[str, l
     _divisible("n_head", n_head, tp_size)
     per = n_head // tp_size
     heads = range(rank * per, (rank + 1) * per)
-    return {w: [(3 * h + j) * head_dim + d for h in heads for d in range(head_dim)] for j, w in enumerate("qkv")}
+    return {
+        w: [(3 * h + j) * head_dim + d for h in heads for d in range(head_dim)]
+        for j, w in enumerate("qkv")
+    }
 
 
-def parallelize_attention(attn: nn.Module, n_head: int, process_group=None, sequence_parallel: bool = False):
+def parallelize_attention(
+    attn: nn.Module, n_head: int, process_group=None, sequence_parallel: bool = False
+):
     """In place: q/k/v (``c_attn``) column-parallel *by heads*, ``c_proj`` row-parallel. Returns ``attn``.
 
     Each rank gets ``n_head / t`` whole heads; the attention forward reads its head count off the
@@ -293,21 +358,29 @@ def parallelize_attention(attn: nn.Module, n_head: int, process_group=None, sequ
     _divisible("n_head", n_head, t)
     h = attn.c_proj.in_features
     if tuple(attn.c_attn.weight.shape) != (3 * h, h):
-        raise ValueError(f"c_attn.weight has shape {tuple(attn.c_attn.weight.shape)}, expected (3h, h) = "
-                         f"({3 * h}, {h}): a fused q, k, v projection")
+        raise ValueError(
+            f"c_attn.weight has shape {tuple(attn.c_attn.weight.shape)}, expected (3h, h) = "
+            f"({3 * h}, {h}): a fused q, k, v projection"
+        )
     rows = qkv_rows(n_head, h // n_head, t, r)
     kw = dict(process_group=process_group, sequence_parallel=sequence_parallel)
     col = ColumnParallelLinear.from_linear(attn.c_attn, **kw)
-    with torch.no_grad():  # by heads: the rows of q, k and v of this rank's heads, in the layout's order
+    with (
+        torch.no_grad()
+    ):  # by heads: the rows of q, k and v of this rank's heads, in the layout's order
         idx = sorted(rows["q"] + rows["k"] + rows["v"])
         col.weight.copy_(attn.c_attn.weight[idx])
         if col.bias is not None:
             col.bias.copy_(attn.c_attn.bias[idx])
     attn.c_attn = col
     attn.c_proj = RowParallelLinear.from_linear(attn.c_proj, **kw)
-    if sequence_parallel:  # attention needs all s positions (it reads T off its input): gather before it
+    if (
+        sequence_parallel
+    ):  # attention needs all s positions (it reads T off its input): gather before it
         col.sequence_parallel, col.copy_input = False, False
-        attn.register_forward_pre_hook(lambda m, args: (gather_sequence(args[0], process_group, col.tag),))
+        attn.register_forward_pre_hook(
+            lambda m, args: (gather_sequence(args[0], process_group, col.tag),)
+        )
     return attn
 
 
@@ -317,8 +390,14 @@ def parallelize_attention(attn: nn.Module, n_head: int, process_group=None, sequ
 class VocabParallelEmbedding(nn.Module):
     """Rows ``[r·V/t, (r+1)·V/t)`` of the token table; tokens outside give 0, then g sums the ranks' rows."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, process_group=None, sequence_parallel: bool = False,
-                 tag: str = "embed"):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        process_group=None,
+        sequence_parallel: bool = False,
+        tag: str = "embed",
+    ):
         super().__init__()
         t, r = _size_rank(process_group)
         _divisible("vocab_size", num_embeddings, t)
@@ -328,9 +407,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.randn(num_embeddings // t, embedding_dim))
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, process_group=None, **kwargs) -> "VocabParallelEmbedding":
+    def from_embedding(
+        cls, emb: nn.Embedding, process_group=None, **kwargs
+    ) -> "VocabParallelEmbedding":
         t, r = _size_rank(process_group)
-        m = cls(emb.num_embeddings, emb.embedding_dim, process_group, **kwargs).to(emb.weight.device)
+        m = cls(emb.num_embeddings, emb.embedding_dim, process_group, **kwargs).to(
+            emb.weight.device
+        )
         with torch.no_grad():
             m.weight.copy_(emb.weight.chunk(t, 0)[r])
         return m
@@ -371,8 +454,9 @@ class _VocabParallelCE(torch.autograd.Function):
         return g * (grad / local.numel()), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, process_group=None,
-                                 tag: str = "loss") -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, process_group=None, tag: str = "loss"
+) -> torch.Tensor:
     """Mean cross-entropy of logits split along V (this rank: columns ``[r·V/t, (r+1)·V/t)``), never gathered."""
     return _VocabParallelCE.apply(logits, targets, process_group, tag)
 
@@ -391,12 +475,21 @@ class TensorParallelGPT(nn.Module):
         super().__init__()
         c = gpt.config
         t, _ = _size_rank(process_group)
-        for what, n in (("n_head", c.n_head), ("d_model", c.d_model), ("MLP hidden size", c.mlp_ratio * c.d_model),
-                        ("vocab_size", c.vocab_size)):
+        for what, n in (
+            ("n_head", c.n_head),
+            ("d_model", c.d_model),
+            ("MLP hidden size", c.mlp_ratio * c.d_model),
+            ("vocab_size", c.vocab_size),
+        ):
             _divisible(what, n, t)
         if sequence_parallel:
             _divisible("block_size (sequence parallelism splits the sequence)", c.block_size, t)
-        self.config, self.process_group, self.sequence_parallel, self.tp_size = c, process_group, sequence_parallel, t
+        self.config, self.process_group, self.sequence_parallel, self.tp_size = (
+            c,
+            process_group,
+            sequence_parallel,
+            t,
+        )
         kw = dict(process_group=process_group, sequence_parallel=sequence_parallel)
         self.wte = VocabParallelEmbedding.from_embedding(gpt.wte, **kw)
         self.wpe, self.drop, self.blocks, self.ln_f = gpt.wpe, gpt.drop, gpt.blocks, gpt.ln_f
@@ -404,10 +497,14 @@ class TensorParallelGPT(nn.Module):
             parallelize_attention(block.attn, c.n_head, **kw)
             parallelize_mlp(block.mlp, **kw)
         self.lm_head = ColumnParallelLinear.from_linear(gpt.lm_head, tag="head", **kw)
-        if c.tie_weights:  # both split the V rows of the same (V, h) table: the tie survives as one shard
+        if (
+            c.tie_weights
+        ):  # both split the V rows of the same (V, h) table: the tie survives as one shard
             self.lm_head.weight = self.wte.weight
         if sequence_parallel:  # used on s/t positions: partial gradients, summed over the TP group
-            for p in [self.wpe.weight] + [p for n, p in self.named_parameters() if ".ln_" in n or n.startswith("ln_")]:
+            for p in [self.wpe.weight] + [
+                p for n, p in self.named_parameters() if ".ln_" in n or n.startswith("ln_")
+            ]:
                 p.sequence_parallel = True
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
@@ -417,18 +514,28 @@ class TensorParallelGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V/t)
-        loss = None if targets is None else vocab_parallel_cross_entropy(logits, targets, self.process_group)
+        loss = (
+            None
+            if targets is None
+            else vocab_parallel_cross_entropy(logits, targets, self.process_group)
+        )
         return logits, loss
 
 
-def tensor_parallel_gpt(gpt: nn.Module, process_group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
+def tensor_parallel_gpt(
+    gpt: nn.Module, process_group=None, sequence_parallel: bool = False
+) -> TensorParallelGPT:
     """The TP form of ``gpt`` on ``process_group``, sliced from its full weights (``gpt`` is consumed)."""
     return TensorParallelGPT(gpt, process_group, sequence_parallel)
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, process_group=None) -> int:
     """Σ over the TP group of the gradients of parameters marked ``sequence_parallel``; returns how many."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [
+        p.grad
+        for p in model.parameters()
+        if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, group=process_group, tag="sp_grad")
@@ -450,11 +557,19 @@ def dtensor_plan(n_layer: int, loss_parallel: bool = True) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=not loss_parallel)}
+    plan = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=not loss_parallel),
+    }
     for i in range(n_layer):
-        plan.update({f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
-                     f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()})
+        plan.update(
+            {
+                f"blocks.{i}.attn.c_attn": ColwiseParallel(),
+                f"blocks.{i}.attn.c_proj": RowwiseParallel(),
+                f"blocks.{i}.mlp.c_fc": ColwiseParallel(),
+                f"blocks.{i}.mlp.c_proj": RowwiseParallel(),
+            }
+        )
     return plan
 
 
@@ -463,8 +578,10 @@ def parallelize_gpt(gpt: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.M
     from torch.distributed.tensor.parallel import parallelize_module
 
     if gpt.lm_head.weight is gpt.wte.weight:
-        raise ValueError("tied embedding and head: parallelize_module re-wraps the second module's parameter and "
-                         "silently unties them; use an untied config (parallel_config) or re-tie after it")
+        raise ValueError(
+            "tied embedding and head: parallelize_module re-wraps the second module's parameter and "
+            "silently unties them; use an untied config (parallel_config) or re-tie after it"
+        )
     return parallelize_module(gpt, tp_mesh, dtensor_plan(gpt.config.n_layer, loss_parallel))
 
 
@@ -476,14 +593,26 @@ def dtensor_sequence_parallel_plan(n_layer: int) -> dict:
     the row-parallel outputs are reduce-scattered back to ``Shard(1)``.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan = {}
     for i in range(n_layer):
-        plan.update({f"{i}.ln_1": SequenceParallel(), f"{i}.ln_2": SequenceParallel(), f"{i}.attn": gather,
-                     f"{i}.mlp": gather, f"{i}.attn.c_attn": ColwiseParallel(), f"{i}.mlp.c_fc": ColwiseParallel(),
-                     f"{i}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
-                     f"{i}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))})
+        plan.update(
+            {
+                f"{i}.ln_1": SequenceParallel(),
+                f"{i}.ln_2": SequenceParallel(),
+                f"{i}.attn": gather,
+                f"{i}.mlp": gather,
+                f"{i}.attn.c_attn": ColwiseParallel(),
+                f"{i}.mlp.c_fc": ColwiseParallel(),
+                f"{i}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+                f"{i}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
     return plan

@@ -1,4 +1,5 @@
 """The single-device training loop every chapter compares against (nanoGPT-style, one screen)."""
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,15 @@ from .models import GPT, GPTConfig
 __all__ = ["train_single_device"]
 
 
-def train_single_device(config: GPTConfig, steps: int = 200, batch_size: int = 32, lr: float = 3e-3,
-                        seed: int = 0, progress: bool = True, device=None) -> dict:
+def train_single_device(
+    config: GPTConfig,
+    steps: int = 200,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    progress: bool = True,
+    device=None,
+) -> dict:
     """Train ``GPT(config)`` with AdamW on the synthetic counter task; return the history.
 
     Returns ``{"model", "optimizer", "loss": [per step], "tokens_per_s", "seconds"}``.
@@ -40,8 +48,13 @@ def train_single_device(config: GPTConfig, steps: int = 200, batch_size: int = 3
         x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed + i)
         losses.append(train_step(model, opt, x.to(dev), y.to(dev)))
     seconds = time.perf_counter() - t0
-    return {"model": model, "optimizer": opt, "loss": losses, "seconds": seconds,
-            "tokens_per_s": steps * batch_size * config.block_size / seconds}
+    return {
+        "model": model,
+        "optimizer": opt,
+        "loss": losses,
+        "seconds": seconds,
+        "tokens_per_s": steps * batch_size * config.block_size / seconds,
+    }
 
 
 def matmul_peak_flops(n: int = 512, repeats: int = 5, threads: int | None = None) -> dict:
@@ -68,8 +81,13 @@ def matmul_peak_flops(n: int = 512, repeats: int = 5, threads: int | None = None
                 k += 1
             rates.append(2 * n**3 * k / (time.perf_counter() - t0))
         rates.sort()
-        return {"flops_per_s": rates[len(rates) // 2], "lo": rates[0], "hi": rates[-1], "n": n,
-                "threads": torch.get_num_threads()}
+        return {
+            "flops_per_s": rates[len(rates) // 2],
+            "lo": rates[0],
+            "hi": rates[-1],
+            "n": n,
+            "threads": torch.get_num_threads(),
+        }
     finally:
         torch.set_num_threads(old)
 
@@ -84,17 +102,23 @@ def check_global_batch(global_batch: int, world_size: int, micro_batches: int = 
     """Raise if the global batch does not split into ``world_size × micro_batches`` equal pieces."""
     if global_batch % (world_size * micro_batches):
         what = "world_size" if micro_batches == 1 else "world_size × micro_batches"
-        raise ValueError(f"global_batch={global_batch} is not divisible by {what} = {world_size * micro_batches}")
+        raise ValueError(
+            f"global_batch={global_batch} is not divisible by {what} = {world_size * micro_batches}"
+        )
 
 
-def step_batch(step: int, config: GPTConfig, batch_size: int, dev=None) -> tuple[torch.Tensor, torch.Tensor]:
+def step_batch(
+    step: int, config: GPTConfig, batch_size: int, dev=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s batch of ``batch_size`` sequences: the same on every rank (seeded by the step)."""
     x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=step)
     dev = default_device() if dev is None else dev
     return x.to(dev), y.to(dev)
 
 
-def shard_batch(x: torch.Tensor, y: torch.Tensor, rank: int | None = None, world_size: int | None = None):
+def shard_batch(
+    x: torch.Tensor, y: torch.Tensor, rank: int | None = None, world_size: int | None = None
+):
     """Rank ``rank``'s ``1/N`` of a global batch (default: this rank in the default group)."""
     rank = dist.get_rank() if rank is None else rank
     world_size = dist.get_world_size() if world_size is None else world_size
@@ -116,8 +140,17 @@ def train_step(model, optimizer, x, y, after_backward: Callable[[], None] | None
     return loss.item()
 
 
-def reference_run(config: GPTConfig, steps: int, batch_size: int, optimizer: str = "adamw", *, seed: int = 0,
-                  max_norm: float | None = None, dev=None, **optimizer_overrides):
+def reference_run(
+    config: GPTConfig,
+    steps: int,
+    batch_size: int,
+    optimizer: str = "adamw",
+    *,
+    seed: int = 0,
+    max_norm: float | None = None,
+    dev=None,
+    **optimizer_overrides,
+):
     """One device trained on the *full* batches ``step_batch(0 … steps−1)``: what every technique must equal.
 
     Returns ``(model, losses, grad_norms)`` (``grad_norms`` only with ``max_norm``: the norm that
@@ -129,9 +162,13 @@ def reference_run(config: GPTConfig, steps: int, batch_size: int, optimizer: str
     losses, norms = [], []
     clip = None
     if max_norm is not None:
-        clip = lambda: norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())  # noqa: E731
+        clip = lambda: norms.append(
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        )  # noqa: E731
     for step in range(steps):
-        losses.append(train_step(model, opt, *step_batch(step, config, batch_size, dev), after_backward=clip))
+        losses.append(
+            train_step(model, opt, *step_batch(step, config, batch_size, dev), after_backward=clip)
+        )
     return model, losses, norms
 
 

@@ -40,6 +40,7 @@ Every rank issues the same collectives in the same order whatever gradients it h
 ``grad_buckets.py``, shared with DDP): a parameter with no gradient on *any* rank keeps
 ``.grad = None`` and is not stepped, exactly as a single-device optimizer skips it.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,7 +73,9 @@ class _Bucket:
     start: int
     numel: int
     chunk: int  # = numel // N, this rank's share
-    grad_offset: int = 0  # stage 2: where this bucket's chunk sits in the group's partition gradient
+    grad_offset: int = (
+        0  # stage 2: where this bucket's chunk sits in the group's partition gradient
+    )
 
 
 @dataclass(eq=False)
@@ -128,22 +131,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
     gradient; in stage 2 ``p.grad`` is None (the gradient lives in the partition).
     """
 
-    def __init__(self, params, optimizer_cls, stage: int = 1, process_group=None, *,
-                 bucket_cap_mb: float | None = 25.0, **kwargs):
+    def __init__(
+        self,
+        params,
+        optimizer_cls,
+        stage: int = 1,
+        process_group=None,
+        *,
+        bucket_cap_mb: float | None = 25.0,
+        **kwargs,
+    ):
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage={stage!r} is not one of 1, 2 (use Zero3 for stage 3)")
         check_optimizer_cls(optimizer_cls)
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be None (one bucket per param group) or > 0, got {bucket_cap_mb!r}")
+            raise ValueError(
+                f"bucket_cap_mb must be None (one bucket per param group) or > 0, got {bucket_cap_mb!r}"
+            )
         groups = self._param_groups(params)
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
         check_fp32([(f"parameter {i}", p) for i, p in enumerate(self.params)], "ZeroOptimizer")
         self.device = check_same_device(self.params, "ZeroOptimizer")
         wrapper = reducer_of(self.params)
         if wrapper is not None:
-            raise ValueError(f"these parameters belong to a module wrapped by {wrapper}, which already reduces "
-                             f"gradients; ZeroOptimizer does its own reduce-scatter — pass the plain module's "
-                             f"parameters (e.g. ddp_model.module.parameters()) and do not wrap it")
+            raise ValueError(
+                f"these parameters belong to a module wrapped by {wrapper}, which already reduces "
+                f"gradients; ZeroOptimizer does its own reduce-scatter — pass the plain module's "
+                f"parameters (e.g. ddp_model.module.parameters()) and do not wrap it"
+            )
         self.stage = stage
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -156,7 +171,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.buckets: list[_Bucket] = []
         for gi, group in enumerate(groups):
             self.flat_params.append(self._flatten_group(gi, group["params"], cap))
-        self._offset_of = {p: off for b in self.buckets for p, off in zip(b.params, b.offsets)}  # p → flat offset
+        self._offset_of = {
+            p: off for b in self.buckets for p, off in zip(b.params, b.offsets)
+        }  # p → flat offset
 
         # 2. This rank's partition, as one segment Parameter per (parameter ∩ owned slice),
         #    and a real torch optimizer over them: optimizer state for the partition only.
@@ -177,25 +194,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #    Stage 2: only this rank's partition of the gradient (Σ chunks of its buckets).
         if stage == 1:
             self.flat_grads = [torch.zeros_like(f) for f in self.flat_params]
-            self._grad_slot = {p: self.flat_grads[b.group][off:off + p.numel()].view_as(p)
-                               for b in self.buckets for p, off in zip(b.params, b.offsets)}
+            self._grad_slot = {
+                p: self.flat_grads[b.group][off : off + p.numel()].view_as(p)
+                for b in self.buckets
+                for p, off in zip(b.params, b.offsets)
+            }
         else:
             sizes = [0] * len(groups)
             for b in self.buckets:
                 b.grad_offset = sizes[b.group]
                 sizes[b.group] += b.chunk
             self.partition_grads = [torch.zeros(n, device=self.device) for n in sizes]
-        self._used = torch.zeros(len(self.params), dtype=torch.uint8, device=self.device)  # used on any rank
+        self._used = torch.zeros(
+            len(self.params), dtype=torch.uint8, device=self.device
+        )  # used on any rank
         self._reduced = False  # stage 1: gradients of this step already reduce-scattered
-        self._staging: dict[int, torch.Tensor] = {}  # stage 2: bucket → full-size gradient, until reduced
+        self._staging: dict[
+            int, torch.Tensor
+        ] = {}  # stage 2: bucket → full-size gradient, until reduced
         self._inflight: list = []
         if stage == 1:
             for p in self.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._accumulate_flat)
         else:  # reduce-scatter bucket by bucket during backward, in bucket order (grad_buckets.py)
-            self._grad_buckets = GradBuckets([b.params for b in self.buckets], self._copy_in, self._launch,
-                                             self._finish_backward, process_group=process_group)
+            self._grad_buckets = GradBuckets(
+                [b.params for b in self.buckets],
+                self._copy_in,
+                self._launch,
+                self._finish_backward,
+                process_group=process_group,
+            )
         mark_reduced_by(self.params, "another ZeroOptimizer")
 
     # ------------------------------------------------------------------ construction helpers
@@ -203,12 +232,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _param_groups(params) -> list[dict]:
         if isinstance(params, torch.Tensor):
-            raise TypeError("params must be an iterable of Parameters or of param-group dicts, got a single tensor")
+            raise TypeError(
+                "params must be an iterable of Parameters or of param-group dicts, got a single tensor"
+            )
         items = list(params)
         if not items:
             raise ValueError("ZeroOptimizer got an empty parameter list")
-        groups = [dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
-                  if isinstance(g, dict) else None for g in items]
+        groups = [
+            dict(
+                g,
+                params=[g["params"]]
+                if isinstance(g["params"], torch.Tensor)
+                else list(g["params"]),
+            )
+            if isinstance(g, dict)
+            else None
+            for g in items
+        ]
         if any(g is None for g in groups):
             if not all(isinstance(p, torch.Tensor) for p in items):
                 raise TypeError("params must be all tensors or all param-group dicts")
@@ -217,10 +257,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in groups:
             for p in g["params"]:
                 if not isinstance(p, torch.Tensor) or not p.is_leaf:
-                    raise TypeError(f"every parameter must be a leaf tensor (nn.Parameter), got {type(p).__name__}")
+                    raise TypeError(
+                        f"every parameter must be a leaf tensor (nn.Parameter), got {type(p).__name__}"
+                    )
                 if id(p) in seen:
-                    raise ValueError("a parameter appears twice; pass each (tied) parameter once, "
-                                     "as model.parameters() does")
+                    raise ValueError(
+                        "a parameter appears twice; pass each (tied) parameter once, "
+                        "as model.parameters() does"
+                    )
                 seen.add(id(p))
         return groups
 
@@ -241,13 +285,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         flat = torch.zeros(start, dtype=torch.float32, device=self.device)
         for b in layout:
             for p, off in zip(b.params, b.offsets):
-                flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
         # Every rank starts from rank 0's weights: the partitions only fit together if they agree.
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         comm.broadcast(flat, src=src, group=self.process_group, tag="init")
         for b in layout:
             for p, off in zip(b.params, b.offsets):
-                p.data = flat[off:off + p.numel()].view_as(p)  # the Parameter now lives in the flat buffer
+                p.data = flat[off : off + p.numel()].view_as(
+                    p
+                )  # the Parameter now lives in the flat buffer
         self.buckets.extend(layout)
         return flat
 
@@ -270,7 +316,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage == 1:
             lo, hi = self._owned_range(b)
             return self.flat_grads[b.group][lo:hi]
-        return self.partition_grads[b.group][b.grad_offset:b.grad_offset + b.chunk]
+        return self.partition_grads[b.group][b.grad_offset : b.grad_offset + b.chunk]
 
     # ------------------------------------------------------------------ during backward
 
@@ -292,7 +338,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Stage 2: ``p.grad`` is final — copy it into bucket i's staging buffer and drop the full gradient."""
         b = self.buckets[i]
         off = self._offset_of[p] - b.start
-        self._staging_of(i)[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        self._staging_of(i)[off : off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None  # ZeRO-2: the full gradient is not kept
 
     def _launch(self, i: int, missing: list) -> None:
@@ -305,7 +351,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if staging is None:
             staging = torch.zeros(b.numel, device=self.device)
         out = torch.empty(b.chunk, device=self.device)
-        work = comm.reduce_scatter(out, staging, group=self.process_group, async_op=True, tag="grad")
+        work = comm.reduce_scatter(
+            out, staging, group=self.process_group, async_op=True, tag="grad"
+        )
         self._inflight.append((b, work, out, staging))  # staging must live until the work is done
 
     def _finish_backward(self, used_anywhere: dict, t_end_compute: float) -> None:
@@ -315,7 +363,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._used[self._index_of[p]] = 1
         for b, work, out, _staging in self._inflight:
             work.wait()
-            self._owned_grad(b).add_(out.div_(self.world_size))  # sum/N = average; += for accumulation
+            self._owned_grad(b).add_(
+                out.div_(self.world_size)
+            )  # sum/N = average; += for accumulation
         self._inflight = []
 
     # ------------------------------------------------------------------ stage 1: reduce after backward
@@ -333,9 +383,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 used[i] = 1
         works = []
         for b in self.buckets:
-            full = self.flat_grads[b.group][b.start:b.start + b.numel]
-            works.append(comm.reduce_scatter(self._owned_grad(b), full, group=self.process_group,
-                                             async_op=True, tag="grad"))  # in place: output is a slice of input
+            full = self.flat_grads[b.group][b.start : b.start + b.numel]
+            works.append(
+                comm.reduce_scatter(
+                    self._owned_grad(b), full, group=self.process_group, async_op=True, tag="grad"
+                )
+            )  # in place: output is a slice of input
         comm.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, tag="used")
         self._used |= used
         for b, work in zip(self.buckets, works):
@@ -366,7 +419,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             comm.all_reduce(local, group=self.process_group, tag="norm")
             total = local.sqrt()
         else:
-            local = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in owned]).max()
+            local = torch.stack(
+                [g.abs().max() if g.numel() else g.new_zeros(()) for g in owned]
+            ).max()
             comm.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group, tag="norm")
             total = local
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -378,22 +433,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure=None) -> None:
         """Reduce-scatter (stage 1), step this rank's partition, all-gather the new parameters."""
         if closure is not None:
-            raise ValueError("ZeroOptimizer.step does not take a closure (element-wise optimizers don't need one)")
+            raise ValueError(
+                "ZeroOptimizer.step does not take a closure (element-wise optimizers don't need one)"
+            )
         if self.stage == 1:
             self._reduce_gradients()
         used = self._used.tolist()
-        for s in self.segments:  # a parameter without a gradient on any rank is skipped, as on one device
+        for s in (
+            self.segments
+        ):  # a parameter without a gradient on any rank is skipped, as on one device
             if used[s.index]:
                 own_lo, _ = self._owned_range(s.bucket)
-                s.param.grad = self._owned_grad(s.bucket)[s.lo - own_lo:s.hi - own_lo]
+                s.param.grad = self._owned_grad(s.bucket)[s.lo - own_lo : s.hi - own_lo]
             else:
                 s.param.grad = None
         self.optimizer.step()
         for b in self.buckets:  # in place: this rank's slice is the input, the bucket the output
             own_lo, own_hi = self._owned_range(b)
             flat = self.flat_params[b.group]
-            comm.all_gather(flat[b.start:b.start + b.numel], flat[own_lo:own_hi], group=self.process_group,
-                            tag="param")
+            comm.all_gather(
+                flat[b.start : b.start + b.numel],
+                flat[own_lo:own_hi],
+                group=self.process_group,
+                tag="param",
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's gradients (the flat buffers stay allocated; ``p.grad`` become None)."""
@@ -419,14 +482,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Every partition's optimizer state (collective: call on all ranks; each gets the whole dict)."""
         every = [None] * self.world_size
         dist.all_gather_object(every, self.optimizer.state_dict(), group=self.process_group)
-        return {"stage": self.stage, "world_size": self.world_size, "layout": self._layout(), "partitions": every}
+        return {
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "layout": self._layout(),
+            "partitions": every,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load this rank's partition from :meth:`state_dict` (same world size and bucket layout)."""
-        if state_dict.get("world_size") != self.world_size or state_dict.get("layout") != self._layout():
-            raise ValueError(f"this ZeroOptimizer state was saved with world_size={state_dict.get('world_size')} "
-                             f"and another bucket layout; it loads only into the same model, world size and "
-                             f"bucket_cap_mb (here world_size={self.world_size})")
+        if (
+            state_dict.get("world_size") != self.world_size
+            or state_dict.get("layout") != self._layout()
+        ):
+            raise ValueError(
+                f"this ZeroOptimizer state was saved with world_size={state_dict.get('world_size')} "
+                f"and another bucket layout; it loads only into the same model, world size and "
+                f"bucket_cap_mb (here world_size={self.world_size})"
+            )
         self.optimizer.load_state_dict(state_dict["partitions"][self.rank])
 
     # ------------------------------------------------------------------ accounting

@@ -28,6 +28,7 @@ What is gathered together — the *unit* — is the engineering knob (``Zero3(..
 * :class:`_GatherUnit` — ZeRO-3 in one autograd piece: all-gather forward, reduce-scatter backward.
 * :class:`_RegatherBeforeBackward` — re-gathers a unit's weights before its backward runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -118,7 +119,9 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, use: _Use, zero3: "Zero3", *shards):
         ctx.use, ctx.zero3 = use, zero3
-        ctx.set_materialize_grads(False)  # a parameter this rank did not use: None, not a zero tensor
+        ctx.set_materialize_grads(
+            False
+        )  # a parameter this rank did not use: None, not a zero tensor
         return zero3.gather(use)
 
     @staticmethod
@@ -215,25 +218,41 @@ class Zero3(nn.Module):
     also load into a plain model or into a ``Zero3`` at another world size.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, process_group=None, *,
-                 unit: str = "block", units=None, prefetch: bool | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        process_group=None,
+        *,
+        unit: str = "block",
+        units=None,
+        prefetch: bool | None = None,
+    ):
         super().__init__()
         if compute_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"compute_dtype={compute_dtype!r} must be None, torch.float32, torch.bfloat16 "
-                             f"or torch.float16")
+            raise ValueError(
+                f"compute_dtype={compute_dtype!r} must be None, torch.float32, torch.bfloat16 "
+                f"or torch.float16"
+            )
         if not isinstance(module, nn.Module):
             raise TypeError(f"Zero3 wraps an nn.Module, got {type(module).__name__}")
         owner = reducer_of(module.parameters())
         if owner is not None:
-            raise ValueError(f"Zero3 does its own gradient reduce-scatter: wrap a plain module, not "
-                             f"{type(module).__name__}, whose gradients {owner} already reduces "
-                             f"(build a fresh model)")
+            raise ValueError(
+                f"Zero3 does its own gradient reduce-scatter: wrap a plain module, not "
+                f"{type(module).__name__}, whose gradients {owner} already reduces "
+                f"(build a fresh model)"
+            )
         if unit not in ("param", "block"):
-            raise ValueError(f"unit={unit!r} must be 'param' (one collective per parameter) or 'block' "
-                             f"(one per transformer block + the root, as FSDP2)")
+            raise ValueError(
+                f"unit={unit!r} must be 'param' (one collective per parameter) or 'block' "
+                f"(one per transformer block + the root, as FSDP2)"
+            )
         if unit == "param" and (units is not None or prefetch):
-            raise ValueError("units= and prefetch=True need unit='block' (per parameter there is nothing to "
-                             "group, and no next unit to prefetch)")
+            raise ValueError(
+                "units= and prefetch=True need unit='block' (per parameter there is nothing to "
+                "group, and no next unit to prefetch)"
+            )
         named = list(module.named_parameters())
         check_fp32(named, "Zero3")
         self.device = check_same_device([p for _, p in named], "Zero3")
@@ -256,12 +275,18 @@ class Zero3(nn.Module):
         by_id = shard_parameters(named, self.rank, self.world_size, self.device, process_group)
         self._sharded: dict[str, ShardedParam] = {sp.name: sp for sp in by_id.values()}
         # every name a parameter is reachable under (a tied weight has two), for full_state_dict
-        self._names = {name: by_id[id(p)] for name, p in module.named_parameters(remove_duplicate=False)}
+        self._names = {
+            name: by_id[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
+        }
 
         # 2. Group the parameters into units, and find each unit's trigger: the module whose
         #    forward gathers it, with the (submodule, name) slots where its full tensors stand in.
-        slots = [(sub, attr, by_id[id(p)]) for sub in module.modules() for attr, p in sub._parameters.items()
-                 if p is not None]
+        slots = [
+            (sub, attr, by_id[id(p)])
+            for sub in module.modules()
+            for attr, p in sub._parameters.items()
+            if p is not None
+        ]
         group = group_by_param if unit == "param" else group_by_block
         self.units, self._triggers, self._root = group(module, slots, units)
 
@@ -286,7 +311,9 @@ class Zero3(nn.Module):
             return self.module(*args, **kwargs)
         finally:
             self._forward_pass = None
-            while self._live:  # an exception interrupted a unit's forward: shards back, memory freed
+            while (
+                self._live
+            ):  # an exception interrupted a unit's forward: shards back, memory freed
                 self._put_back(self._live[-1][0])
             if self.prefetch and self._seen:  # the order to prefetch in next time
                 order = list(dict.fromkeys(self._seen))
@@ -330,8 +357,12 @@ class Zero3(nn.Module):
         if len(unit.params) == 1:
             buf.data.copy_(flight.out)
         else:  # column block i of the (N, S) matrix -> parameter i's place in the buffer
-            torch.split_with_sizes_copy(flight.out.view(self.world_size, unit.shard_numel), unit.sizes, dim=1,
-                                        out=unit.blocks(buf.data))
+            torch.split_with_sizes_copy(
+                flight.out.view(self.world_size, unit.shard_numel),
+                unit.sizes,
+                dim=1,
+                out=unit.blocks(buf.data),
+            )
 
     def gather(self, use: _Use) -> tuple[torch.Tensor, ...]:
         """The unit's full parameters for ``use``: from a prefetched all-gather, else one now.
@@ -359,12 +390,20 @@ class Zero3(nn.Module):
             obs.gathered(use.unit, use.buffer)
         if self.prefetch:
             fp = use.forward_pass
-            if fp.next_backward is None:  # backward order: the root first, then the units in reverse
+            if (
+                fp.next_backward is None
+            ):  # backward order: the root first, then the units in reverse
                 seq = fp.order[::-1]
-                seq = [u for u in seq if u.unit is self._root] + [u for u in seq if u.unit is not self._root]
+                seq = [u for u in seq if u.unit is self._root] + [
+                    u for u in seq if u.unit is not self._root
+                ]
                 fp.next_backward = dict(zip(seq, seq[1:]))
             nxt = fp.next_backward.get(use)
-            if nxt is not None and nxt.buffer.untyped_storage().nbytes() == 0 and nxt.unit not in self._in_flight:
+            if (
+                nxt is not None
+                and nxt.buffer.untyped_storage().nbytes() == 0
+                and nxt.unit not in self._in_flight
+            ):
                 self._in_flight[nxt.unit] = self._issue(nxt.unit, into=nxt)
 
     def _prefetch_forward(self, unit: Unit) -> None:
@@ -379,7 +418,9 @@ class Zero3(nn.Module):
         """Wait for prefetches nobody used (the order changed) and let them go."""
         for flight in self._in_flight.values():
             flight.work.wait()
-            flight.out.untyped_storage().resize_(0)  # a one-parameter refill lands in a use's buffer
+            flight.out.untyped_storage().resize_(
+                0
+            )  # a one-parameter refill lands in a use's buffer
         self._in_flight.clear()
 
     # ------------------------------------------------------------------ gradients
@@ -403,7 +444,9 @@ class Zero3(nn.Module):
         del fp.grad_in[unit]
         self._finish_reductions()  # the previous unit's reduce-scatter: one in flight at a time
         out = torch.empty(unit.shard_numel, device=self.device)
-        work = comm.reduce_scatter(out, grad_in.view(-1), group=self.process_group, async_op=True, tag="grad")
+        work = comm.reduce_scatter(
+            out, grad_in.view(-1), group=self.process_group, async_op=True, tag="grad"
+        )
         self._reductions.append((unit, work, out, grad_in))
         if not self._callback_queued:  # the last one is waited for when backward() ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -434,8 +477,10 @@ class Zero3(nn.Module):
     def _before_forward(self, trigger: nn.Module, args) -> None:
         fp = self._forward_pass if torch.is_grad_enabled() else None
         if torch.is_grad_enabled() and fp is None:
-            raise RuntimeError("Zero3: call the wrapper (zero3(x)), not zero3.module(x): the wrapper's forward "
-                               "sets up the bookkeeping that backward's reduce-scatters rely on")
+            raise RuntimeError(
+                "Zero3: call the wrapper (zero3(x)), not zero3.module(x): the wrapper's forward "
+                "sets up the bookkeeping that backward's reduce-scatters rely on"
+            )
         uses = []
         for unit, slots in self._triggers[trigger]:
             use = _Use(unit, fp if unit.requires_grad else None)
@@ -448,7 +493,9 @@ class Zero3(nn.Module):
             self._prefetch_forward(unit)  # the next unit's all-gather runs while this one computes
             for sub, attr, i in slots:  # while the unit runs, its weights are the full tensors
                 full = fulls[i]
-                sub._parameters[attr] = full if unit.params[i].shard.requires_grad else full.detach()
+                sub._parameters[attr] = (
+                    full if unit.params[i].shard.requires_grad else full.detach()
+                )
             uses.append(use)
         self._live.append((trigger, uses))
 
@@ -456,7 +503,9 @@ class Zero3(nn.Module):
         _, uses = self._live.pop()
         for (unit, slots), use in zip(self._triggers[trigger], uses):
             for sub, attr, i in slots:
-                sub._parameters[attr] = unit.params[i].shard  # the shard is back in place of the full weight ...
+                sub._parameters[attr] = unit.params[
+                    i
+                ].shard  # the shard is back in place of the full weight ...
             self._free(use)  # ... and the memory, which autograd's saved copy shares
         return uses
 
@@ -465,12 +514,21 @@ class Zero3(nn.Module):
         needs = [use for use in uses if use.forward_pass is not None]
         if not needs:
             return output
-        outs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, (tuple, list)) \
+        outs = (
+            [output]
+            if isinstance(output, torch.Tensor)
+            else list(output)
+            if isinstance(output, (tuple, list))
             else None
+        )
         if outs is None:
-            raise TypeError(f"Zero3: {type(trigger).__name__} returned {type(output).__name__}; modules that "
-                            f"gather parameters must return a tensor or a tuple of tensors")
-        grad_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            raise TypeError(
+                f"Zero3: {type(trigger).__name__} returned {type(output).__name__}; modules that "
+                f"gather parameters must return a tensor or a tuple of tensors"
+            )
+        grad_idx = [
+            i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad
+        ]
         wrapped = _RegatherBeforeBackward.apply(needs, self, *[outs[i] for i in grad_idx])
         for i, w in zip(grad_idx, wrapped):
             outs[i] = w
@@ -499,9 +557,11 @@ class Zero3(nn.Module):
         """
         norm_type = float(norm_type)
         if not norm_type > 0:
-            raise ValueError(f"norm_type={norm_type} must be > 0 (e.g. 2.0, or math.inf for the largest |g|)")
+            raise ValueError(
+                f"norm_type={norm_type} must be > 0 (e.g. 2.0, or math.inf for the largest |g|)"
+            )
         with_grad = [sp for sp in self._sharded.values() if sp.shard.grad is not None]
-        own = [sp.shard.grad[:sp.own_numel(self.rank)] for sp in with_grad]
+        own = [sp.shard.grad[: sp.own_numel(self.rank)] for sp in with_grad]
         local = torch.zeros((), device=self.device)  # a fresh tensor: the all-reduce works in place
         if norm_type == math.inf:
             for g in own:
@@ -524,7 +584,9 @@ class Zero3(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unpadded tensors under the keys of the wrapped module's ``state_dict()`` (collective)."""
-        buffers = self.module.state_dict()  # buffers (and extra state); parameter keys hold local shards
+        buffers = (
+            self.module.state_dict()
+        )  # buffers (and extra state); parameter keys hold local shards
         gathered: dict[str, torch.Tensor] = {}
         out = {}
         for key in self._state_dict_keys:
@@ -535,7 +597,7 @@ class Zero3(nn.Module):
             if sp.name not in gathered:
                 full = torch.empty(sp.padded, device=self.device)
                 comm.all_gather(full, sp.shard.detach(), group=self.process_group, tag="state")
-                gathered[sp.name] = full[:sp.numel].view(sp.shape)
+                gathered[sp.name] = full[: sp.numel].view(sp.shape)
             out[key] = gathered[sp.name]
         return out
 
@@ -559,8 +621,10 @@ class Zero3(nn.Module):
         missing = [k for k in self._state_dict_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in keys]
         if strict and (missing or unexpected):
-            raise RuntimeError(f"Zero3.load_full_state_dict: missing keys {missing}, unexpected keys {unexpected} "
-                               f"(expected the wrapped module's state_dict() keys; pass strict=False to skip them)")
+            raise RuntimeError(
+                f"Zero3.load_full_state_dict: missing keys {missing}, unexpected keys {unexpected} "
+                f"(expected the wrapped module's state_dict() keys; pass strict=False to skip them)"
+            )
         buffers = {}
         for key, value in state_dict.items():
             if key not in keys:
@@ -570,12 +634,14 @@ class Zero3(nn.Module):
                 buffers[key] = value
                 continue
             if tuple(value.shape) != tuple(sp.shape):
-                raise ValueError(f"Zero3.load_full_state_dict: {key} has shape {tuple(value.shape)} in the state "
-                                 f"dict, {tuple(sp.shape)} in the model")
+                raise ValueError(
+                    f"Zero3.load_full_state_dict: {key} has shape {tuple(value.shape)} in the state "
+                    f"dict, {tuple(sp.shape)} in the model"
+                )
             size, own = sp.shard.numel(), sp.own_numel(self.rank)
             lo = self.rank * size
             sp.shard.zero_()  # the padding
-            sp.shard[:own].copy_(value.detach().reshape(-1)[lo:lo + own])
+            sp.shard[:own].copy_(value.detach().reshape(-1)[lo : lo + own])
         # the shards were filled above; strictness was checked against all keys already
         self.module.load_state_dict(buffers, strict=False)
 
@@ -592,8 +658,9 @@ class Zero3(nn.Module):
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every gathered buffer not yet garbage, and the prefetched all-gathers (freed ones hold 0 bytes)."""
-        return [u.buffer for u in list(self._uses) if u.buffer is not None] + \
-            [f.out for f in self._in_flight.values()]
+        return [u.buffer for u in list(self._uses) if u.buffer is not None] + [
+            f.out for f in self._in_flight.values()
+        ]
 
     def gathered_bytes(self) -> int:
         """Bytes of full weights alive right now, read from the real storages (sample it from module hooks)."""
@@ -602,17 +669,30 @@ class Zero3(nn.Module):
     def unit_table(self) -> list[dict]:
         """One row per unit: its name, parameter names, Ψ, Ψ_pad and gathered bytes (compute dtype)."""
         size = torch.empty((), dtype=self.compute_dtype or torch.float32).element_size()
-        return [dict(name=u.name, params=[sp.name for sp in u.params], numel=u.numel, padded=u.padded,
-                     gathered_bytes=u.padded * size, root=u is self._root) for u in self.units]
+        return [
+            dict(
+                name=u.name,
+                params=[sp.name for sp in u.params],
+                numel=u.numel,
+                padded=u.padded,
+                gathered_bytes=u.padded * size,
+                root=u is self._root,
+            )
+            for u in self.units
+        ]
 
     def describe(self) -> str:
         """The units chosen, one line each: name, parameters, Ψ and gathered bytes."""
-        lines = [f"Zero3(unit={self.unit!r}, prefetch={self.prefetch}) on {self.world_size} ranks: "
-                 f"{len(self.units)} unit(s)"]
+        lines = [
+            f"Zero3(unit={self.unit!r}, prefetch={self.prefetch}) on {self.world_size} ranks: "
+            f"{len(self.units)} unit(s)"
+        ]
         for row in self.unit_table():
             names = ", ".join(row["params"][:3]) + (" …" if len(row["params"]) > 3 else "")
-            lines.append(f"  {row['name']:<12} {len(row['params']):>3} params  Ψ {row['numel']:>9,}  "
-                         f"gathered {row['gathered_bytes']:>10,} B  ({names})")
+            lines.append(
+                f"  {row['name']:<12} {len(row['params']):>3} params  Ψ {row['numel']:>9,}  "
+                f"gathered {row['gathered_bytes']:>10,} B  ({names})"
+            )
         return "\n".join(lines)
 
     def extra_repr(self) -> str:

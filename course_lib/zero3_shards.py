@@ -11,6 +11,7 @@ with public names only:
 * :func:`default_units`, :func:`group_by_block`, :func:`group_by_param` — which parameters form
   a unit, and which module's forward gathers it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,14 @@ import torch.nn as nn
 
 from . import comm
 
-__all__ = ["ShardedParam", "shard_parameters", "Unit", "default_units", "group_by_block", "group_by_param"]
+__all__ = [
+    "ShardedParam",
+    "shard_parameters",
+    "Unit",
+    "default_units",
+    "group_by_block",
+    "group_by_param",
+]
 
 
 @dataclass(eq=False)
@@ -45,7 +53,9 @@ class ShardedParam:
         return max(0, min(size, self.numel - rank * size))
 
 
-def shard_parameters(named, rank: int, world_size: int, device, process_group=None) -> dict[int, ShardedParam]:
+def shard_parameters(
+    named, rank: int, world_size: int, device, process_group=None
+) -> dict[int, ShardedParam]:
     """``{id(parameter): ShardedParam}`` for ``named`` (unique parameters), broadcast from rank 0 first."""
     src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     by_id = {}
@@ -55,8 +65,8 @@ def shard_parameters(named, rank: int, world_size: int, device, process_group=No
         padded = -(-p.numel() // world_size) * world_size
         s = padded // world_size
         flat = torch.zeros(padded, device=device)
-        flat[:p.numel()] = full.reshape(-1)
-        shard = nn.Parameter(flat[rank * s:(rank + 1) * s].clone(), requires_grad=p.requires_grad)
+        flat[: p.numel()] = full.reshape(-1)
+        shard = nn.Parameter(flat[rank * s : (rank + 1) * s].clone(), requires_grad=p.requires_grad)
         by_id[id(p)] = ShardedParam(name, p.shape, p.numel(), padded, shard)
     return by_id
 
@@ -93,12 +103,15 @@ class Unit:
     def blocks(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's padded full tensor in the full buffer, viewed ``(N, s_i)`` (copy-out targets)."""
         n = buffer.numel() // self.shard_numel
-        return [buffer[n * o:n * (o + s)].view(n, s) for o, s in zip(self.offsets, self.sizes)]
+        return [buffer[n * o : n * (o + s)].view(n, s) for o, s in zip(self.offsets, self.sizes)]
 
     def full_views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each parameter's full tensor (unpadded, in its shape) in the full buffer."""
         n = buffer.numel() // self.shard_numel
-        return tuple(buffer[n * o:n * o + sp.numel].view(sp.shape) for o, sp in zip(self.offsets, self.params))
+        return tuple(
+            buffer[n * o : n * o + sp.numel].view(sp.shape)
+            for o, sp in zip(self.offsets, self.params)
+        )
 
     @staticmethod
     def add_grad(grad_in: torch.Tensor, offset: int, size: int, grad: torch.Tensor) -> None:
@@ -107,11 +120,11 @@ class Unit:
         Its padded layout, row by row: rows ``[0, q)`` are full, row q holds the rest, and the
         padding after it stays zero (``q, rest = divmod(numel, s)``).
         """
-        block, g = grad_in[:, offset:offset + size], grad.reshape(-1)
+        block, g = grad_in[:, offset : offset + size], grad.reshape(-1)
         rows, rest = divmod(g.numel(), size)
-        block[:rows].add_(g[:rows * size].view(rows, size))
+        block[:rows].add_(g[: rows * size].view(rows, size))
         if rest:
-            block[rows, :rest].add_(g[rows * size:])
+            block[rows, :rest].add_(g[rows * size :])
 
 
 def group_by_param(module: nn.Module, slots: list, units=None):
@@ -156,17 +169,25 @@ def group_by_block(module: nn.Module, slots: list, units=None):
     owner: dict[nn.Module, int] = {}  # every module inside a unit -> that unit's index
     for i, m in enumerate(units):
         if not isinstance(m, nn.Module) or m not in names:
-            raise ValueError(f"units[{i}] ({type(m).__name__}) is not a submodule of the wrapped "
-                             f"{type(module).__name__}: units must be modules inside the model")
+            raise ValueError(
+                f"units[{i}] ({type(m).__name__}) is not a submodule of the wrapped "
+                f"{type(module).__name__}: units must be modules inside the model"
+            )
         if m is module:
-            raise ValueError("units must not contain the wrapped module itself: it is the root unit already")
+            raise ValueError(
+                "units must not contain the wrapped module itself: it is the root unit already"
+            )
         for sub in m.modules():
             if sub in owner:
                 j = owner[sub]
-                raise ValueError(f"units[{i}] ({names[m]}) and units[{j}] ({names[units[j]]}) overlap: "
-                                 f"units must not be nested or repeated")
+                raise ValueError(
+                    f"units[{i}] ({names[m]}) and units[{j}] ({names[units[j]]}) overlap: "
+                    f"units must not be nested or repeated"
+                )
             owner[sub] = i
-    where: dict[ShardedParam, tuple[int, str]] = {}  # unit index (-1: root) and a slot name, per param
+    where: dict[
+        ShardedParam, tuple[int, str]
+    ] = {}  # unit index (-1: root) and a slot name, per param
     members: list[list[ShardedParam]] = [[] for _ in range(len(units) + 1)]
     for sub, attr, sp in slots:
         i = owner.get(sub, -1)
@@ -174,8 +195,10 @@ def group_by_block(module: nn.Module, slots: list, units=None):
         if sp in where and where[sp][0] != i:
             j, other = where[sp]
             label = {k: "the root unit" if k < 0 else f"unit {names[units[k]]}" for k in (i, j)}
-            raise ValueError(f"parameter {sp.name} is shared by {label[j]} ({other}) and {label[i]} "
-                             f"({slot_name}): a tied parameter must lie in one unit (gathered once per unit)")
+            raise ValueError(
+                f"parameter {sp.name} is shared by {label[j]} ({other}) and {label[i]} "
+                f"({slot_name}): a tied parameter must lie in one unit (gathered once per unit)"
+            )
         if sp not in where:
             where[sp] = (i, slot_name)
             members[i].append(sp)
@@ -185,6 +208,8 @@ def group_by_block(module: nn.Module, slots: list, units=None):
             continue
         u = Unit(names[trigger] or "(root)", members[i])
         index = {sp: k for k, sp in enumerate(members[i])}
-        triggers[trigger] = [(u, [(sub, attr, index[sp]) for sub, attr, sp in slots if owner.get(sub, -1) == i])]
+        triggers[trigger] = [
+            (u, [(sub, attr, index[sp]) for sub, attr, sp in slots if owner.get(sub, -1) == i])
+        ]
         out.append(u)
     return out, triggers, (out[-1] if members[-1] else None)

@@ -2,6 +2,7 @@
 
 Check: ``course-lib check ring_all_reduce`` (or ``check("ring_all_reduce")`` in a notebook).
 """
+
 import torch
 import torch.distributed as dist
 
@@ -24,5 +25,7 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     # TODO: split tensor.view(-1) into n chunks (torch.tensor_split), then run the two phases.
     # Send with comm.isend(chunk.contiguous(), right) and receive with comm.recv(buffer, left);
     # wait on the isend before reusing its chunk. Return `tensor` (summed in place).
-    raise NotImplementedError("ring_all_reduce: implement the reduce-scatter and all-gather phases "
-                              "(hint: torch.tensor_split + comm.isend/comm.recv, 2(N-1) steps in all)")
+    raise NotImplementedError(
+        "ring_all_reduce: implement the reduce-scatter and all-gather phases "
+        "(hint: torch.tensor_split + comm.isend/comm.recv, 2(N-1) steps in all)"
+    )

@@ -9,6 +9,7 @@
 Check: ``course-lib check allreduce_gradients`` / ``course-lib check bucketed_reducer``
 (or ``check("allreduce_gradients")`` in a notebook).
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -25,8 +26,10 @@ def allreduce_gradients(module: nn.Module) -> None:
     world = dist.get_world_size()  # noqa: F841
     # TODO: for each parameter with a gradient: sum it over ranks in place with
     # comm.all_reduce(p.grad, tag="grad"), then divide by the world size.
-    raise NotImplementedError("allreduce_gradients: implement it (hint: for p in module.parameters(), skip "
-                              "p.grad is None, comm.all_reduce(p.grad, tag='grad'), then p.grad.div_(world))")
+    raise NotImplementedError(
+        "allreduce_gradients: implement it (hint: for p in module.parameters(), skip "
+        "p.grad is None, comm.all_reduce(p.grad, tag='grad'), then p.grad.div_(world))"
+    )
 
 
 class BucketedReducer:
@@ -58,14 +61,16 @@ class BucketedReducer:
             self.buckets[-1].append(p)
             size += nbytes
         # One flat buffer per bucket; slot[p] is p's piece of it, shaped like p.
-        self.flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                     for b in self.buckets]
+        self.flat = [
+            torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+            for b in self.buckets
+        ]
         self.slot: dict[nn.Parameter, torch.Tensor] = {}
         self.bucket_of: dict[nn.Parameter, int] = {}
         for i, bucket in enumerate(self.buckets):
             offset = 0
             for p in bucket:
-                self.slot[p] = self.flat[i][offset:offset + p.numel()].view_as(p)
+                self.slot[p] = self.flat[i][offset : offset + p.numel()].view_as(p)
                 self.bucket_of[p] = i
                 offset += p.numel()
         self.pending = [len(b) for b in self.buckets]  # gradients still missing, per bucket
@@ -78,12 +83,16 @@ class BucketedReducer:
         # TODO: copy p.grad into self.slot[p]; count it off self.pending[i] (i = self.bucket_of[p]);
         # when the bucket is complete, divide self.flat[i] by the world size and launch
         # comm.all_reduce(self.flat[i], async_op=True, tag="grad"); keep (i, work) in self.works.
-        raise NotImplementedError("BucketedReducer._on_grad_ready: implement it (hint: copy the grad into its "
-                                  "slot, and when pending[i] reaches 0 launch an async all-reduce of flat[i])")
+        raise NotImplementedError(
+            "BucketedReducer._on_grad_ready: implement it (hint: copy the grad into its "
+            "slot, and when pending[i] reaches 0 launch an async all-reduce of flat[i])"
+        )
 
     def finish(self) -> None:
         """Wait for every bucket, copy the averaged gradients into ``.grad``, reset for the next step."""
         # TODO: for each (i, work) in self.works: work.wait(), then copy each slot back into p.grad.
         # Then reset self.works and self.pending for the next backward.
-        raise NotImplementedError("BucketedReducer.finish: implement it (hint: work.wait(), then "
-                                  "p.grad.copy_(self.slot[p]) for the bucket's parameters; reset the counters)")
+        raise NotImplementedError(
+            "BucketedReducer.finish: implement it (hint: work.wait(), then "
+            "p.grad.copy_(self.slot[p]) for the bucket's parameters; reset the counters)"
+        )

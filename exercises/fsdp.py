@@ -13,6 +13,7 @@
 measurements. Check: ``course-lib check fsdp2_wrap_blocks`` / ``course-lib check sharded_checkpoint``
 (or ``check("fsdp2_wrap_blocks")`` in a notebook).
 """
+
 import torch.distributed.checkpoint as dcp  # noqa: F401  (dcp.save / dcp.load)
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: F401
@@ -26,8 +27,10 @@ def wrap_blocks(model: nn.Module, mesh, reshard_after_forward: bool = True) -> n
     a unit of a submodule. Pass ``mesh=mesh`` and ``reshard_after_forward`` to every call.
     """
     # TODO: one fully_shard per block, then one on the whole model.
-    raise NotImplementedError("wrap_blocks: implement it (hint: for block in model.blocks: fully_shard(block, "
-                              "mesh=mesh, reshard_after_forward=...), then fully_shard(model, ...) last)")
+    raise NotImplementedError(
+        "wrap_blocks: implement it (hint: for block in model.blocks: fully_shard(block, "
+        "mesh=mesh, reshard_after_forward=...), then fully_shard(model, ...) last)"
+    )
 
 
 class ShardedCheckpoint:
@@ -43,8 +46,10 @@ class ShardedCheckpoint:
         ``.metadata`` (which global slice of which tensor is in which file).
         """
         # TODO
-        raise NotImplementedError("ShardedCheckpoint.save: implement it (hint: model_sd, optim_sd = "
-                                  "get_state_dict(model, optimizer); dcp.save({...}, checkpoint_id=path))")
+        raise NotImplementedError(
+            "ShardedCheckpoint.save: implement it (hint: model_sd, optim_sd = "
+            "get_state_dict(model, optimizer); dcp.save({...}, checkpoint_id=path))"
+        )
 
     @staticmethod
     def load(model: nn.Module, optimizer, path: str) -> None:
@@ -55,5 +60,7 @@ class ShardedCheckpoint:
         ``set_state_dict(model, optimizer, model_state_dict=..., optim_state_dict=...)``.
         """
         # TODO
-        raise NotImplementedError("ShardedCheckpoint.load: implement it (hint: get_state_dict for the layout, "
-                                  "dcp.load(state, checkpoint_id=path), then set_state_dict)")
+        raise NotImplementedError(
+            "ShardedCheckpoint.load: implement it (hint: get_state_dict for the layout, "
+            "dcp.load(state, checkpoint_id=path), then set_state_dict)"
+        )

@@ -15,6 +15,7 @@ Check: ``course-lib check one_f_one_b_schedule`` (or ``check("one_f_one_b_schedu
 your order is compared with the reference for many (p, m, stage) and then *run* on real ranks — a
 pipeline driven by your schedule must give one device's gradients.
 """
+
 from course_lib.pipeline import Action
 
 
@@ -24,5 +25,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int, stage: int) -> 
     # TODO: warm-up forwards (how many does stage `stage` need before its first backward?),
     # then alternate Action("F", next micro-batch) and Action("B", oldest micro-batch),
     # then the remaining backwards.
-    raise NotImplementedError("one_f_one_b_schedule: implement it (hint: warmup = min(p - 1 - stage, m) forwards, "
-                              "then F/B pairs, then the remaining B's)")
+    raise NotImplementedError(
+        "one_f_one_b_schedule: implement it (hint: warmup = min(p - 1 - stage, m) forwards, "
+        "then F/B pairs, then the remaining B's)"
+    )

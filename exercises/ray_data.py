@@ -18,6 +18,7 @@ tokenisation is compared on a small batch, then your trainer runs on real Ray wo
 worker exactly once, through a ``map_batches`` step, and the trained weights must equal one device trained on
 the correct tokens.
 """
+
 import numpy as np  # noqa: F401  (you will need it)
 
 VOCAB = {f"w{i:02d}": i for i in range(32)}
@@ -27,14 +28,18 @@ def tokenize_batch(batch: dict) -> dict:
     """``{"id": (n,), "text": (n,) str}`` → ``{"id": (n,), "x": (n, T), "y": (n, T)}`` (int64 token ids)."""
     # TODO: split every text into words, map each word with VOCAB, stack the rows into an (n, T+1) int64
     # array, and return the ids with x = all but the last token, y = all but the first.
-    raise NotImplementedError("tokenize_batch: implement it (hint: np.array([[VOCAB[w] for w in t.split()] "
-                              "for t in batch['text']]), then x = tokens[:, :-1], y = tokens[:, 1:])")
+    raise NotImplementedError(
+        "tokenize_batch: implement it (hint: np.array([[VOCAB[w] for w in t.split()] "
+        "for t in batch['text']]), then x = tokens[:, :-1], y = tokens[:, 1:])"
+    )
 
 
 def fit_with_ray_data(folder: str, train_loop, num_workers: int = 2):
     """Read ``folder``'s Parquet files, ``map_batches(tokenize_batch)``, fit a TorchTrainer on it; return the Result."""
     # TODO: ds = ray.data.read_parquet(folder).map_batches(...)
     #       TorchTrainer(train_loop, datasets={"train": ds}, scaling_config=ScalingConfig(...), run_config=...)
-    raise NotImplementedError("fit_with_ray_data: implement it (hint: map_batches(tokenize_batch, batch_size=16, "
-                              "num_cpus=0.5); ScalingConfig(num_workers=num_workers, resources_per_worker="
-                              "{'CPU': 0.5}); datasets={'train': ds}; return trainer.fit())")
+    raise NotImplementedError(
+        "fit_with_ray_data: implement it (hint: map_batches(tokenize_batch, batch_size=16, "
+        "num_cpus=0.5); ScalingConfig(num_workers=num_workers, resources_per_worker="
+        "{'CPU': 0.5}); datasets={'train': ds}; return trainer.fit())"
+    )

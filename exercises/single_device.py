@@ -2,6 +2,7 @@
 
 Check: ``course-lib check count_model_state_bytes``.
 """
+
 import torch
 
 
@@ -15,5 +16,7 @@ def count_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     """
     # TODO: walk model.parameters(), their .grad, and optimizer.state; sum untyped_storage().nbytes()
     # over storages you have not seen yet.
-    raise NotImplementedError("count_model_state_bytes: sum untyped_storage().nbytes() over unique storages "
-                              "(hint: a set of data_ptr() values) for params, grads and optimizer.state")
+    raise NotImplementedError(
+        "count_model_state_bytes: sum untyped_storage().nbytes() over unique storages "
+        "(hint: a set of data_ptr() values) for params, grads and optimizer.state"
+    )

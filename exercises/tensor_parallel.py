@@ -12,6 +12,7 @@
 Write each as a ``torch.autograd.Function`` (forward and backward by hand), over ``group``.
 Check: ``course-lib check column_parallel_linear`` and ``course-lib check row_parallel_linear``.
 """
+
 import torch
 import torch.distributed as dist  # noqa: F401  (you will need it)
 
@@ -22,14 +23,18 @@ class _ColumnParallel(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         # TODO: y_i = x W_iᵀ (+ b_i). Does the forward need any communication?
-        raise NotImplementedError("column_parallel_linear forward: y = x @ weight.t() (+ bias), no communication")
+        raise NotImplementedError(
+            "column_parallel_linear forward: y = x @ weight.t() (+ bias), no communication"
+        )
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         # TODO: ∂L/∂x (this rank only has part of it — what must happen to it?), ∂L/∂W_i, ∂L/∂b_i
-        raise NotImplementedError("column_parallel_linear backward: grad_x = grad_y @ weight, then all-reduce it "
-                                  "over group (Megatron's f); grad_w = grad_yᵀ·x; grad_b = Σ grad_y")
+        raise NotImplementedError(
+            "column_parallel_linear backward: grad_x = grad_y @ weight, then all-reduce it "
+            "over group (Megatron's f); grad_w = grad_yᵀ·x; grad_b = Σ grad_y"
+        )
 
 
 class _RowParallel(torch.autograd.Function):
@@ -38,24 +43,30 @@ class _RowParallel(torch.autograd.Function):
         ctx.save_for_backward(x_shard, weight)
         ctx.has_bias = bias is not None
         # TODO: the partial sum x_i W_iᵀ, combined over ranks; where does the bias go?
-        raise NotImplementedError("row_parallel_linear forward: y = x_shard @ weight.t(), all-reduce it over group "
-                                  "(Megatron's g), then add the bias once")
+        raise NotImplementedError(
+            "row_parallel_linear forward: y = x_shard @ weight.t(), all-reduce it over group "
+            "(Megatron's g), then add the bias once"
+        )
 
     @staticmethod
     def backward(ctx, grad_y):
         x_shard, weight = ctx.saved_tensors
         # TODO: ∂L/∂x_i, ∂L/∂W_i, ∂L/∂b. Does the backward need any communication?
-        raise NotImplementedError("row_parallel_linear backward: grad_x = grad_y @ weight (no communication); "
-                                  "grad_w = grad_yᵀ·x_shard; grad_b = Σ grad_y")
+        raise NotImplementedError(
+            "row_parallel_linear backward: grad_x = grad_y @ weight (no communication); "
+            "grad_w = grad_yᵀ·x_shard; grad_b = Σ grad_y"
+        )
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           group=None) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
     """``x`` (…, in) full; ``weight`` (out/t, in), ``bias`` (out/t,) this rank's rows → y_i (…, out/t)."""
     return _ColumnParallel.apply(x, weight, bias, group)
 
 
-def row_parallel_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        group=None) -> torch.Tensor:
+def row_parallel_linear(
+    x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
     """``x_shard`` (…, in/t) this rank's block; ``weight`` (out, in/t); ``bias`` (out,) full → y (…, out) full."""
     return _RowParallel.apply(x_shard, weight, bias, group)

@@ -12,6 +12,7 @@
 weights, hooks); here every step is in front of you. Check: ``course-lib check zero1_step`` /
 ``course-lib check sharded_linear`` (or ``check("zero1_step")`` in a notebook).
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -42,7 +43,13 @@ class Zero1Step:
     without would still be decayed by AdamW), and all parameters share one set of options.
     """
 
-    def __init__(self, module: nn.Module, optimizer_cls=torch.optim.AdamW, process_group=None, **optimizer_kwargs):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_cls=torch.optim.AdamW,
+        process_group=None,
+        **optimizer_kwargs,
+    ):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -55,22 +62,24 @@ class Zero1Step:
         self.flat_params = torch.zeros(padded, dtype=torch.float32, device=self.params[0].device)
         with torch.no_grad():
             for p, off in zip(self.params, self.offsets):
-                self.flat_params[off:off + p.numel()].copy_(p.reshape(-1))
+                self.flat_params[off : off + p.numel()].copy_(p.reshape(-1))
         # every rank starts from rank 0's weights: the slices only fit together if the ranks agree
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         comm.broadcast(self.flat_params, src=src, group=process_group, tag="init")
         for p, off in zip(self.params, self.offsets):
-            p.data = self.flat_params[off:off + p.numel()].view_as(p)
+            p.data = self.flat_params[off : off + p.numel()].view_as(p)
         self.flat_grads = torch.zeros_like(self.flat_params)
         size = padded // self.world_size  # S
-        self.shard = nn.Parameter(self.flat_params[self.rank * size:(self.rank + 1) * size])  # a view, not a copy
+        self.shard = nn.Parameter(
+            self.flat_params[self.rank * size : (self.rank + 1) * size]
+        )  # a view, not a copy
         self.optimizer = optimizer_cls([self.shard], **optimizer_kwargs)
 
     @torch.no_grad()
     def _copy_grads_in(self) -> None:
         """``flat_grads`` ← this rank's local gradients (zeros for a parameter without one)."""
         for p, off in zip(self.params, self.offsets):
-            slot = self.flat_grads[off:off + p.numel()]
+            slot = self.flat_grads[off : off + p.numel()]
             if p.grad is None:
                 slot.zero_()
             else:
@@ -92,9 +101,11 @@ class Zero1Step:
         # TODO: (1) grad = torch.empty(S) and comm.reduce_scatter(grad, self.flat_grads, group=self.process_group,
         # tag="grad"), then divide by the world size; (2) self.shard.grad = grad; self.optimizer.step();
         # (3) comm.all_gather(self.flat_params, self.shard.detach(), group=self.process_group, tag="param").
-        raise NotImplementedError("Zero1Step.step: implement it (hint: reduce_scatter flat_grads into an S-element "
-                                  "tensor and divide by N, set shard.grad, optimizer.step(), then all_gather "
-                                  "shard into flat_params)")
+        raise NotImplementedError(
+            "Zero1Step.step: implement it (hint: reduce_scatter flat_grads into an S-element "
+            "tensor and divide by N, set shard.grad, optimizer.step(), then all_gather "
+            "shard into flat_params)"
+        )
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -114,8 +125,10 @@ class _ShardedLinearFunction(torch.autograd.Function):
     def forward(ctx, x, shard, layer):
         # TODO: weight = layer.gather_weight(); y = F.linear(x, weight); layer.free_weight();
         # save x for backward (ctx.save_for_backward(x)) and keep ctx.layer = layer; return y.
-        raise NotImplementedError("_ShardedLinearFunction.forward: implement it (hint: gather the weight, "
-                                  "compute F.linear(x, weight), free the weight, save only x)")
+        raise NotImplementedError(
+            "_ShardedLinearFunction.forward: implement it (hint: gather the weight, "
+            "compute F.linear(x, weight), free the weight, save only x)"
+        )
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -124,9 +137,11 @@ class _ShardedLinearFunction(torch.autograd.Function):
         # TODO: re-gather the weight; grad_x = grad_y @ weight; free the weight again;
         # grad_weight = grad_y.reshape(-1, layer.out_features).T @ x.reshape(-1, layer.in_features);
         # return grad_x, layer.reduce_scatter_grad(grad_weight), None  (one gradient per forward input).
-        raise NotImplementedError("_ShardedLinearFunction.backward: implement it (hint: gather_weight() again, "
-                                  "grad_x = grad_y @ weight, free_weight(), grad_weight = grad_yᵀ·x over all "
-                                  "leading dims, return grad_x, layer.reduce_scatter_grad(grad_weight), None)")
+        raise NotImplementedError(
+            "_ShardedLinearFunction.backward: implement it (hint: gather_weight() again, "
+            "grad_x = grad_y @ weight, free_weight(), grad_weight = grad_yᵀ·x over all "
+            "leading dims, return grad_x, layer.reduce_scatter_grad(grad_weight), None)"
+        )
 
 
 class ShardedLinear(nn.Module):
@@ -149,8 +164,10 @@ class ShardedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, process_group=None):
         super().__init__()
         if linear.bias is not None:
-            raise ValueError("ShardedLinear shards the weight only; build nn.Linear(..., bias=False) "
-                             "(course_lib.zero3.Zero3 shards every parameter, biases included)")
+            raise ValueError(
+                "ShardedLinear shards the weight only; build nn.Linear(..., bias=False) "
+                "(course_lib.zero3.Zero3 shards every parameter, biases included)"
+            )
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -159,10 +176,12 @@ class ShardedLinear(nn.Module):
         self.padded = -(-self.numel // self.world_size) * self.world_size
         size = self.padded // self.world_size  # S
         flat = torch.zeros(self.padded, dtype=linear.weight.dtype, device=linear.weight.device)
-        flat[:self.numel] = linear.weight.detach().reshape(-1)
+        flat[: self.numel] = linear.weight.detach().reshape(-1)
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-        comm.broadcast(flat, src=src, group=process_group, tag="init")  # every rank shards rank 0's weight
-        self.shard = nn.Parameter(flat[self.rank * size:(self.rank + 1) * size].clone())
+        comm.broadcast(
+            flat, src=src, group=process_group, tag="init"
+        )  # every rank shards rank 0's weight
+        self.shard = nn.Parameter(flat[self.rank * size : (self.rank + 1) * size].clone())
         self.full_weight = torch.empty_like(flat)  # a plain attribute, not a parameter or buffer
         self.free_weight()
 
@@ -180,15 +199,17 @@ class ShardedLinear(nn.Module):
         """
         # TODO: resize full_weight's storage back to numel · element_size bytes, all-gather every rank's
         # shard into it (tag "param"), return full_weight[:self.numel] viewed as [out_features, in_features].
-        raise NotImplementedError("ShardedLinear.gather_weight: implement it (hint: "
-                                  "self.full_weight.untyped_storage().resize_(nbytes), then comm.all_gather("
-                                  "self.full_weight, self.shard.detach(), group=self.process_group, tag='param'))")
+        raise NotImplementedError(
+            "ShardedLinear.gather_weight: implement it (hint: "
+            "self.full_weight.untyped_storage().resize_(nbytes), then comm.all_gather("
+            "self.full_weight, self.shard.detach(), group=self.process_group, tag='param'))"
+        )
 
     @torch.no_grad()
     def reduce_scatter_grad(self, grad_weight: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the weight gradient, averaged over ranks (what goes into ``shard.grad``)."""
         flat = torch.zeros(self.padded, dtype=grad_weight.dtype, device=grad_weight.device)
-        flat[:self.numel] = grad_weight.reshape(-1)  # padding contributes zeros
+        flat[: self.numel] = grad_weight.reshape(-1)  # padding contributes zeros
         out = torch.empty(self.padded // self.world_size, dtype=flat.dtype, device=flat.device)
         comm.reduce_scatter(out, flat, group=self.process_group, tag="grad")
         return out.div_(self.world_size)  # sum / N = average, as data parallelism needs
@@ -197,5 +218,7 @@ class ShardedLinear(nn.Module):
         return _ShardedLinearFunction.apply(x, self.shard, self)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"shard={self.shard.numel()} of {self.numel} elements")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"shard={self.shard.numel()} of {self.numel} elements"
+        )

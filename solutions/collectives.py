@@ -2,6 +2,7 @@
 
 Check: ``course-lib check ring_all_reduce`` (or ``check("ring_all_reduce")`` in a notebook).
 """
+
 import torch
 import torch.distributed as dist
 

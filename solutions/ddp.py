@@ -9,6 +9,7 @@
 Check: ``course-lib check allreduce_gradients`` / ``course-lib check bucketed_reducer``
 (or ``check("allreduce_gradients")`` in a notebook).
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -59,14 +60,16 @@ class BucketedReducer:
             self.buckets[-1].append(p)
             size += nbytes
         # One flat buffer per bucket; slot[p] is p's piece of it, shaped like p.
-        self.flat = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-                     for b in self.buckets]
+        self.flat = [
+            torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+            for b in self.buckets
+        ]
         self.slot: dict[nn.Parameter, torch.Tensor] = {}
         self.bucket_of: dict[nn.Parameter, int] = {}
         for i, bucket in enumerate(self.buckets):
             offset = 0
             for p in bucket:
-                self.slot[p] = self.flat[i][offset:offset + p.numel()].view_as(p)
+                self.slot[p] = self.flat[i][offset : offset + p.numel()].view_as(p)
                 self.bucket_of[p] = i
                 offset += p.numel()
         self.pending = [len(b) for b in self.buckets]  # gradients still missing, per bucket

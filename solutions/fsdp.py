@@ -13,6 +13,7 @@
 measurements. Check: ``course-lib check fsdp2_wrap_blocks`` / ``course-lib check sharded_checkpoint``
 (or ``check("fsdp2_wrap_blocks")`` in a notebook).
 """
+
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -57,4 +58,6 @@ class ShardedCheckpoint:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )

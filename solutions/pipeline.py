@@ -15,6 +15,7 @@ Check: ``course-lib check one_f_one_b_schedule`` (or ``check("one_f_one_b_schedu
 your order is compared with the reference for many (p, m, stage) and then *run* on real ranks — a
 pipeline driven by your schedule must give one device's gradients.
 """
+
 from course_lib.pipeline import Action
 
 

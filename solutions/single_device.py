@@ -2,6 +2,7 @@
 
 Check: ``course-lib check count_model_state_bytes``.
 """
+
 import torch
 
 
@@ -28,6 +29,10 @@ def count_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     return {
         "params": bytes_of(params),
         "grads": bytes_of(p.grad for p in params if p.grad is not None),
-        "optimizer": bytes_of(v for state in optimizer.state.values() for v in state.values()
-                              if isinstance(v, torch.Tensor)),
+        "optimizer": bytes_of(
+            v
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ),
     }

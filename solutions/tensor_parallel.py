@@ -12,6 +12,7 @@
 Write each as a ``torch.autograd.Function`` (forward and backward by hand), over ``group``.
 Check: ``course-lib check column_parallel_linear`` and ``course-lib check row_parallel_linear``.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -52,13 +53,15 @@ class _RowParallel(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                           group=None) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
     """``x`` (…, in) full; ``weight`` (out/t, in), ``bias`` (out/t,) this rank's rows → y_i (…, out/t)."""
     return _ColumnParallel.apply(x, weight, bias, group)
 
 
-def row_parallel_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        group=None) -> torch.Tensor:
+def row_parallel_linear(
+    x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
     """``x_shard`` (…, in/t) this rank's block; ``weight`` (out, in/t); ``bias`` (out,) full → y (…, out) full."""
     return _RowParallel.apply(x_shard, weight, bias, group)

@@ -12,6 +12,7 @@
 weights, hooks); here every step is in front of you. Check: ``course-lib check zero1_step`` /
 ``course-lib check sharded_linear`` (or ``check("zero1_step")`` in a notebook).
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -42,7 +43,13 @@ class Zero1Step:
     without would still be decayed by AdamW), and all parameters share one set of options.
     """
 
-    def __init__(self, module: nn.Module, optimizer_cls=torch.optim.AdamW, process_group=None, **optimizer_kwargs):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_cls=torch.optim.AdamW,
+        process_group=None,
+        **optimizer_kwargs,
+    ):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -55,22 +62,24 @@ class Zero1Step:
         self.flat_params = torch.zeros(padded, dtype=torch.float32, device=self.params[0].device)
         with torch.no_grad():
             for p, off in zip(self.params, self.offsets):
-                self.flat_params[off:off + p.numel()].copy_(p.reshape(-1))
+                self.flat_params[off : off + p.numel()].copy_(p.reshape(-1))
         # every rank starts from rank 0's weights: the slices only fit together if the ranks agree
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         comm.broadcast(self.flat_params, src=src, group=process_group, tag="init")
         for p, off in zip(self.params, self.offsets):
-            p.data = self.flat_params[off:off + p.numel()].view_as(p)
+            p.data = self.flat_params[off : off + p.numel()].view_as(p)
         self.flat_grads = torch.zeros_like(self.flat_params)
         size = padded // self.world_size  # S
-        self.shard = nn.Parameter(self.flat_params[self.rank * size:(self.rank + 1) * size])  # a view, not a copy
+        self.shard = nn.Parameter(
+            self.flat_params[self.rank * size : (self.rank + 1) * size]
+        )  # a view, not a copy
         self.optimizer = optimizer_cls([self.shard], **optimizer_kwargs)
 
     @torch.no_grad()
     def _copy_grads_in(self) -> None:
         """``flat_grads`` ← this rank's local gradients (zeros for a parameter without one)."""
         for p, off in zip(self.params, self.offsets):
-            slot = self.flat_grads[off:off + p.numel()]
+            slot = self.flat_grads[off : off + p.numel()]
             if p.grad is None:
                 slot.zero_()
             else:
@@ -89,12 +98,18 @@ class Zero1Step:
         Steps 1 + 3 move (N−1)/N · 2 · Ψ elements per rank: one all-reduce's worth.
         """
         self._copy_grads_in()
-        grad = torch.empty(self.shard.numel(), dtype=self.flat_grads.dtype, device=self.flat_grads.device)
-        comm.reduce_scatter(grad, self.flat_grads, group=self.process_group, tag="grad")  # sum of my slice
+        grad = torch.empty(
+            self.shard.numel(), dtype=self.flat_grads.dtype, device=self.flat_grads.device
+        )
+        comm.reduce_scatter(
+            grad, self.flat_grads, group=self.process_group, tag="grad"
+        )  # sum of my slice
         self.shard.grad = grad.div_(self.world_size)  # sum / N = average
         self.optimizer.step()  # only my slice; its state is 1/N of the model
         # in place: my slice of flat_params is the input, the whole buffer the output
-        comm.all_gather(self.flat_params, self.shard.detach(), group=self.process_group, tag="param")
+        comm.all_gather(
+            self.flat_params, self.shard.detach(), group=self.process_group, tag="param"
+        )
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -151,8 +166,10 @@ class ShardedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, process_group=None):
         super().__init__()
         if linear.bias is not None:
-            raise ValueError("ShardedLinear shards the weight only; build nn.Linear(..., bias=False) "
-                             "(course_lib.zero3.Zero3 shards every parameter, biases included)")
+            raise ValueError(
+                "ShardedLinear shards the weight only; build nn.Linear(..., bias=False) "
+                "(course_lib.zero3.Zero3 shards every parameter, biases included)"
+            )
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -161,10 +178,12 @@ class ShardedLinear(nn.Module):
         self.padded = -(-self.numel // self.world_size) * self.world_size
         size = self.padded // self.world_size  # S
         flat = torch.zeros(self.padded, dtype=linear.weight.dtype, device=linear.weight.device)
-        flat[:self.numel] = linear.weight.detach().reshape(-1)
+        flat[: self.numel] = linear.weight.detach().reshape(-1)
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-        comm.broadcast(flat, src=src, group=process_group, tag="init")  # every rank shards rank 0's weight
-        self.shard = nn.Parameter(flat[self.rank * size:(self.rank + 1) * size].clone())
+        comm.broadcast(
+            flat, src=src, group=process_group, tag="init"
+        )  # every rank shards rank 0's weight
+        self.shard = nn.Parameter(flat[self.rank * size : (self.rank + 1) * size].clone())
         self.full_weight = torch.empty_like(flat)  # a plain attribute, not a parameter or buffer
         self.free_weight()
 
@@ -183,13 +202,13 @@ class ShardedLinear(nn.Module):
         buf = self.full_weight
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         comm.all_gather(buf, self.shard.detach(), group=self.process_group, tag="param")
-        return buf[:self.numel].view(self.out_features, self.in_features)
+        return buf[: self.numel].view(self.out_features, self.in_features)
 
     @torch.no_grad()
     def reduce_scatter_grad(self, grad_weight: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the weight gradient, averaged over ranks (what goes into ``shard.grad``)."""
         flat = torch.zeros(self.padded, dtype=grad_weight.dtype, device=grad_weight.device)
-        flat[:self.numel] = grad_weight.reshape(-1)  # padding contributes zeros
+        flat[: self.numel] = grad_weight.reshape(-1)  # padding contributes zeros
         out = torch.empty(self.padded // self.world_size, dtype=flat.dtype, device=flat.device)
         comm.reduce_scatter(out, flat, group=self.process_group, tag="grad")
         return out.div_(self.world_size)  # sum / N = average, as data parallelism needs
@@ -198,5 +217,7 @@ class ShardedLinear(nn.Module):
         return _ShardedLinearFunction.apply(x, self.shard, self)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"shard={self.shard.numel()} of {self.numel} elements")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"shard={self.shard.numel()} of {self.numel} elements"
+        )

@@ -3,6 +3,7 @@
 Single-device references are then computed the same way as on the ranks (one thread), and the
 test process does not compete with the ranks it spawns for the machine's cores.
 """
+
 import pytest
 import torch
 
@@ -53,6 +54,7 @@ def learner_answer(tmp_path, monkeypatch):
                 return chk.check(name)
             finally:  # forget the answer's modules; monkeypatch then puts the real ones back
                 forget()
+
         return run
 
     return install

@@ -17,6 +17,7 @@ removed by the next run (:func:`sweep_stale`).
 
 Also the rank-side helper :func:`run_and_save` for ``torchrun ... -m course_lib.launch netns:run_and_save``.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,9 @@ _skip: list = []
 
 
 def _sh(*cmd, check=True, timeout=60, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=timeout, env=env)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, check=check, timeout=timeout, env=env
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -53,7 +56,9 @@ def skip_reason() -> str | None:
         if not sys.platform.startswith("linux"):
             reason = "network namespaces are Linux-only"
         elif os.geteuid() != 0:
-            reason = "network namespaces need root (ip netns add); run as root, e.g. in CI's container"
+            reason = (
+                "network namespaces need root (ip netns add); run as root, e.g. in CI's container"
+            )
         elif shutil.which("ip") is None:
             reason = "iproute2's `ip` is not installed (apt-get install iproute2)"
         else:
@@ -74,7 +79,11 @@ def _namespaces() -> list[str]:
 def kill_namespace(ns: str, rounds: int = 5) -> None:
     """SIGKILL every process in namespace ``ns``, until none is left (a dying parent may have started one)."""
     for _ in range(rounds):
-        pids = [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split() if p.isdigit()]
+        pids = [
+            int(p)
+            for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            if p.isdigit()
+        ]
         pids = [p for p in pids if p != os.getpid()]
         if not pids:
             return
@@ -103,7 +112,9 @@ class TwoHosts:
 
     def __init__(self, tag: str, net: int = 77):
         if not re.fullmatch(r"[a-z0-9]{1,4}", tag):
-            raise ValueError(f"tag must be 1-4 lowercase letters/digits (it goes into interface names), got {tag!r}")
+            raise ValueError(
+                f"tag must be 1-4 lowercase letters/digits (it goes into interface names), got {tag!r}"
+            )
         uid = uuid.uuid4().hex[:4]
         self.names = tuple(f"{PREFIX}-{os.getpid()}-{tag}{uid}{i}" for i in range(2))
         self.veths = tuple(f"cn{tag}{uid}{i}" for i in range(2))  # ≤ 15 characters (IFNAMSIZ)
@@ -123,7 +134,9 @@ class TwoHosts:
                 _sh("ip", "netns", "exec", ns, "ip", "link", "set", veth, "up")
                 _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
             if shutil.which("ping"):
-                self.run(0, "ping", "-c", "1", "-W", "5", self.ips[1])  # the link works before anything uses it
+                self.run(
+                    0, "ping", "-c", "1", "-W", "5", self.ips[1]
+                )  # the link works before anything uses it
         except BaseException:
             self.close()
             raise
@@ -137,7 +150,9 @@ class TwoHosts:
         return {**os.environ, "GLOO_SOCKET_IFNAME": self.veths[i], **extra}
 
     def run(self, i: int, *cmd, env=None, timeout=180, check=True) -> subprocess.CompletedProcess:
-        return _sh("ip", "netns", "exec", self.names[i], *cmd, check=check, timeout=timeout, env=env)
+        return _sh(
+            "ip", "netns", "exec", self.names[i], *cmd, check=check, timeout=timeout, env=env
+        )
 
     def popen(self, i: int, cmd: list, env=None, **kwargs) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.names[i], *cmd], env=env, **kwargs)
@@ -153,7 +168,9 @@ class TwoHosts:
             _sh("ip", "netns", "del", ns, check=False)
         leftover = [ns for ns in self._made if ns in _namespaces()]
         self._made = []
-        _sh("ip", "link", "del", self.veths[0], check=False)  # a veth not yet moved into a namespace
+        _sh(
+            "ip", "link", "del", self.veths[0], check=False
+        )  # a veth not yet moved into a namespace
         if leftover:
             raise RuntimeError(f"could not delete network namespaces {leftover}")
 
@@ -172,13 +189,19 @@ def run_and_save(out_dir: str, targets: list) -> str:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # like spawn's ranks: the same float summation order as the single-node run
+    torch.set_num_threads(
+        1
+    )  # like spawn's ranks: the same float summation order as the single-node run
     results = []
     for target, args in targets:
         mod, _, name = target.partition(":")
         results.append(getattr(importlib.import_module(mod), name)(*args))
-    where = {"node_rank": int(os.environ["GROUP_RANK"]), "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
-             "master_addr": os.environ["MASTER_ADDR"], "netns": os.stat("/proc/self/ns/net").st_ino}
+    where = {
+        "node_rank": int(os.environ["GROUP_RANK"]),
+        "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "master_addr": os.environ["MASTER_ADDR"],
+        "netns": os.stat("/proc/self/ns/net").st_ino,
+    }
     path = os.path.join(out_dir, f"rank{dist.get_rank()}.pt")
     torch.save({"where": where, "results": results}, path)
     return path

@@ -1,4 +1,5 @@
 """The α–β cost model: the fit recovers a known model, refuses bad input, and fits a real sweep."""
+
 import pytest
 
 from course_lib.comm import ring_factor
@@ -9,9 +10,16 @@ SIZES = (2**10, 2**12, 2**16, 2**20, 2**22, 2**24)
 
 
 def _rows(alpha, beta, n=2, ops=("all_reduce", "send_recv")):
-    return [{"op": op, "bytes": b, "world_size": n,
-             "time_s": alpha + (1.0 if op == "send_recv" else ring_factor(op, n)) * b / beta}
-            for op in ops for b in SIZES]
+    return [
+        {
+            "op": op,
+            "bytes": b,
+            "world_size": n,
+            "time_s": alpha + (1.0 if op == "send_recv" else ring_factor(op, n)) * b / beta,
+        }
+        for op in ops
+        for b in SIZES
+    ]
 
 
 def test_fit_recovers_a_known_model():
@@ -25,8 +33,10 @@ def test_fit_recovers_a_known_model():
         assert fit.points[op] == 3
     assert fit.predict("all_reduce", 2**24) == pytest.approx(1e-4 + 2**24 / 2e9, rel=0.03)
     # the ring factor carries the model to other world sizes: 2(N−1)/N = 1.5 at N=4
-    REORDERED.assert_close(fit.predict("all_reduce", 2**24, 4),
-                           fit.alpha_s["all_reduce"] + 1.5 * 2**24 / fit.beta_bytes_per_s["all_reduce"])
+    REORDERED.assert_close(
+        fit.predict("all_reduce", 2**24, 4),
+        fit.alpha_s["all_reduce"] + 1.5 * 2**24 / fit.beta_bytes_per_s["all_reduce"],
+    )
     assert fit.predict("all_reduce", 2**24, 1) == 0.0
     assert "β (GB/s)" in fit.table()
 

@@ -10,6 +10,7 @@ same check) cannot tell apart. Screenshots go to ``.cache/test-artifacts/browser
 so, only where Chromium is not installed; ``.ci/run`` installs ``chromium`` and ``fonts-noto-cjk``. Leaves no
 jupyter, kernel or chromium process behind.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,7 +28,9 @@ ARTIFACTS = Path(os.environ.get("COURSE_LIB_CACHE", ROOT / ".cache")) / "test-ar
 
 
 def _driver():
-    spec = importlib.util.spec_from_file_location("_check_quiz_in_lab", ROOT / "tools" / "check_quiz_in_lab.py")
+    spec = importlib.util.spec_from_file_location(
+        "_check_quiz_in_lab", ROOT / "tools" / "check_quiz_in_lab.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -35,9 +38,11 @@ def _driver():
 
 lab_driver = _driver()
 pytestmark = [
-    pytest.mark.skipif(lab_driver.find_chromium() is None,
-                       reason="Debian's chromium is not installed here (apt-get install chromium fonts-noto-cjk; "
-                              ".ci/run does it), so the real-browser quiz test cannot run"),
+    pytest.mark.skipif(
+        lab_driver.find_chromium() is None,
+        reason="Debian's chromium is not installed here (apt-get install chromium fonts-noto-cjk; "
+        ".ci/run does it), so the real-browser quiz test cannot run",
+    ),
     pytest.mark.timeout(300),
 ]
 
@@ -46,19 +51,28 @@ def test_a_korean_font_is_installed():
     picked = lab_driver.korean_font()
     assert lab_driver.CJK_FONT.search(picked), (
         f"fc-match :lang=ko picks {picked or 'nothing'!r}, not a CJK font: Chromium would draw the Korean quiz as "
-        "empty boxes. Install one: apt-get install fonts-noto-cjk")
+        "empty boxes. Install one: apt-get install fonts-noto-cjk"
+    )
 
 
 def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
     started = time.monotonic()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     items = load_bank("collectives")[:3]
-    env = dict(os.environ, COURSE_LIB_HOME=str(tmp_path / "home"))  # the kernel's clicks record nothing real
+    env = dict(
+        os.environ, COURSE_LIB_HOME=str(tmp_path / "home")
+    )  # the kernel's clicks record nothing real
     exam = exam_items(n=14)
-    with lab_driver.Lab({"quiz.ipynb": lab_driver.quiz_notebook(("en", "ko"), exam_n=14)}, env=env) as lab:
+    with lab_driver.Lab(
+        {"quiz.ipynb": lab_driver.quiz_notebook(("en", "ko"), exam_n=14)}, env=env
+    ) as lab:
         found = lab_driver.check_quiz(lab, "quiz.ipynb", ("en", "ko"), items, ARTIFACTS)
-        exam_shown = lab_driver.answer(lab.page, 2, 0, exam[0]["answer"])  # the final exam's widget, cell 3
-        text, font = lab_driver.statement(lab.page, 1, 3)  # statement 3 of the Korean quiz (not a seed item)
+        exam_shown = lab_driver.answer(
+            lab.page, 2, 0, exam[0]["answer"]
+        )  # the final exam's widget, cell 3
+        text, font = lab_driver.statement(
+            lab.page, 1, 3
+        )  # statement 3 of the Korean quiz (not a seed item)
         pixels = lab_driver.korean_renders(lab.page, text, font)
         (ARTIFACTS / "korean_line.png").write_bytes(pixels.pop("png"))
     assert lab.left_alive == [], f"processes left behind: {lab.left_alive}"
@@ -69,22 +83,30 @@ def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
         answer_is = QUIZ_UI[lang]["answer_is"].format(answer=items[1]["answer"])
         assert f"{ui['wrong']} — {answer_is}" in shown, shown  # statement 2, answered wrong
         assert shown.count("✔") == 1 and shown.count("✘") == 1, shown
-        assert items[0]["explanation"][lang][:40] in shown and items[1]["explanation"][lang][:40] in shown
+        assert (
+            items[0]["explanation"][lang][:40] in shown
+            and items[1]["explanation"][lang][:40] in shown
+        )
         assert ui["score"] in shown
         assert items[2]["statement"][lang] in shown  # the cell shows its own language
         assert found["screenshots"][lang].stat().st_size > 10_000
     assert "✔ 정답" not in found["en"] and "✔ correct" not in found["ko"]
 
-    assert "\nFinal O/X exam — chapters 00–09 (14 statements, form 0)\n" in exam_shown, exam_shown[:200]
+    assert "\nFinal O/X exam — chapters 00–09 (14 statements, form 0)\n" in exam_shown, exam_shown[
+        :200
+    ]
     assert "✔ correct" in exam_shown and "Score 1/1 · 13 left" in exam_shown
     assert exam[0]["explanation"]["en"][:40] in exam_shown
 
     assert text == items[2]["statement"]["ko"]
     assert pixels["vs_boxes"] > 0.02 and pixels["vs_other_syllables"] > 0.02, (
-        f"the Korean statement looks like missing-glyph boxes: {pixels} (font {font!r})")
+        f"the Korean statement looks like missing-glyph boxes: {pixels} (font {font!r})"
+    )
     elapsed = time.monotonic() - started
-    print(f"browser quiz check: {elapsed:.1f} s; Korean line vs boxes {pixels['vs_boxes']:.3f}, "
-          f"vs other syllables {pixels['vs_other_syllables']:.3f}; screenshots in {ARTIFACTS}")
+    print(
+        f"browser quiz check: {elapsed:.1f} s; Korean line vs boxes {pixels['vs_boxes']:.3f}, "
+        f"vs other syllables {pixels['vs_other_syllables']:.3f}; screenshots in {ARTIFACTS}"
+    )
 
 
 def test_the_korean_check_fails_without_cjk_fonts():

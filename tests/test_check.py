@@ -1,4 +1,5 @@
 """The exercise checker: solutions pass, shipped exercises are reported unsolved, wrong answers fail clearly."""
+
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,12 @@ def test_shipped_exercise_is_reported_unsolved(name, request):
 
 
 def test_wrong_answer_names_rank_tensor_and_error(learner_answer):
-    run = learner_answer("collectives",
-                         "import torch.distributed as dist\n"
-                         "def ring_all_reduce(t):\n"
-                         "    return t * dist.get_world_size()  # wrong: not a sum over ranks\n")
+    run = learner_answer(
+        "collectives",
+        "import torch.distributed as dist\n"
+        "def ring_all_reduce(t):\n"
+        "    return t * dist.get_world_size()  # wrong: not a sum over ranks\n",
+    )
     result = run("ring_all_reduce")
     assert result.status == "failed"
     assert "rank 0, tensor of 1 elements: max |error|" in result.message
@@ -60,24 +63,36 @@ def _ray_train_answer(old: str, new: str) -> str:
     return source.replace(old, new)
 
 
-def test_ray_train_loop_without_set_epoch_fails_with_the_weight_difference(learner_answer, ray_session):
+def test_ray_train_loop_without_set_epoch_fails_with_the_weight_difference(
+    learner_answer, ray_session
+):
     """Forgetting set_epoch repeats epoch 0's order: a real TorchTrainer run, weights differ from one device."""
-    run = learner_answer("ray_train", _ray_train_answer("            loader.sampler.set_epoch(epoch)",
-                                                             "            pass  # forgot set_epoch(epoch)"))
+    run = learner_answer(
+        "ray_train",
+        _ray_train_answer(
+            "            loader.sampler.set_epoch(epoch)",
+            "            pass  # forgot set_epoch(epoch)",
+        ),
+    )
     result = run("ray_train_loop")
     assert result.status == "failed", str(result)
     assert "differ from one device trained on the same global batches by max |Δ|" in result.message
     assert "set_epoch" in result.message
 
 
-def test_ray_train_loop_that_raises_reports_the_error_and_the_learners_line(learner_answer, ray_session):
+def test_ray_train_loop_that_raises_reports_the_error_and_the_learners_line(
+    learner_answer, ray_session
+):
     """An exception inside a Ray worker comes back as 'error' with its type, message and the learner's line."""
-    source = _ray_train_answer('size=config["global_batch"] //', 'size=config["global_batch_size"] //')
+    source = _ray_train_answer(
+        'size=config["global_batch"] //', 'size=config["global_batch_size"] //'
+    )
     line = 1 + next(i for i, ln in enumerate(source.splitlines()) if '"global_batch_size"' in ln)
     result = learner_answer("ray_train", source)("ray_train_loop")
     assert result.status == "error", str(result)
-    assert result.message == (f"KeyError: 'global_batch_size' (at exercises/ray_train.py, line {line}, "
-                              f"in ray_train_loop)")
+    assert result.message == (
+        f"KeyError: 'global_batch_size' (at exercises/ray_train.py, line {line}, in ray_train_loop)"
+    )
 
 
 def test_unknown_exercise():

@@ -10,6 +10,7 @@
   parallelism) a rank is costed for the block it really computes;
 * off on CUDA unless forced (tested with a device type string); paused; profiler labels.
 """
+
 import copy
 import statistics
 import time
@@ -152,9 +153,14 @@ def run_steps(model: nn.Module, steps: int = 3) -> tuple[list, list]:
     opt = make_optimizer("sgd", model.parameters())
     losses, grads = [], []
     for step in range(steps):
-        losses.append(train_step(model, opt, *batch(step),
-                                 after_backward=lambda: grads.append([p.grad.clone() for p in
-                                                                      model.parameters()])))
+        losses.append(
+            train_step(
+                model,
+                opt,
+                *batch(step),
+                after_backward=lambda: grads.append([p.grad.clone() for p in model.parameters()]),
+            )
+        )
     return losses, grads
 
 
@@ -193,8 +199,13 @@ def _ddp_under_the_clock(rate: float, steps: int) -> dict:
             modelled.append(sum(clock.slept.values()) - before)
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         params = {n.removeprefix("module."): p for n, p in params.items()}
-        out[name] = {"losses": losses, "times": times, "modelled": modelled, "params": params,
-                     "clock": clock.name}
+        out[name] = {
+            "losses": losses,
+            "times": times,
+            "modelled": modelled,
+            "params": params,
+            "clock": clock.name,
+        }
     return out
 
 
@@ -213,9 +224,13 @@ def _block_flops_under_techniques() -> dict:
             fully_shard(block)
         return fully_shard(model)
 
-    runs = {"zero3": (Zero3, local), "zero3 per param": (lambda m: Zero3(m, unit="param"), local),
-            "fsdp2": (fsdp2, local), "tp": (tensor_parallel_gpt, full),
-            "tp + sp": (lambda m: tensor_parallel_gpt(m, sequence_parallel=True), full)}
+    runs = {
+        "zero3": (Zero3, local),
+        "zero3 per param": (lambda m: Zero3(m, unit="param"), local),
+        "fsdp2": (fsdp2, local),
+        "tp": (tensor_parallel_gpt, full),
+        "tp + sp": (lambda m: tensor_parallel_gpt(m, sequence_parallel=True), full),
+    }
     flops = {}
     for name, (technique, (x, y)) in runs.items():
         clock = AcceleratorClock(rate)

@@ -3,6 +3,7 @@
 One spawn per world size runs every case (``_suite``); each case is run under its own
 ``try`` on the ranks, so a failing case fails only the tests that read it, with its own traceback.
 """
+
 import traceback
 
 import pytest
@@ -37,7 +38,9 @@ def _collectives():
         req = comm.irecv(got2, prv, tag="grad-act")
         comm.send(torch.full((2,), 10.0 + r, device=dev), nxt, tag="grad-act")
         req.wait()
-    out.update(all_reduce=a, reduce_scatter=rs, all_gather=ag, broadcast=b, ring=got, ring2=got2, x=x)
+    out.update(
+        all_reduce=a, reduce_scatter=rs, all_gather=ag, broadcast=b, ring=got, ring2=got2, x=x
+    )
     out = {k: v.cpu() for k, v in out.items()}
     out.update(records=log.as_dicts(), summary=log.summary())
     return out
@@ -56,7 +59,11 @@ def _subgroup():
             comm.all_reduce(t, group=pair, tag="pair")
         comm.all_reduce(torch.ones(8, device=dev), group=mesh.get_group("tp"), tag="tp")
         comm.all_reduce(torch.ones(8, device=dev), tag="world")
-    return {"records": log.as_dicts(), "pair_name": pair.group_name if r in (0, 1) else None, "pair_sum": t.cpu()}
+    return {
+        "records": log.as_dicts(),
+        "pair_name": pair.group_name if r in (0, 1) else None,
+        "pair_sum": t.cpu(),
+    }
 
 
 def _counter():
@@ -69,16 +76,27 @@ def _counter():
     with comm.CollectiveCounter(tag="default") as cc:
         dist.all_gather_into_tensor(torch.empty(6 * n, device=dev), torch.ones(6, device=dev))
         cc.tag = "dp"
-        dist.all_gather_into_tensor(torch.empty(12, device=dev), torch.ones(6, device=dev), group=mesh.get_group("dp"))
+        dist.all_gather_into_tensor(
+            torch.empty(12, device=dev), torch.ones(6, device=dev), group=mesh.get_group("dp")
+        )
         cc.tag = "funcol"
-        funcol.all_gather_tensor(torch.ones(5, dtype=torch.bfloat16, device=dev), 0, mesh.get_group("tp")).wait()
-    return {"records": cc.as_dicts(), "count": cc.count(op="all_gather"),
-            "count_dp": cc.count(op="all_gather", tag="dp"), "total_default": cc.total(op="all_gather", tag="default"),
-            "ring_default": cc.total("ring_bytes", tag="default"), "debug_counts": {str(k): v for k, v in
-                                                                                   cc.get_comm_counts().items()}}
+        funcol.all_gather_tensor(
+            torch.ones(5, dtype=torch.bfloat16, device=dev), 0, mesh.get_group("tp")
+        ).wait()
+    return {
+        "records": cc.as_dicts(),
+        "count": cc.count(op="all_gather"),
+        "count_dp": cc.count(op="all_gather", tag="dp"),
+        "total_default": cc.total(op="all_gather", tag="default"),
+        "ring_default": cc.total("ring_bytes", tag="default"),
+        "debug_counts": {str(k): v for k, v in cc.get_comm_counts().items()},
+    }
 
 
-CASES = {2: {"collectives": _collectives}, 4: {"collectives": _collectives, "subgroup": _subgroup, "counter": _counter}}
+CASES = {
+    2: {"collectives": _collectives},
+    4: {"collectives": _collectives, "subgroup": _subgroup, "counter": _counter},
+}
 
 
 def _suite():
@@ -103,7 +121,10 @@ def case(world: int, name: str) -> list:
     ranks = [r[name] for r in _RESULTS[world]]
     errors = [f"rank {i}:\n{r['error']}" for i, r in enumerate(ranks) if "error" in r]
     if errors:
-        pytest.fail(f"case {name!r} at world {world} raised on the ranks:\n" + "\n".join(errors), pytrace=False)
+        pytest.fail(
+            f"case {name!r} at world {world} raised on the ranks:\n" + "\n".join(errors),
+            pytrace=False,
+        )
     return [r["ok"] for r in ranks]
 
 
@@ -114,9 +135,11 @@ def test_collectives_and_byte_counts(world):
     total = sum(xs)
     for r, out in enumerate(res):
         assert torch.equal(out["all_reduce"], total)
-        assert torch.equal(out["reduce_scatter"], total[4 * r: 4 * r + 4])
+        assert torch.equal(out["reduce_scatter"], total[4 * r : 4 * r + 4])
         assert torch.equal(out["all_gather"], total), "all-reduce = reduce-scatter + all-gather"
-        assert torch.equal(out["broadcast"], torch.full((3,), float(world - 1), dtype=torch.bfloat16))
+        assert torch.equal(
+            out["broadcast"], torch.full((3,), float(world - 1), dtype=torch.bfloat16)
+        )
         assert out["ring"].tolist() == [float((r - 1) % world)] * 2
         assert out["ring2"].tolist() == [10.0 + (r - 1) % world] * 2
         rec = {(d["op"], d["tag"]): d for d in out["records"]}
@@ -128,7 +151,10 @@ def test_collectives_and_byte_counts(world):
         REORDERED.assert_close(rec[("reduce_scatter", "grad")]["ring_bytes"], full * f)
         assert rec[("all_gather", "param")]["tensor_bytes"] == full
         REORDERED.assert_close(rec[("all_gather", "param")]["ring_bytes"], full * f)
-        assert rec[("broadcast", None)]["dtype"] == "bfloat16" and rec[("broadcast", None)]["tensor_bytes"] == 6
+        assert (
+            rec[("broadcast", None)]["dtype"] == "bfloat16"
+            and rec[("broadcast", None)]["tensor_bytes"] == 6
+        )
         assert {(d["group"], d["world_size"]) for d in out["records"]} == {("default", world)}
         grad = next(s for s in out["summary"] if s["op"] == "reduce_scatter")
         assert grad["calls"] == 1 and grad["group"] == "default"
@@ -137,11 +163,18 @@ def test_collectives_and_byte_counts(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_commlog_counts_point_to_point_sends_and_receives(world):
     for out in case(world, "collectives"):
-        p2p = [(d["op"], d["tag"], d["tensor_bytes"], d["ring_bytes"]) for d in out["records"]
-               if d["op"] in ("send", "recv")]
+        p2p = [
+            (d["op"], d["tag"], d["tensor_bytes"], d["ring_bytes"])
+            for d in out["records"]
+            if d["op"] in ("send", "recv")
+        ]
         # isend + recv (tag "act"), then irecv + send (tag "grad-act"): 8 bytes each; a send sends, a recv does not
-        assert p2p == [("send", "act", 8, 8.0), ("recv", "act", 8, 0.0),
-                       ("recv", "grad-act", 8, 0.0), ("send", "grad-act", 8, 8.0)]
+        assert p2p == [
+            ("send", "act", 8, 8.0),
+            ("recv", "act", 8, 0.0),
+            ("recv", "grad-act", 8, 0.0),
+            ("send", "grad-act", 8, 8.0),
+        ]
 
 
 def test_ring_bytes_use_the_size_of_the_subgroup_the_call_ran_on():
@@ -155,7 +188,11 @@ def test_ring_bytes_use_the_size_of_the_subgroup_the_call_ran_on():
             assert pair["ring_bytes"] == 32 * 2 * (2 - 1) / 2  # 2(N−1)/N with N = 2, not 4
         else:
             assert "pair" not in rec
-        assert (rec["tp"]["world_size"], rec["tp"]["group"], rec["tp"]["ring_bytes"]) == (2, "tp", 32.0)
+        assert (rec["tp"]["world_size"], rec["tp"]["group"], rec["tp"]["ring_bytes"]) == (
+            2,
+            "tp",
+            32.0,
+        )
         assert (rec["world"]["world_size"], rec["world"]["group"]) == (4, "default")
         assert rec["world"]["ring_bytes"] == 32 * 2 * 3 / 4
 
@@ -165,28 +202,46 @@ def test_collective_counter_counts_and_sizes_all_gather_into_tensor_and_records_
         by_tag = {}
         for d in out["records"]:
             by_tag.setdefault(d["tag"], []).append(d)
-        default, = by_tag["default"]
+        (default,) = by_tag["default"]
         assert (default["op"], default["dtype"], default["numel"]) == ("all_gather", "float32", 24)
-        assert (default["tensor_bytes"], default["group"], default["world_size"]) == (96, "default", 4)
+        assert (default["tensor_bytes"], default["group"], default["world_size"]) == (
+            96,
+            "default",
+            4,
+        )
         assert default["ring_bytes"] == 96 * 3 / 4
-        dp, = by_tag["dp"]
-        assert (dp["op"], dp["tensor_bytes"], dp["group"], dp["world_size"], dp["ring_bytes"]) == \
-            ("all_gather", 48, "dp", 2, 24.0)
+        (dp,) = by_tag["dp"]
+        assert (dp["op"], dp["tensor_bytes"], dp["group"], dp["world_size"], dp["ring_bytes"]) == (
+            "all_gather",
+            48,
+            "dp",
+            2,
+            24.0,
+        )
         # a functional collective names its group by string: resolved, and sized by its output
-        fc, = by_tag["funcol"]
-        assert (fc["op"], fc["dtype"], fc["tensor_bytes"], fc["group"], fc["world_size"]) == \
-            ("all_gather", "bfloat16", 20, "tp", 2)
+        (fc,) = by_tag["funcol"]
+        assert (fc["op"], fc["dtype"], fc["tensor_bytes"], fc["group"], fc["world_size"]) == (
+            "all_gather",
+            "bfloat16",
+            20,
+            "tp",
+            2,
+        )
         assert out["count"] == 3 and out["count_dp"] == 1
         assert out["total_default"] == 96 and out["ring_default"] == 72.0
         assert out["debug_counts"]["c10d._allgather_base_"] == 2
 
 
 def _bad_reduce_scatter():
-    comm.reduce_scatter(torch.empty(3, device=device()), torch.empty(4 * dist.get_world_size(), device=device()))
+    comm.reduce_scatter(
+        torch.empty(3, device=device()), torch.empty(4 * dist.get_world_size(), device=device())
+    )
 
 
 def test_size_mismatch_is_a_clear_error():
-    with pytest.raises(RankError, match=r"reduce_scatter: input has 8 elements, expected world_size=2 × output's 3"):
+    with pytest.raises(
+        RankError, match=r"reduce_scatter: input has 8 elements, expected world_size=2 × output's 3"
+    ):
         spawn(_bad_reduce_scatter, 2)
 
 
@@ -198,15 +253,33 @@ def test_ring_factors():
 
 
 def test_bandwidth_benchmark_rows():
-    rows = spawn(collectives.bandwidth_benchmark, 2,
-                 kwargs=dict(sizes_bytes=(4096, 65536), ops=("all_reduce", "all_gather", "send_recv"), iters=3,
-                             repeats=5))[0]
-    assert [(r["op"], r["bytes"]) for r in rows] == [("all_reduce", 4096), ("all_reduce", 65536),
-                                                     ("all_gather", 4096), ("all_gather", 65536),
-                                                     ("send_recv", 4096), ("send_recv", 65536)]
+    rows = spawn(
+        collectives.bandwidth_benchmark,
+        2,
+        kwargs=dict(
+            sizes_bytes=(4096, 65536),
+            ops=("all_reduce", "all_gather", "send_recv"),
+            iters=3,
+            repeats=5,
+        ),
+    )[0]
+    assert [(r["op"], r["bytes"]) for r in rows] == [
+        ("all_reduce", 4096),
+        ("all_reduce", 65536),
+        ("all_gather", 4096),
+        ("all_gather", 65536),
+        ("send_recv", 4096),
+        ("send_recv", 65536),
+    ]
     for r in rows:  # time_s is the median of 5 repeats, with their min and max as the spread
-        assert len(r["times_s"]) == 5 and r["time_lo_s"] <= r["time_s"] <= r["time_hi_s"] and r["time_s"] > 0
-        factor = 1.0 if r["op"] == "send_recv" else comm.ring_factor(r["op"], 2)  # point-to-point: sent once
+        assert (
+            len(r["times_s"]) == 5
+            and r["time_lo_s"] <= r["time_s"] <= r["time_hi_s"]
+            and r["time_s"] > 0
+        )
+        factor = (
+            1.0 if r["op"] == "send_recv" else comm.ring_factor(r["op"], 2)
+        )  # point-to-point: sent once
         REORDERED.assert_close(r["busbw_GBps"], r["algbw_GBps"] * factor)
     with pytest.raises(RankError, match="unsupported op 'gather'"):
         spawn(collectives.bandwidth_benchmark, 2, kwargs=dict(ops=("gather",)))

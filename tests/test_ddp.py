@@ -5,6 +5,7 @@ rank function ``_suite`` trains all cases and returns their final weights and co
 the parametrized tests below each read the case they name and compare it with a single-device run
 computed here in the test process, within the named tolerances of ``course_lib.results``.
 """
+
 import functools
 
 import pytest
@@ -15,7 +16,13 @@ import torch.nn.functional as F
 
 from course_lib import comm
 from course_lib.data import make_batch
-from course_lib.ddp import DDP, make_buckets, naive_allreduce_gradients, torch_ddp, trainable_parameters
+from course_lib.ddp import (
+    DDP,
+    make_buckets,
+    naive_allreduce_gradients,
+    torch_ddp,
+    trainable_parameters,
+)
 from course_lib.experiments.ddp import DDPTimeline
 from course_lib.launch import spawn
 from course_lib.models import GPT, equality_config
@@ -32,8 +39,13 @@ MODELS = ["tied", "untied_frozen"]
 OPTS = {"sgd": SGD_STEPS, "adamw": ADAMW_STEPS}
 NO_SYNC_BATCH = 24  # 3 equal micro-batches per rank at world 2 and 4
 # own DDP's options per wrapper name ("own" = the defaults, like torch: copies, no unused-parameter search)
-OWN = {"own": {}, "own_view": dict(gradient_as_bucket_view=True), "own_find_unused": dict(find_unused_parameters=True),
-       "own_fp16": dict(comm_hook="fp16"), "own_bf16": dict(comm_hook="bf16")}
+OWN = {
+    "own": {},
+    "own_view": dict(gradient_as_bucket_view=True),
+    "own_find_unused": dict(find_unused_parameters=True),
+    "own_fp16": dict(comm_hook="fp16"),
+    "own_bf16": dict(comm_hook="bf16"),
+}
 
 
 # --------------------------------------------------------------------------- models and references
@@ -51,7 +63,9 @@ def make_optimizer(name: str, params):
     params = [p for p in params if p.requires_grad]
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.5)
-    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)  # the course's lr (train_single_device)
+    return torch.optim.AdamW(
+        params, lr=3e-3, weight_decay=0.1
+    )  # the course's lr (train_single_device)
 
 
 class WithUnused(nn.Module):
@@ -63,8 +77,12 @@ class WithUnused(nn.Module):
         self.gpt = GPT(equality_config(**CFG), seed=0)
         V = CFG["vocab_size"]
         gen = torch.Generator().manual_seed(7)
-        self.extras = nn.ParameterDict({"extra": nn.Parameter(torch.randn(V, V, generator=gen) * 0.02),
-                                        "dead": nn.Parameter(torch.randn(V, V, generator=gen) * 0.02)})
+        self.extras = nn.ParameterDict(
+            {
+                "extra": nn.Parameter(torch.randn(V, V, generator=gen) * 0.02),
+                "dead": nn.Parameter(torch.randn(V, V, generator=gen) * 0.02),
+            }
+        )
 
     def forward(self, idx, targets, use_extra: bool):
         logits, _ = self.gpt(idx)
@@ -79,7 +97,7 @@ def params_of(module: nn.Module) -> dict:
 
 def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     n = t.size(0) // world
-    return t[rank * n:(rank + 1) * n]
+    return t[rank * n : (rank + 1) * n]
 
 
 def batch(step: int, size: int = BATCH):
@@ -107,7 +125,10 @@ def reference_unused(world: int, steps: int) -> dict:
     for step in range(steps):
         x, y = batch(step)
         optimizer.zero_grad(set_to_none=True)
-        loss = sum(model(shard(x, r, world), shard(y, r, world), r != world - 1) for r in range(world)) / world
+        loss = (
+            sum(model(shard(x, r, world), shard(y, r, world), r != world - 1) for r in range(world))
+            / world
+        )
         loss.backward()
         optimizer.step()
     return {"params": params_of(model), "dead_grad_is_none": model.extras["dead"].grad is None}
@@ -119,7 +140,11 @@ def reference_unused(world: int, steps: int) -> dict:
 def _train_case(model_kind, bucket_cap_mb, opt, steps, wrapper):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_kind)
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, **OWN[wrapper]) if wrapper in OWN else torch_ddp(model)
+    ddp = (
+        DDP(model, bucket_cap_mb=bucket_cap_mb, **OWN[wrapper])
+        if wrapper in OWN
+        else torch_ddp(model)
+    )
     optimizer = make_optimizer(opt, ddp.parameters())
     grad_bytes, grad_calls, used_calls, grad_is_view = [], [], [], []
     for step in range(steps):
@@ -132,12 +157,21 @@ def _train_case(model_kind, bucket_cap_mb, opt, steps, wrapper):
         grad_calls.append(log.count(tag="grad"))
         used_calls.append(log.count(tag="used"))
         if wrapper in OWN:
-            grad_is_view.append([p.grad.data_ptr() == ddp._slot[p].data_ptr() for p in model.parameters()
-                                 if p in ddp._slot])
+            grad_is_view.append(
+                [
+                    p.grad.data_ptr() == ddp._slot[p].data_ptr()
+                    for p in model.parameters()
+                    if p in ddp._slot
+                ]
+            )
         optimizer.step()
-    out = {"params": params_of(model), "grad_bytes": grad_bytes, "grad_calls": grad_calls,
-           "used_calls": used_calls, "frozen_grad_is_none": [p.grad is None for p in model.parameters()
-                                                             if not p.requires_grad]}
+    out = {
+        "params": params_of(model),
+        "grad_bytes": grad_bytes,
+        "grad_calls": grad_calls,
+        "used_calls": used_calls,
+        "frozen_grad_is_none": [p.grad is None for p in model.parameters() if not p.requires_grad],
+    }
     if wrapper in OWN:
         out["buckets"], out["grad_is_view"] = ddp.buckets, grad_is_view
     return out
@@ -156,8 +190,12 @@ def _unused_case(bucket_cap_mb, steps):
         dead_none.append(model.extras["dead"].grad is None)
         extra_none.append(model.extras["extra"].grad is None)
         optimizer.step()
-    return {"params": params_of(model), "dead_grad_is_none": dead_none, "extra_grad_is_none": extra_none,
-            "buckets": ddp.buckets}
+    return {
+        "params": params_of(model),
+        "dead_grad_is_none": dead_none,
+        "extra_grad_is_none": extra_none,
+        "buckets": ddp.buckets,
+    }
 
 
 def _unused_default_case(bucket_cap_mb):
@@ -195,8 +233,13 @@ def _no_sync_case(bucket_cap_mb, micro):
         calls_sync.append(log.count(tag="grad"))
         bytes_sync.append(log.total("tensor_bytes", tag="grad"))
         optimizer.step()
-    return {"params": params_of(model), "calls_no_sync": calls_no_sync, "calls_sync": calls_sync,
-            "bytes_sync": bytes_sync, "n_buckets": len(ddp.buckets)}
+    return {
+        "params": params_of(model),
+        "calls_no_sync": calls_no_sync,
+        "calls_sync": calls_sync,
+        "bytes_sync": bytes_sync,
+        "n_buckets": len(ddp.buckets),
+    }
 
 
 def _broadcast_case():
@@ -227,10 +270,20 @@ class _Calls(DDPTimeline):
     def __init__(self):
         super().__init__()
         self.calls = []
-        for name in ("on_forward_start", "on_forward_end", "on_bucket_launch", "on_wait_start", "on_bucket_done",
-                     "on_step_done"):
+        for name in (
+            "on_forward_start",
+            "on_forward_end",
+            "on_bucket_launch",
+            "on_wait_start",
+            "on_bucket_done",
+            "on_step_done",
+        ):
             hook = getattr(self, name)
-            setattr(self, name, lambda *a, _name=name, _hook=hook: (self.calls.append(_name[3:]), _hook(*a)))
+            setattr(
+                self,
+                name,
+                lambda *a, _name=name, _hook=hook: (self.calls.append(_name[3:]), _hook(*a)),
+            )
 
 
 def _timeline_case():
@@ -241,7 +294,11 @@ def _timeline_case():
     ddp(shard(x, rank, world), shard(y, rank, world))[1].backward()
     with ddp.no_sync():
         ddp(shard(x, rank, world), shard(y, rank, world))[1].backward()
-    return {"timeline": list(timeline.events), "n_buckets": len(ddp.buckets), "calls": timeline.calls}
+    return {
+        "timeline": list(timeline.events),
+        "n_buckets": len(ddp.buckets),
+        "calls": timeline.calls,
+    }
 
 
 def _refusal_case():
@@ -261,30 +318,53 @@ def _refusal_case():
     before = reducer_of(plain.parameters())
     ours = DDP(build_model("tied"))
     theirs = torch_ddp(build_model("tied"))
-    out = {"plain": before, "ours": reducer_of(ours.parameters()), "theirs": reducer_of(theirs.parameters()),
-           "zero3_of_ddp": error(lambda: Zero3(ours)),
-           "zero3_of_inner": error(lambda: Zero3(ours.module)),
-           "zero_of_ddp": error(lambda: ZeroOptimizer(ours.module.parameters(), torch.optim.AdamW)),
-           "check": error(lambda: check_not_reduced(theirs.module.parameters(), "Sharding"))}
+    out = {
+        "plain": before,
+        "ours": reducer_of(ours.parameters()),
+        "theirs": reducer_of(theirs.parameters()),
+        "zero3_of_ddp": error(lambda: Zero3(ours)),
+        "zero3_of_inner": error(lambda: Zero3(ours.module)),
+        "zero_of_ddp": error(lambda: ZeroOptimizer(ours.module.parameters(), torch.optim.AdamW)),
+        "check": error(lambda: check_not_reduced(theirs.module.parameters(), "Sharding")),
+    }
     ours = theirs = None  # drop the wrappers (and their hooks)
     return out
 
 
 def _suite(world_cases: dict) -> dict:
-    runners = {"train": _train_case, "unused": _unused_case, "unused_default": _unused_default_case,
-               "no_sync": _no_sync_case, "broadcast": _broadcast_case, "naive": _naive_case,
-               "timeline": _timeline_case, "refusal": _refusal_case, "bench": _bench_smoke,
-               "claims": _chapter_claims}
+    runners = {
+        "train": _train_case,
+        "unused": _unused_case,
+        "unused_default": _unused_default_case,
+        "no_sync": _no_sync_case,
+        "broadcast": _broadcast_case,
+        "naive": _naive_case,
+        "timeline": _timeline_case,
+        "refusal": _refusal_case,
+        "bench": _bench_smoke,
+        "claims": _chapter_claims,
+    }
     return {key: runners[key[0]](*key[1:]) for key in world_cases}
 
 
 def all_cases(world: int) -> list[tuple]:
-    cases = [("train", m, cap, opt, steps, "own") for m in MODELS for cap in BUCKETS.values()
-             for opt, steps in OPTS.items()]
-    cases += [("train", m, 25.0, opt, steps, "torch") for m in MODELS for opt, steps in OPTS.items()]
-    cases += [("train", m, 0.03, opt, steps, "own_view") for m in MODELS for opt, steps in OPTS.items()]
+    cases = [
+        ("train", m, cap, opt, steps, "own")
+        for m in MODELS
+        for cap in BUCKETS.values()
+        for opt, steps in OPTS.items()
+    ]
+    cases += [
+        ("train", m, 25.0, opt, steps, "torch") for m in MODELS for opt, steps in OPTS.items()
+    ]
+    cases += [
+        ("train", m, 0.03, opt, steps, "own_view") for m in MODELS for opt, steps in OPTS.items()
+    ]
     cases += [("train", "tied", 100.0, "sgd", SGD_STEPS, "own_view")]
-    cases += [("train", "tied", 0.03, "sgd", SGD_STEPS, w) for w in ("own_find_unused", "own_fp16", "own_bf16")]
+    cases += [
+        ("train", "tied", 0.03, "sgd", SGD_STEPS, w)
+        for w in ("own_find_unused", "own_fp16", "own_bf16")
+    ]
     cases += [("unused", cap, 5) for cap in (None, 0.03, 100.0)]
     cases += [("unused_default", cap) for cap in (None, 0.03)]
     cases += [("no_sync", cap, 3) for cap in (None, 0.03)]
@@ -297,7 +377,9 @@ def all_cases(world: int) -> list[tuple]:
 @functools.lru_cache(maxsize=None)
 def suite(world: int) -> dict:
     """Run every case at this world size, in one spawn; result[key] is the list of per-rank outputs."""
-    per_rank = spawn(_suite, world, args=(dict.fromkeys(all_cases(world)),), backend="gloo", timeout=480)
+    per_rank = spawn(
+        _suite, world, args=(dict.fromkeys(all_cases(world)),), backend="gloo", timeout=480
+    )
     return {key: [r[key] for r in per_rank] for key in per_rank[0]}
 
 
@@ -367,7 +449,9 @@ def test_grad_bytes_per_step_equal_unique_trainable_param_bytes(world, cap, mode
     for out in suite(world)[("train", model_kind, cap, "sgd", SGD_STEPS, "own")]:
         assert out["grad_bytes"] == [want] * SGD_STEPS
         assert out["grad_calls"] == [len(out["buckets"])] * SGD_STEPS, "one all-reduce per bucket"
-        assert out["used_calls"] == [0] * SGD_STEPS, "find_unused_parameters=False: no used-flag all-reduce"
+        assert out["used_calls"] == [0] * SGD_STEPS, (
+            "find_unused_parameters=False: no used-flag all-reduce"
+        )
 
 
 @pytest.mark.parametrize("world", world_ids)
@@ -384,13 +468,19 @@ def test_find_unused_parameters_costs_one_flag_allreduce_and_keeps_the_result(wo
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 @pytest.mark.parametrize("model_kind", model_ids)
 @pytest.mark.parametrize("world", world_ids)
-def test_gradient_as_bucket_view_matches_single_device_and_grads_are_bucket_views(world, model_kind, opt):
+def test_gradient_as_bucket_view_matches_single_device_and_grads_are_bucket_views(
+    world, model_kind, opt
+):
     ref = reference(model_kind, opt, OPTS[opt])
     for out in suite(world)[("train", model_kind, 0.03, opt, OPTS[opt], "own_view")]:
         for_optimizer(opt).assert_close(out["params"], ref)
-        assert all(all(step) and step for step in out["grad_is_view"]), ".grad is the view into its bucket"
+        assert all(all(step) and step for step in out["grad_is_view"]), (
+            ".grad is the view into its bucket"
+        )
     for out in suite(world)[("train", model_kind, 0.03, opt, OPTS[opt], "own")]:
-        assert not any(any(step) for step in out["grad_is_view"]), "default: .grad is its own tensor (copy back)"
+        assert not any(any(step) for step in out["grad_is_view"]), (
+            "default: .grad is its own tensor (copy back)"
+        )
 
 
 @pytest.mark.parametrize("world", world_ids)
@@ -411,7 +501,9 @@ def test_compress_hook_halves_the_bytes_and_stays_close_to_fp32(world, hook):
     for out in suite(world)[("train", "tied", 0.03, "sgd", SGD_STEPS, hook)]:
         assert out["grad_bytes"] == [want // 2] * SGD_STEPS, "16-bit all-reduce: half the bytes"
         assert max_abs_diff(out["params"], ref) > 0, "16-bit communication rounds"
-        (FP16 if hook == "own_fp16" else BF16).assert_close(out["params"], ref)  # rounded, not wrong
+        (FP16 if hook == "own_fp16" else BF16).assert_close(
+            out["params"], ref
+        )  # rounded, not wrong
 
 
 def test_comm_hook_rejects_unknown_names():
@@ -445,11 +537,14 @@ def test_make_buckets_respects_the_cap():
     assert [n for b in buckets for n, _ in b] == [n for n, _ in reversed(named)]
 
 
-@pytest.mark.parametrize("cap", [pytest.param(None, id="bucket=per_param"),
-                                 pytest.param(0.03, id="bucket=several")])
+@pytest.mark.parametrize(
+    "cap", [pytest.param(None, id="bucket=per_param"), pytest.param(0.03, id="bucket=several")]
+)
 @pytest.mark.parametrize("world", world_ids)
 def test_no_sync_accumulates_then_syncs_once(world, cap):
-    ref = reference("tied", "sgd", 2, NO_SYNC_BATCH)  # 3 equal micro-batches per rank = the full batch
+    ref = reference(
+        "tied", "sgd", 2, NO_SYNC_BATCH
+    )  # 3 equal micro-batches per rank = the full batch
     want_bytes = unique_trainable_bytes(build_model("tied"))
     for out in suite(world)[("no_sync", cap, 3)]:
         assert out["calls_no_sync"] == [0, 0], "no communication inside no_sync"
@@ -471,9 +566,14 @@ def test_wrapping_broadcasts_params_and_buffers_from_rank0(world):
 # --------------------------------------------------------------------------- tests: unused parameters
 
 
-@pytest.mark.parametrize("cap", [pytest.param(None, id="bucket=per_param"),
-                                 pytest.param(0.03, id="bucket=several"),
-                                 pytest.param(100.0, id="bucket=one_bucket")])
+@pytest.mark.parametrize(
+    "cap",
+    [
+        pytest.param(None, id="bucket=per_param"),
+        pytest.param(0.03, id="bucket=several"),
+        pytest.param(100.0, id="bucket=one_bucket"),
+    ],
+)
 @pytest.mark.parametrize("world", world_ids)
 def test_param_unused_on_every_rank_keeps_grad_none(world, cap):
     for out in suite(world)[("unused", cap, 5)]:
@@ -481,15 +581,22 @@ def test_param_unused_on_every_rank_keeps_grad_none(world, cap):
         assert out["extra_grad_is_none"] == [False] * 5
 
 
-@pytest.mark.parametrize("cap", [pytest.param(None, id="bucket=per_param"),
-                                 pytest.param(0.03, id="bucket=several"),
-                                 pytest.param(100.0, id="bucket=one_bucket")])
+@pytest.mark.parametrize(
+    "cap",
+    [
+        pytest.param(None, id="bucket=per_param"),
+        pytest.param(0.03, id="bucket=several"),
+        pytest.param(100.0, id="bucket=one_bucket"),
+    ],
+)
 @pytest.mark.parametrize("world", world_ids)
 def test_param_unused_on_one_rank_does_not_hang_and_matches_single_device(world, cap):
     ref = reference_unused(world, 5)
     for out in suite(world)[("unused", cap, 5)]:
         first = [n for b in out["buckets"] for n in b][:2]
-        assert set(first) == {"extras.dead", "extras.extra"}, "registered last, reduced first: they block the rest"
+        assert set(first) == {"extras.dead", "extras.extra"}, (
+            "registered last, reduced first: they block the rest"
+        )
         ADAMW.assert_close(out["params"], ref["params"])
 
 
@@ -498,7 +605,9 @@ def test_unused_parameter_without_find_unused_raises_a_clear_error_and_does_not_
     for cap in (None, 0.03):
         for out in suite(world)[("unused_default", cap)]:
             assert "extras.dead" in out["error"] and "find_unused_parameters=True" in out["error"]
-            assert out["grad_calls"] == out["n_buckets"], "every bucket still launched: no rank hangs"
+            assert out["grad_calls"] == out["n_buckets"], (
+                "every bucket still launched: no rank hangs"
+            )
 
 
 # --------------------------------------------------------------------------- tests: timeline
@@ -520,9 +629,17 @@ def test_timeline_shows_communication_launched_during_backward(world):
 def test_observer_hooks_run_in_step_order_and_not_under_no_sync(world):
     for out in suite(world)[("timeline",)]:
         k = out["n_buckets"]
-        synced = ["forward_start", "forward_end", *["bucket_launch"] * k, "wait_start", *["bucket_done"] * k,
-                  "step_done"]
-        assert out["calls"] == synced + ["forward_start", "forward_end"], "no_sync: a forward, no reduction"
+        synced = [
+            "forward_start",
+            "forward_end",
+            *["bucket_launch"] * k,
+            "wait_start",
+            *["bucket_done"] * k,
+            "step_done",
+        ]
+        assert out["calls"] == synced + ["forward_start", "forward_end"], (
+            "no_sync: a forward, no reduction"
+        )
 
 
 # --------------------------------------------------------------------------- the notebook's measurements
@@ -533,40 +650,65 @@ def _bench_smoke():
 
     cfg = equality_config(**CFG)
     kw = dict(config=cfg, batch_size=2)
-    return {"throughput": bench.ddp_throughput(**kw, bucket_cap_mb=0.03, rounds=2, steps_per_round=1, warmup=1),
-            "sweep": bench.bucket_size_sweep((None, 0.03, 100.0), **kw, rounds=1, steps_per_round=1, warmup=0),
-            "step": bench.ddp_step_time(cfg, global_batch=4, steps=1, warmup=0),
-            "timelines": bench.ddp_timelines(**kw, bucket_cap_mb=0.03, steps=1)}
+    return {
+        "throughput": bench.ddp_throughput(
+            **kw, bucket_cap_mb=0.03, rounds=2, steps_per_round=1, warmup=1
+        ),
+        "sweep": bench.bucket_size_sweep(
+            (None, 0.03, 100.0), **kw, rounds=1, steps_per_round=1, warmup=0
+        ),
+        "step": bench.ddp_step_time(cfg, global_batch=4, steps=1, warmup=0),
+        "timelines": bench.ddp_timelines(**kw, bucket_cap_mb=0.03, steps=1),
+    }
 
 
 def test_bench_rank_functions_return_numbers_for_the_notebook():
     res = suite(2)[("bench",)][0]
     thr = res["throughput"]
-    assert all(thr[v]["tokens_per_s"] > 0 for v in ("naive", "own_per_param", "own_bucketed", "torch_ddp"))
-    assert [r["n_buckets"] for r in res["sweep"]][::2] == [len(trainable_parameters(build_model("tied"))), 1]
-    assert res["step"]["world_size"] == 2 and res["step"]["step_s"] > 0 and res["step"]["compute_s"] > 0
+    assert all(
+        thr[v]["tokens_per_s"] > 0 for v in ("naive", "own_per_param", "own_bucketed", "torch_ddp")
+    )
+    assert [r["n_buckets"] for r in res["sweep"]][::2] == [
+        len(trainable_parameters(build_model("tied"))),
+        1,
+    ]
+    assert (
+        res["step"]["world_size"] == 2
+        and res["step"]["step_s"] > 0
+        and res["step"]["compute_s"] > 0
+    )
     tl = res["timelines"]
     assert {e[0] for e in tl["naive"]} == {"compute", "comm"}
     assert {e[0] for e in tl["overlapped"]} == {"compute", "comm", "wait"}
     naive_backward_end = [e for e in tl["naive"] if e[1] == "backward"][0][3]
-    assert min(e[2] for e in tl["naive"] if e[0] == "comm") >= naive_backward_end, "naive: comm after backward"
+    assert min(e[2] for e in tl["naive"] if e[0] == "comm") >= naive_backward_end, (
+        "naive: comm after backward"
+    )
 
 
 def _chapter_claims():
     from course_lib.experiments import ddp
 
-    return [ddp.equality_with_single_device(v, o, steps)
-            for v in ddp.VARIANTS for o, steps in (("sgd", 5), ("adamw", 10))] \
-        + [ddp.accumulation_with_no_sync(micro_batches=4)]
+    return [
+        ddp.equality_with_single_device(v, o, steps)
+        for v in ddp.VARIANTS
+        for o, steps in (("sgd", 5), ("adamw", 10))
+    ] + [ddp.accumulation_with_no_sync(micro_batches=4)]
 
 
 def test_notebook_02_claims_hold_on_every_rank():
     per_rank = suite(2)[("claims",)]
-    failed = [(rank, type(r).__name__, getattr(r, "variant", ""), claim)
-              for rank, results in enumerate(per_rank) for r in results
-              for claim, ok in r.claims().items() if not ok]
+    failed = [
+        (rank, type(r).__name__, getattr(r, "variant", ""), claim)
+        for rank, results in enumerate(per_rank)
+        for r in results
+        for claim, ok in r.claims().items()
+        if not ok
+    ]
     assert failed == []
-    assert all(r.claims() for results in per_rank for r in results)  # every result states at least one claim
+    assert all(
+        r.claims() for results in per_rank for r in results
+    )  # every result states at least one claim
 
 
 # --------------------------------------------------------------------------- sharding on top of DDP
@@ -576,8 +718,13 @@ def test_notebook_02_claims_hold_on_every_rank():
 def test_sharding_refuses_parameters_a_data_parallel_wrapper_already_reduces(world):
     for out in suite(world)[("refusal",)]:
         assert out["plain"] is None
-        assert (out["ours"], out["theirs"]) == ("course_lib.ddp.DDP", "torch.nn.parallel.DistributedDataParallel")
+        assert (out["ours"], out["theirs"]) == (
+            "course_lib.ddp.DDP",
+            "torch.nn.parallel.DistributedDataParallel",
+        )
         assert "Zero3" in out["zero3_of_ddp"] and "DDP" in out["zero3_of_ddp"]
-        assert out["zero3_of_inner"], "the inner module's parameters are marked too: DDP would reduce them"
+        assert out["zero3_of_inner"], (
+            "the inner module's parameters are marked too: DDP would reduce them"
+        )
         assert "course_lib.ddp.DDP" in out["zero_of_ddp"]
         assert "DistributedDataParallel" in out["check"] and "Sharding" in out["check"]

@@ -87,7 +87,11 @@ def test_grade_all_right_then_some_wrong_scores_per_topic_traps_and_reread(cours
     form = x.exam_items()
     answers = key(form)
     perfect = x.grade_exam(answers, record=False)
-    assert (perfect.score, perfect.total) == (40, 40) and perfect.missed_traps == [] and perfect.reread == ()
+    assert (
+        (perfect.score, perfect.total) == (40, 40)
+        and perfect.missed_traps == []
+        and perfect.reread == ()
+    )
     wrong = [form[1], form[17], form[33]]
     for item in wrong:
         answers[item["id"]] = flipped(item["answer"]).lower()
@@ -121,9 +125,13 @@ def test_report_is_deterministic_and_names_topics_traps_and_sections(course_home
     assert weakest[0] == miss["topic"]  # weakest topic first
     topic, anchor = miss["teaches"].split("#")
     assert lines[-1] == f"Reread: {course.number(topic):02d}#{anchor} ({miss['trap']})"
-    assert not any(line.startswith("By topic:") for line in lines)  # the table replaces the one-line summary
+    assert not any(
+        line.startswith("By topic:") for line in lines
+    )  # the table replaces the one-line summary
     korean = repr(x.grade_exam(answers, seed=2, lang="ko", record=False)).splitlines()
-    assert korean[0] == "O/X 시험 결과: 39/40 정답 (98%)" and korean[-1].startswith("다시 읽을 곳: ")
+    assert korean[0] == "O/X 시험 결과: 39/40 정답 (98%)" and korean[-1].startswith(
+        "다시 읽을 곳: "
+    )
     assert "주제별 점수:" in korean
 
 
@@ -134,7 +142,9 @@ def test_grade_accepts_a_list_in_form_order_and_rejects_bad_input():
     with pytest.raises(ValueError, match="20 statements but 2 answers"):
         x.grade_exam(["O", "X"], n=20, seed=1)
     outside = next(i["id"] for i in q.load_bank() if i["id"] not in {f["id"] for f in form})
-    with pytest.raises(ValueError, match=f"unknown item id '{outside}' for the exam form n=20, seed=1"):
+    with pytest.raises(
+        ValueError, match=f"unknown item id '{outside}' for the exam form n=20, seed=1"
+    ):
         x.grade_exam({outside: "O"}, n=20, seed=1)
     with pytest.raises(ValueError, match="allowed values are 'O' or 'X'"):
         x.grade_exam({form[0]["id"]: "maybe"}, n=20, seed=1)
@@ -151,8 +161,11 @@ def test_grading_records_last_and_best_exam_score_beside_the_quizzes(course_home
     half = {i["id"]: (i["answer"] if n % 2 else flipped(i["answer"])) for n, i in enumerate(form)}
     x.grade_exam(half)
     stored = json.loads((course_home / "progress.json").read_text(encoding="utf-8"))
-    assert stored["exam"] == {"best": {"score": 40, "total": 40, "seed": 0},
-                              "last": {"score": 20, "total": 40, "seed": 0}, "attempts": 2}
+    assert stored["exam"] == {
+        "best": {"score": 40, "total": 40, "seed": 0},
+        "last": {"score": 20, "total": 40, "seed": 0},
+        "attempts": 2,
+    }
     assert stored["quiz"]["zero"]["attempts"] == 1  # the quiz section survives exam writes
 
 
@@ -179,7 +192,10 @@ def test_widget_feedback_running_score_then_topics_traps_reread_and_record(cours
 
 
 def test_widget_and_text_listings_are_deterministic():
-    widget, again = x.final_exam(mode="widget", record=False), x.final_exam(mode="widget", record=False)
+    widget, again = (
+        x.final_exam(mode="widget", record=False),
+        x.final_exam(mode="widget", record=False),
+    )
     bundle = widget._repr_mimebundle_()
     assert bundle["text/plain"] == again._repr_mimebundle_()["text/plain"] == widget.text()
     lines = widget.text().splitlines()
@@ -188,14 +204,23 @@ def test_widget_and_text_listings_are_deterministic():
     assert lines[-1] == q.WIDGET_HINT
     first_plain = next(n for n, i in enumerate(form) if not i.get("seed"))
     plain = form[first_plain]
-    assert f"{first_plain + 1:2d}. [{course.number(plain['chapter']):02d}] {plain['statement']['en']}" in lines
+    assert (
+        f"{first_plain + 1:2d}. [{course.number(plain['chapter']):02d}] {plain['statement']['en']}"
+        in lines
+    )
     shown = x.final_exam(seed=3)  # pytest is not a kernel: the text fallback
     assert isinstance(shown, x.ExamText)
-    assert repr(shown).splitlines()[-1] == ("(answer with grade_exam({item_id: 'O' or 'X'}, n=40, seed=3) or: "
-                                            "course-lib exam -n 40 --seed 3)")
-    assert repr(shown).splitlines()[1:-1] == x.ExamWidget(x.exam_items(seed=3), "en", 3,
-                                                           record=False).text().splitlines()[1:-1]
-    assert repr(x.final_exam(lang="ko", mode="text")).startswith("최종 O/X 시험 — 00–09장 전체 (40문항, 시험지 0)")
+    assert repr(shown).splitlines()[-1] == (
+        "(answer with grade_exam({item_id: 'O' or 'X'}, n=40, seed=3) or: "
+        "course-lib exam -n 40 --seed 3)"
+    )
+    assert (
+        repr(shown).splitlines()[1:-1]
+        == x.ExamWidget(x.exam_items(seed=3), "en", 3, record=False).text().splitlines()[1:-1]
+    )
+    assert repr(x.final_exam(lang="ko", mode="text")).startswith(
+        "최종 O/X 시험 — 00–09장 전체 (40문항, 시험지 0)"
+    )
     with pytest.raises(ValueError, match="mode must be"):
         x.final_exam(mode="gui")
 
@@ -205,10 +230,15 @@ def test_widget_and_text_listings_are_deterministic():
 
 def test_terminal_exam_with_scripted_input(course_home):
     form = x.exam_items(n=14)
-    replies = iter([form[0]["answer"].lower(), "maybe", flipped(form[1]["answer"]), form[2]["answer"], "q"])
+    replies = iter(
+        [form[0]["answer"].lower(), "maybe", flipped(form[1]["answer"]), form[2]["answer"], "q"]
+    )
     printed = []
-    result = x.run_terminal_exam(n=14, input_fn=lambda _: next(replies),
-                                 print_fn=lambda *a: printed.append(" ".join(map(str, a))))
+    result = x.run_terminal_exam(
+        n=14,
+        input_fn=lambda _: next(replies),
+        print_fn=lambda *a: printed.append(" ".join(map(str, a))),
+    )
     out = "\n".join(printed)
     assert (result.score, result.total) == (2, 3)
     assert "Please answer O or X" in out and "Final score 2/3" in out
@@ -219,8 +249,15 @@ def test_terminal_exam_with_scripted_input(course_home):
 
 def run_cli(args, stdin="", home=None):
     env = dict(os.environ, COURSE_LIB_HOME=str(home), PYTHONIOENCODING="utf-8")
-    return subprocess.run([sys.executable, "-m", "course_lib.cli", *args], input=stdin, capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "course_lib.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
 def test_cli_exam_and_progress(course_home):
@@ -229,7 +266,10 @@ def test_cli_exam_and_progress(course_home):
     done = run_cli(["exam", "-n", "14", "--seed", "4", "--lang", "ko"], answers, course_home)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("최종 O/X 시험 — 00–09장 전체 (14문항, 시험지 4)")
-    assert "최종 점수 13/14" in done.stdout and f"다시 읽을 곳: {q.section_of(form[-1])}" in done.stdout
+    assert (
+        "최종 점수 13/14" in done.stdout
+        and f"다시 읽을 곳: {q.section_of(form[-1])}" in done.stdout
+    )
     bad = run_cli(["exam", "-n", "3"], "", course_home)
     assert bad.returncode == 2 and "between 14 (the seed statements)" in bad.stderr
     q.record_score(2, 10, 17)
@@ -237,7 +277,9 @@ def test_cli_exam_and_progress(course_home):
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     assert lines[0] == f"Course progress ({course_home / 'progress.json'})"
-    assert any(line.startswith("  02 ") and line.endswith("10/17 (59%), 1 attempt(s)") for line in lines)
+    assert any(
+        line.startswith("  02 ") and line.endswith("10/17 (59%), 1 attempt(s)") for line in lines
+    )
     assert any(line.startswith("  05 ") and line.endswith("not yet") for line in lines)
     assert "Final exam: 13/14 (93%), 1 attempt(s)" in lines
     assert lines[-1].startswith("Done: quizzes 1/10, exercises 0/")
@@ -254,25 +296,36 @@ def test_course_progress_lists_every_chapter_and_exercise():
     assert x.exercise_chapters()["count_model_state_bytes"] == "single-device"
     state = x.course_progress()
     assert list(state.quizzes) == q.chapters() and all(v is None for v in state.quizzes.values())
-    assert list(state.exercises) == list(EXERCISES) and not any(ok for _, ok in state.exercises.values())
+    assert list(state.exercises) == list(EXERCISES) and not any(
+        ok for _, ok in state.exercises.values()
+    )
     assert state.exercises["ring_all_reduce"] == ("collectives", False) and state.exam is None
     q.record_score(0, 3, 4)
     x.record_exercise("ring_all_reduce")
     x.record_exercise("ring_all_reduce")
     state = x.course_progress()
-    assert state.quizzes["collectives"] == (3, 4, 1) and state.exercises["ring_all_reduce"] == ("collectives", True)
+    assert state.quizzes["collectives"] == (3, 4, 1) and state.exercises["ring_all_reduce"] == (
+        "collectives",
+        True,
+    )
     assert q.progress()["exercises"]["ring_all_reduce"] == {"passed": True, "passes": 2}
     korean = x.progress_report(state, "ko").splitlines()
     assert korean[-1].startswith("완료: 퀴즈 1/10, 연습 문제 1/")
-    assert any(line.strip().startswith("00 ring_all_reduce") and line.endswith("통과") for line in korean)
+    assert any(
+        line.strip().startswith("00 ring_all_reduce") and line.endswith("통과") for line in korean
+    )
 
 
-def test_a_passing_check_of_the_learners_exercise_is_recorded_and_the_solution_is_not(learner_answer):
+def test_a_passing_check_of_the_learners_exercise_is_recorded_and_the_solution_is_not(
+    learner_answer,
+):
     from course_lib.check import check
 
     assert check("count_model_state_bytes", package="solutions").passed
     assert "exercises" not in q.progress()  # the reference solution is not the learner's work
-    run = learner_answer("single_device", (ROOT / "solutions" / "single_device.py").read_text(encoding="utf-8"))
+    run = learner_answer(
+        "single_device", (ROOT / "solutions" / "single_device.py").read_text(encoding="utf-8")
+    )
     assert run("count_model_state_bytes").passed
     assert q.progress()["exercises"] == {"count_model_state_bytes": {"passed": True, "passes": 1}}
     assert x.course_progress().exercises["count_model_state_bytes"] == ("single-device", True)
@@ -284,16 +337,22 @@ def test_a_passing_check_of_the_learners_exercise_is_recorded_and_the_solution_i
 def test_the_registry_is_data_and_imports_no_checker_until_one_is_used():
     """Importing the checker (or listing exercises) imports neither torch nor a checks module; a runner
     resolves its "module:function" name to the checker in course_lib/checks/<module>.py."""
-    code = ("import sys, course_lib.check as c, course_lib.quiz as q\n"
-            "print(sorted(m for m in sys.modules if m.startswith('course_lib.checks') or m == 'torch'))\n"
-            "ex = c.EXERCISES['allreduce_gradients']\n"
-            "print(ex.checker, ex.runner.__module__, ex.runner.__name__)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    code = (
+        "import sys, course_lib.check as c, course_lib.quiz as q\n"
+        "print(sorted(m for m in sys.modules if m.startswith('course_lib.checks') or m == 'torch'))\n"
+        "ex = c.EXERCISES['allreduce_gradients']\n"
+        "print(ex.checker, ex.runner.__module__, ex.runner.__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     first, second = done.stdout.splitlines()
     assert first == "[]"
-    assert second == ("course_lib.checks.ddp:check_allreduce_gradients course_lib.checks.ddp "
-                      "check_allreduce_gradients")
+    assert second == (
+        "course_lib.checks.ddp:check_allreduce_gradients course_lib.checks.ddp "
+        "check_allreduce_gradients"
+    )
     for name, ex in q.EXERCISES.items():
         module, function = ex.checker.split(":")
         assert module == f"course_lib.checks.{ex.module}", name
@@ -305,10 +364,19 @@ def test_cli_quiz_takes_a_topic_or_a_number(course_home):
     answers = "".join(f"{i['answer']}\n" for i in items)
     by_topic = run_cli(["quiz", "--chapter", "ddp"], answers, course_home)
     assert by_topic.returncode == 0, by_topic.stderr
-    assert by_topic.stdout.startswith(f"Chapter 02 O/X quiz — {q.chapter_title('ddp')} ({len(items)} statements)")
+    assert by_topic.stdout.startswith(
+        f"Chapter 02 O/X quiz — {q.chapter_title('ddp')} ({len(items)} statements)"
+    )
     assert f"Final score {len(items)}/{len(items)}" in by_topic.stdout
     by_number = run_cli(["quiz", "--chapter", "2", "-n", "1"], "q\n", course_home)
-    assert by_number.returncode == 0 and by_number.stdout.splitlines()[0].startswith("Chapter 02 O/X quiz")
-    assert q.progress()["quiz"]["ddp"]["attempts"] == 1  # the run that answered nothing recorded nothing
+    assert by_number.returncode == 0 and by_number.stdout.splitlines()[0].startswith(
+        "Chapter 02 O/X quiz"
+    )
+    assert (
+        q.progress()["quiz"]["ddp"]["attempts"] == 1
+    )  # the run that answered nothing recorded nothing
     bad = run_cli(["quiz", "--chapter", "nope"], "", course_home)
-    assert bad.returncode == 2 and "unknown chapter 'nope'; available chapters: collectives (00)" in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "unknown chapter 'nope'; available chapters: collectives (00)" in bad.stderr
+    )

@@ -16,6 +16,7 @@ identical gradients) — only the per-slice losses give it away, and
 The model is the ZeRO chapter's (``common.zero_config``: bias-free, tied, Ψ = 128,835, odd sizes),
 so FSDP2's row padding and our ``Zero3``'s element padding both happen at N = 2 and 4.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,7 +29,13 @@ import torch.nn as nn
 
 from course_lib import fsdp
 from course_lib.experiments import fsdp as fsdp_lab
-from course_lib.experiments.common import make_optimizer, reference_run, step_batch, train_step, zero_config
+from course_lib.experiments.common import (
+    make_optimizer,
+    reference_run,
+    step_batch,
+    train_step,
+    zero_config,
+)
 from course_lib.launch import device, spawn
 from course_lib.models import GPT
 from course_lib.results import ADAMW, BF16, EXACT, REORDERED, for_optimizer
@@ -42,7 +49,10 @@ EQUALITY = {  # name: (optimizer, reshard_after_forward, worlds)
     "adamw": ("adamw", True, [2, 4]),
     "adamw-keep-gathered": ("adamw", False, [2, 4]),
 }
-ZERO3 = {"reshard": (True, [2, 4]), "keep-gathered": (False, [2, 4])}  # name: (reshard_after_forward, worlds)
+ZERO3 = {
+    "reshard": (True, [2, 4]),
+    "keep-gathered": (False, [2, 4]),
+}  # name: (reshard_after_forward, worlds)
 
 
 # ----------------------------------------------------------------------------- the runs (on the ranks)
@@ -80,22 +90,30 @@ def _error_cases() -> dict:
         "no-blocks": catch(lambda: fsdp.fsdp2_wrap(NoBlocks().to(dev))),
         "empty-blocks": catch(lambda: fsdp.fsdp2_wrap(empty_blocks())),
         "not-a-module": catch(lambda: fsdp.fsdp2_wrap("gpt")),
-        "mesh-smaller-than-world": catch(lambda: fsdp.fsdp2_wrap(gpt(), mesh=DeviceMesh(dev.type,
-                                                                                          list(range(world - 1))))),
+        "mesh-smaller-than-world": catch(
+            lambda: fsdp.fsdp2_wrap(gpt(), mesh=DeviceMesh(dev.type, list(range(world - 1))))
+        ),
         "mesh-not-a-mesh": catch(lambda: fsdp.fsdp2_wrap(gpt(), mesh=(world,))),
         "reshard-int": catch(lambda: fsdp.fsdp2_wrap(gpt(), reshard_after_forward=2)),
         "mp-policy-type": catch(lambda: fsdp.fsdp2_wrap(gpt(), mp_policy=torch.bfloat16)),
         "wrapped-twice": catch(lambda: fsdp.fsdp2_wrap(wrapped)),
         "bad-optimizer": catch(lambda: fsdp_lab.fsdp2_vs_single_device(steps=1, optimizer="lbfgs")),
-        "batch-not-divisible": catch(lambda: fsdp_lab.fsdp2_vs_single_device(steps=1, global_batch=world + 1)),
-        "resume-at-0": catch(lambda: fsdp_lab.fsdp2_checkpoint_roundtrip("/nonexistent", resume_at=0)),
+        "batch-not-divisible": catch(
+            lambda: fsdp_lab.fsdp2_vs_single_device(steps=1, global_batch=world + 1)
+        ),
+        "resume-at-0": catch(
+            lambda: fsdp_lab.fsdp2_checkpoint_roundtrip("/nonexistent", resume_at=0)
+        ),
     }
 
 
 def _every_rank_on_the_full_batch(optimizer: str) -> dict:
     """A wrong data-parallel run: each rank trains on the *whole* batch instead of its slice."""
     model, local = fsdp_lab.fsdp2_train(STEPS, optimizer, shard=lambda x, y: (x, y))
-    return {"full_state": {k: v.cpu() for k, v in fsdp.full_state_dict(model).items()}, "local_losses": local}
+    return {
+        "full_state": {k: v.cpu() for k, v in fsdp.full_state_dict(model).items()},
+        "local_losses": local,
+    }
 
 
 def _run_cases(cases: dict) -> dict:
@@ -116,22 +134,33 @@ def _suite(tmp_dir: str | None, load_from: tuple | None) -> dict:
     cases = {}
     for name, (opt, reshard, worlds) in EQUALITY.items():
         if world in worlds:
-            cases[f"equality/{name}"] = functools.partial(fsdp_lab.fsdp2_vs_single_device, steps=STEPS,
-                                                          optimizer=opt, reshard_after_forward=reshard)
+            cases[f"equality/{name}"] = functools.partial(
+                fsdp_lab.fsdp2_vs_single_device,
+                steps=STEPS,
+                optimizer=opt,
+                reshard_after_forward=reshard,
+            )
     if world == 2:
-        cases["equality/full-batch-on-every-rank"] = functools.partial(_every_rank_on_the_full_batch, "sgd")
+        cases["equality/full-batch-on-every-rank"] = functools.partial(
+            _every_rank_on_the_full_batch, "sgd"
+        )
     for name, (reshard, worlds) in ZERO3.items():
         if world in worlds:
-            cases[f"zero3/{name}"] = functools.partial(fsdp_lab.fsdp2_vs_zero3, steps=3,
-                                                       reshard_after_forward=reshard)
+            cases[f"zero3/{name}"] = functools.partial(
+                fsdp_lab.fsdp2_vs_zero3, steps=3, reshard_after_forward=reshard
+            )
     cases["mixed"] = functools.partial(fsdp_lab.fsdp2_mixed_precision, steps=5)
     if tmp_dir is not None:
-        cases["checkpoint"] = functools.partial(fsdp_lab.fsdp2_checkpoint_roundtrip, tmp_dir, steps=4, resume_at=2)
+        cases["checkpoint"] = functools.partial(
+            fsdp_lab.fsdp2_checkpoint_roundtrip, tmp_dir, steps=4, resume_at=2
+        )
     if world == 2:
         cases["errors"] = _error_cases
     if load_from is not None:
         path, digest = load_from
-        cases["reshard_on_load"] = functools.partial(fsdp_lab.fsdp2_load_checkpoint, path, saved_digest=digest)
+        cases["reshard_on_load"] = functools.partial(
+            fsdp_lab.fsdp2_load_checkpoint, path, saved_digest=digest
+        )
     return _run_cases(cases)
 
 
@@ -157,7 +186,9 @@ def case(tmp_path_factory):
             tmp, load_from = str(tmp_path_factory.mktemp(f"fsdp_w{world}")), None
             if world != 2:
                 saved = run(2)[0]["checkpoint"]  # else: the load case fails alone
-                load_from = (saved["ok"]["path"], saved["ok"]["saved_digest"]) if "ok" in saved else None
+                load_from = (
+                    (saved["ok"]["path"], saved["ok"]["saved_digest"]) if "ok" in saved else None
+                )
             outputs[world] = spawn(_suite, world, args=(tmp, load_from), timeout=400)
         return outputs[world]
 
@@ -165,8 +196,12 @@ def case(tmp_path_factory):
 
 
 def grid(cases: dict, worlds_of=lambda v: v[-1]):
-    return [pytest.param(w, name, id=f"world={w},{name}") for w in WORLDS for name, v in cases.items()
-            if w in worlds_of(v)]
+    return [
+        pytest.param(w, name, id=f"world={w},{name}")
+        for w in WORLDS
+        for name, v in cases.items()
+        if w in worlds_of(v)
+    ]
 
 
 # ----------------------------------------------------------------------------- the reference (in this process)
@@ -187,13 +222,17 @@ def _reference(optimizer: str, world: int):
 
     def record_slices():  # after backward, before the step: the weights this step's losses were taken at
         with torch.no_grad():
-            slices.append([replay(xs, ys)[1].item() for xs, ys in zip(x.chunk(world), y.chunk(world))])
+            slices.append(
+                [replay(xs, ys)[1].item() for xs, ys in zip(x.chunk(world), y.chunk(world))]
+            )
 
     for step in range(STEPS):
         x, y = step_batch(step, config, GLOBAL_BATCH, CPU)
         train_step(replay, opt, x, y, after_backward=record_slices)
     state = model.state_dict()
-    assert all(torch.equal(v, state[k]) for k, v in replay.state_dict().items()), "the replay is not the reference"
+    assert all(torch.equal(v, state[k]) for k, v in replay.state_dict().items()), (
+        "the replay is not the reference"
+    )
     return state, losses, slices
 
 
@@ -211,15 +250,21 @@ def _equality_problems(ranks: list, optimizer: str) -> list[str]:
         worst = max(err, key=err.get)
         tol = for_optimizer(optimizer)
         if not tol.ok(state, want):
-            problems.append(f"rank {r}: after {STEPS} {optimizer} steps the weights differ from one device's by "
-                            f"max |Δ| {err[worst]:.3g} ({worst})")
+            problems.append(
+                f"rank {r}: after {STEPS} {optimizer} steps the weights differ from one device's by "
+                f"max |Δ| {err[worst]:.3g} ({worst})"
+            )
         slice_losses = [s[r] for s in want_slices]
         if not tol.ok(got["local_losses"], slice_losses):
-            problems.append(f"rank {r}: its per-step losses {got['local_losses'][:3]}… are not the losses of its "
-                            f"slice {r}/{world} of each batch {slice_losses[:3]}… (full batch: {want_losses[:3]}…)")
+            problems.append(
+                f"rank {r}: its per-step losses {got['local_losses'][:3]}… are not the losses of its "
+                f"slice {r}/{world} of each batch {slice_losses[:3]}… (full batch: {want_losses[:3]}…)"
+            )
     means = [sum(g["local_losses"][k] for g in ranks) / world for k in range(STEPS)]
     if not for_optimizer(optimizer).ok(means, want_losses):
-        problems.append(f"the mean of the ranks' losses {means[:3]}… is not the full-batch loss {want_losses[:3]}…")
+        problems.append(
+            f"the mean of the ranks' losses {means[:3]}… is not the full-batch loss {want_losses[:3]}…"
+        )
     return problems
 
 
@@ -258,7 +303,10 @@ def test_the_equality_check_rejects_every_rank_training_on_the_full_batch(case):
     # N identical full-batch gradients average to the full-batch gradient: the weights agree…
     assert not any("weights differ" in p for p in problems), problems
     # …but no rank's losses are its slice's
-    assert [p.split(":")[0] for p in problems if "are not the losses of its slice" in p] == ["rank 0", "rank 1"]
+    assert [p.split(":")[0] for p in problems if "are not the losses of its slice" in p] == [
+        "rank 0",
+        "rank 1",
+    ]
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
@@ -267,7 +315,9 @@ def test_every_rank_holds_its_dim0_chunk_of_each_parameter(case, world):
     shapes = GPT(zero_config()).state_dict()
     for name in ranks[0]["local_shapes"]:
         rows = [r["local_shapes"][name][0] for r in ranks]
-        chunks = [c.shape[0] for c in shapes[name].chunk(world)]  # torch.chunk may return fewer than N
+        chunks = [
+            c.shape[0] for c in shapes[name].chunk(world)
+        ]  # torch.chunk may return fewer than N
         assert rows == chunks + [0] * (world - len(chunks))
         assert sum(rows) == shapes[name].shape[0]
 
@@ -282,7 +332,11 @@ def test_model_state_bytes_per_rank_are_16_psi_over_n_for_fsdp2_and_zero3(case, 
         for side in ("fsdp2", "zero3"):
             s = got[side]
             assert s["psi_pad"] % world == 0 and psi <= s["psi_pad"] < psi * 1.02
-            assert s["memory_ratio"] == pytest.approx(1.0, abs=0.03), (side, s["memory"], s["memory_formula"])
+            assert s["memory_ratio"] == pytest.approx(1.0, abs=0.03), (
+                side,
+                s["memory"],
+                s["memory_formula"],
+            )
             assert s["memory"]["total"] == pytest.approx(16 * psi / world, rel=0.03)
         # params and grads are stored padded: exactly 4Ψ_pad/N each
         assert got["fsdp2"]["memory"]["params"] == 4 * got["fsdp2"]["psi_pad"] // world
@@ -301,7 +355,9 @@ def test_fsdp2_pads_rows_so_its_psi_pad_is_at_least_zero3s(case, world):
 
 
 @pytest.mark.parametrize("world,name", grid(ZERO3))
-def test_fsdp2_issues_one_all_gather_per_unit_per_pass_and_one_reduce_scatter_per_unit(case, world, name):
+def test_fsdp2_issues_one_all_gather_per_unit_per_pass_and_one_reduce_scatter_per_unit(
+    case, world, name
+):
     for got in case(world, f"zero3/{name}"):
         units = got["units"]
         assert units == zero_config().n_layer + 1  # every block, plus the root
@@ -311,21 +367,27 @@ def test_fsdp2_issues_one_all_gather_per_unit_per_pass_and_one_reduce_scatter_pe
         assert c["reduce_scatter"]["forward"] == 0 and c["reduce_scatter"]["backward"] == units
         # CommDebugMode's own counts agree with ours; nothing else was communicated, all on the default group
         counts = got["fsdp2_comm_debug_counts"]
-        assert counts == {"c10d._allgather_base_": c["all_gather"]["forward"] + c["all_gather"]["backward"],
-                          "c10d._reduce_scatter_base_": units}
+        assert counts == {
+            "c10d._allgather_base_": c["all_gather"]["forward"] + c["all_gather"]["backward"],
+            "c10d._reduce_scatter_base_": units,
+        }
         assert got["fsdp2_other_collectives"] == []
         assert got["fsdp2_collective_groups"] == [("default", world)]
 
 
 @pytest.mark.parametrize("world,name", grid(ZERO3))
-def test_fsdp2_sends_exactly_3_psi_pad_per_step_or_2_when_keeping_gathered_weights(case, world, name):
+def test_fsdp2_sends_exactly_3_psi_pad_per_step_or_2_when_keeping_gathered_weights(
+    case, world, name
+):
     for got in case(world, f"zero3/{name}"):
         f = got["fsdp2"]
         passes = 2 if got["reshard_after_forward"] else 1
         assert f["collectives"]["all_gather"]["tensor_bytes"] == passes * 4 * f["psi_pad"]
         assert f["collectives"]["reduce_scatter"]["tensor_bytes"] == 4 * f["psi_pad"]
         EXACT.assert_close(f["comm_ratio"], 1.0)
-        assert got.passed, str(got)  # the rows: counts and bytes exact, model states within 3 % of 16Ψ_pad/N
+        assert got.passed, str(
+            got
+        )  # the rows: counts and bytes exact, model states within 3 % of 16Ψ_pad/N
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
@@ -334,10 +396,16 @@ def test_zero3_gathers_by_unit_like_fsdp2_so_it_sends_exactly_3_psi(case, world)
     z, f = got["zero3"], got["fsdp2"]
     units = zero_config().n_layer + 1  # one per block + the root (embeddings, tied head, ln_f)
     for phase in ("forward", "backward"):
-        assert z["collectives"]["all_gather"][phase] == f["collectives"]["all_gather"][phase] == units
-    assert z["collectives"]["reduce_scatter"]["backward"] == units  # the tied weight reduced once, in the root
+        assert (
+            z["collectives"]["all_gather"][phase] == f["collectives"]["all_gather"][phase] == units
+        )
+    assert (
+        z["collectives"]["reduce_scatter"]["backward"] == units
+    )  # the tied weight reduced once, in the root
     EXACT.assert_close(z["comm_ratio"], 1.0)
-    assert z["sent_per_step"] <= f["sent_per_step"]  # same 3 passes; FSDP2 pads whole rows, we pad elements
+    assert (
+        z["sent_per_step"] <= f["sent_per_step"]
+    )  # same 3 passes; FSDP2 pads whole rows, we pad elements
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
@@ -345,7 +413,9 @@ def test_step_times_are_measured_on_every_rank_alike(case, world):
     ranks = case(world, "zero3/reshard")
     got = ranks[0]
     for side in ("fsdp2", "zero3"):
-        assert len(got[side]["step_s_rounds"]) == 3 and all(t > 0 for t in got[side]["step_s_rounds"])
+        assert len(got[side]["step_s_rounds"]) == 3 and all(
+            t > 0 for t in got[side]["step_s_rounds"]
+        )
     # max over ranks: every rank reports the same numbers
     assert all(r["fsdp2"]["step_s_rounds"] == got["fsdp2"]["step_s_rounds"] for r in ranks)
     assert got["step_time_ratio_fsdp2_over_zero3"] > 0
@@ -369,8 +439,11 @@ def test_mixed_precision_keeps_fp32_sharded_params_grads_and_optimizer_state(mix
 
 def test_mixed_precision_computes_in_bf16_on_gathered_plain_parameters(mixed):
     m = mixed[0]
-    assert m["compute"] == {"weight_type": "Parameter", "weight_dtype": "torch.bfloat16",
-                            "input_dtype": "torch.bfloat16"}
+    assert m["compute"] == {
+        "weight_type": "Parameter",
+        "weight_dtype": "torch.bfloat16",
+        "input_dtype": "torch.bfloat16",
+    }
     assert m["logits_dtype"] == {"bf16": "torch.bfloat16", "fp32": "torch.float32"}
 
 
@@ -382,12 +455,18 @@ def test_mixed_precision_halves_gathered_bytes_but_reduces_in_fp32(mixed):
         assert m["reduce_bytes_ratio_bf16_over_fp32"] == 1.0
         assert m["peak_gathered_ratio_bf16_over_fp32"] == 0.5
         # the forward peak is the root unit plus one block, never the whole model
-        assert 0 < m["peak_gathered_bytes"]["fp32"] < 4 * fsdp.padded_numel(GPT(zero_config()), m["world_size"])
+        assert (
+            0
+            < m["peak_gathered_bytes"]["fp32"]
+            < 4 * fsdp.padded_numel(GPT(zero_config()), m["world_size"])
+        )
 
 
 def test_mixed_precision_stays_close_to_fp32_and_fp32_fsdp2_is_exact(mixed):
     m = mixed[0]
-    assert m.passed, str(m)  # fp32 weights within ADAMW of one device; bf16 within BF16's rtol per tensor
+    assert m.passed, str(
+        m
+    )  # fp32 weights within ADAMW of one device; bf16 within BF16's rtol per tensor
     assert m["max_rel_err"]["fp32"] < ADAMW.rtol
     assert 1e-4 < m["max_rel_err"]["bf16"] < BF16.rtol  # bf16 rounding shows, but stays small
     # the fp32 reference losses, recomputed here: one device on the full batches
@@ -421,15 +500,23 @@ def test_every_rank_writes_its_own_shard_file(checkpoint):
     for f in rank_files:  # + the tied weight's second key and per-tensor framing
         assert 0.9 < c["file_bytes"][f] / twelve_psi_over_n < 1.6, c["file_bytes"]
     rows = -(-189 // n)  # FSDP2's chunk of dim 0, as DCP records it: (offsets, sizes) per rank
-    assert c["example_chunks"] == {"key": "model.blocks.0.attn.c_attn.weight", "global_shape": (189, 63),
-                                   "chunks": [((r * rows, 0), (min(rows, 189 - r * rows), 63)) for r in range(n)]}
-    assert c["checkpoint_key_counts"]["model"] == 16 and c["checkpoint_key_counts"]["optim.state"] == 45
+    assert c["example_chunks"] == {
+        "key": "model.blocks.0.attn.c_attn.weight",
+        "global_shape": (189, 63),
+        "chunks": [((r * rows, 0), (min(rows, 189 - r * rows), 63)) for r in range(n)],
+    }
+    assert (
+        c["checkpoint_key_counts"]["model"] == 16
+        and c["checkpoint_key_counts"]["optim.state"] == 45
+    )
     assert c["tied_weight_keys"] == ["model.lm_head.weight", "model.wte.weight"]
 
 
 def test_a_full_state_dict_loads_into_a_plain_single_device_model(checkpoint):
     c = checkpoint[0]
-    assert c["rank0_full_state_dict_keys"] == 16  # cpu_offload=True: only rank 0 gets the full tensors
+    assert (
+        c["rank0_full_state_dict_keys"] == 16
+    )  # cpu_offload=True: only rank 0 gets the full tensors
     assert all(r["rank0_full_state_dict_keys"] == 0 for r in checkpoint[1:])
     assert c["load_state_dict_ok"] and c["rank0_full_equals_fsdp"]
     REORDERED.assert_close(c["single_device_loss"], c["fsdp_loss"])
@@ -449,19 +536,22 @@ def test_a_checkpoint_saved_at_world_2_loads_at_world_4(case):
 # ----------------------------------------------------------------------------- clear errors
 
 
-@pytest.mark.parametrize("label,exc_type,words", [
-    ("no-blocks", "TypeError", ["model.blocks", "NoBlocks has no .blocks", "fully_shard"]),
-    ("empty-blocks", "TypeError", ["non-empty", "length 0"]),
-    ("not-a-module", "TypeError", ["nn.Module", "str"]),
-    ("mesh-smaller-than-world", "ValueError", ["world_size=2", "shape (1,)"]),
-    ("mesh-not-a-mesh", "TypeError", ["DeviceMesh", "tuple"]),
-    ("reshard-int", "TypeError", ["reshard_after_forward", "2"]),
-    ("mp-policy-type", "TypeError", ["MixedPrecisionPolicy", "dtype"]),
-    ("wrapped-twice", "ValueError", ["already sharded"]),
-    ("bad-optimizer", "ValueError", ["lbfgs", "adamw", "sgd"]),
-    ("batch-not-divisible", "ValueError", ["global_batch=3", "world_size = 2"]),
-    ("resume-at-0", "ValueError", ["resume_at=0"]),
-])
+@pytest.mark.parametrize(
+    "label,exc_type,words",
+    [
+        ("no-blocks", "TypeError", ["model.blocks", "NoBlocks has no .blocks", "fully_shard"]),
+        ("empty-blocks", "TypeError", ["non-empty", "length 0"]),
+        ("not-a-module", "TypeError", ["nn.Module", "str"]),
+        ("mesh-smaller-than-world", "ValueError", ["world_size=2", "shape (1,)"]),
+        ("mesh-not-a-mesh", "TypeError", ["DeviceMesh", "tuple"]),
+        ("reshard-int", "TypeError", ["reshard_after_forward", "2"]),
+        ("mp-policy-type", "TypeError", ["MixedPrecisionPolicy", "dtype"]),
+        ("wrapped-twice", "ValueError", ["already sharded"]),
+        ("bad-optimizer", "ValueError", ["lbfgs", "adamw", "sgd"]),
+        ("batch-not-divisible", "ValueError", ["global_batch=3", "world_size = 2"]),
+        ("resume-at-0", "ValueError", ["resume_at=0"]),
+    ],
+)
 def test_misuse_gives_a_clear_error(case, label, exc_type, words):
     got_type, message = case(2, "errors")[0][label]
     assert got_type == exc_type, message
@@ -472,26 +562,35 @@ def test_misuse_gives_a_clear_error(case, label, exc_type, words):
 # ----------------------------------------------------------------------------- the chapter's exercise checker
 
 WRONG = {
-    "root-only": ("fsdp2_wrap_blocks", "from torch.distributed.fsdp import fully_shard\n"
-                  "def wrap_blocks(model, mesh, reshard_after_forward=True):\n"
-                  "    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)\n",
-                  "block(s) [0, 1, 2] are not wrapped"),
-    "root-keeps-default": ("fsdp2_wrap_blocks", "from torch.distributed.fsdp import fully_shard\n"
-                           "def wrap_blocks(model, mesh, reshard_after_forward=True):\n"
-                           "    for b in model.blocks:\n"
-                           "        fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)\n"
-                           "    return fully_shard(model, mesh=mesh)\n",
-                           "3 all-gather(s) in backward, expected 4"),
-    "model-only-checkpoint": ("sharded_checkpoint", "import torch.distributed.checkpoint as dcp\n"
-                              "class ShardedCheckpoint:\n"
-                              "    @staticmethod\n"
-                              "    def save(model, optimizer, path):\n"
-                              "        dcp.save({'model': model.state_dict()}, checkpoint_id=path)\n"
-                              "    @staticmethod\n"
-                              "    def load(model, optimizer, path):\n"
-                              "        sd = model.state_dict()\n"
-                              "        dcp.load({'model': sd}, checkpoint_id=path)\n",
-                              "load the optimizer state too"),
+    "root-only": (
+        "fsdp2_wrap_blocks",
+        "from torch.distributed.fsdp import fully_shard\n"
+        "def wrap_blocks(model, mesh, reshard_after_forward=True):\n"
+        "    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)\n",
+        "block(s) [0, 1, 2] are not wrapped",
+    ),
+    "root-keeps-default": (
+        "fsdp2_wrap_blocks",
+        "from torch.distributed.fsdp import fully_shard\n"
+        "def wrap_blocks(model, mesh, reshard_after_forward=True):\n"
+        "    for b in model.blocks:\n"
+        "        fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)\n"
+        "    return fully_shard(model, mesh=mesh)\n",
+        "3 all-gather(s) in backward, expected 4",
+    ),
+    "model-only-checkpoint": (
+        "sharded_checkpoint",
+        "import torch.distributed.checkpoint as dcp\n"
+        "class ShardedCheckpoint:\n"
+        "    @staticmethod\n"
+        "    def save(model, optimizer, path):\n"
+        "        dcp.save({'model': model.state_dict()}, checkpoint_id=path)\n"
+        "    @staticmethod\n"
+        "    def load(model, optimizer, path):\n"
+        "        sd = model.state_dict()\n"
+        "        dcp.load({'model': sd}, checkpoint_id=path)\n",
+        "load the optimizer state too",
+    ),
 }
 
 

@@ -10,6 +10,7 @@ Equality with one device is judged here, in the test process, against references
 on CPU (``common.reference_run``, a plain ``GPT``); the numbers the ranks computed for the notebook
 (``claims()``) are asserted as well.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,9 @@ from course_lib.models import GPT
 from course_lib.results import ADAMW, EXACT, REORDERED, SGD
 
 CPU = torch.device("cpu")
-CONFIG = F.features_config()  # zero_config with 4 blocks: 189-row c_attn, 63-row LayerNorms (indivisible by 2 and 4)
+CONFIG = (
+    F.features_config()
+)  # zero_config with 4 blocks: 189-row c_attn, 63-row LayerNorms (indivisible by 2 and 4)
 
 
 # ----------------------------------------------------------------------------- on the ranks
@@ -64,19 +67,30 @@ def _error_cases(ckpt: str) -> dict:
     return {
         "wrap-twice": _catch(lambda: fsdp.fsdp2_wrap(wrapped)),
         "wrap-after-a-block-was-sharded": _catch(lambda: fsdp.fsdp2_wrap(one_block)),
-        "prefetch-module-of-another-model": _catch(lambda: fsdp.set_prefetch(
-            wrapped, forward={wrapped.blocks[0]: [other.blocks[1]]})),
-        "prefetch-key-of-another-model": _catch(lambda: fsdp.set_prefetch(
-            wrapped, backward={other.blocks[1]: [wrapped.blocks[0]]})),
-        "prefetch-not-a-unit": _catch(lambda: fsdp.set_prefetch(wrapped, forward={wrapped.blocks[0]: [
-            wrapped.blocks[1].attn]})),
-        "prefetch-plan-not-a-dict": _catch(lambda: fsdp.set_prefetch(wrapped, forward=[wrapped.blocks[0]])),
+        "prefetch-module-of-another-model": _catch(
+            lambda: fsdp.set_prefetch(wrapped, forward={wrapped.blocks[0]: [other.blocks[1]]})
+        ),
+        "prefetch-key-of-another-model": _catch(
+            lambda: fsdp.set_prefetch(wrapped, backward={other.blocks[1]: [wrapped.blocks[0]]})
+        ),
+        "prefetch-not-a-unit": _catch(
+            lambda: fsdp.set_prefetch(
+                wrapped, forward={wrapped.blocks[0]: [wrapped.blocks[1].attn]}
+            )
+        ),
+        "prefetch-plan-not-a-dict": _catch(
+            lambda: fsdp.set_prefetch(wrapped, forward=[wrapped.blocks[0]])
+        ),
         "load-fewer-layers": _catch(lambda: load_into(n_layer=3)),
         "load-more-layers": _catch(lambda: load_into(n_layer=5)),
         "load-other-width": _catch(lambda: load_into(d_model=66)),
-        "load-not-a-checkpoint": _catch(lambda: fsdp.load_sharded_checkpoint(wrapped, None, os.path.dirname(ckpt))),
+        "load-not-a-checkpoint": _catch(
+            lambda: fsdp.load_sharded_checkpoint(wrapped, None, os.path.dirname(ckpt))
+        ),
         "hsdp-at-world-2": _catch(lambda: F.hsdp(steps=1)),
-        "accumulation-indivisible": _catch(lambda: F.accumulation_without_sync(micro_batches=3, global_batch=8)),
+        "accumulation-indivisible": _catch(
+            lambda: F.accumulation_without_sync(micro_batches=3, global_batch=8)
+        ),
     }
 
 
@@ -122,7 +136,9 @@ def case(tmp_path_factory):
             load_from = None
             if world != 2:
                 saved = run(2)[0]["save"]
-                load_from = saved["ok"].path if "ok" in saved else None  # else: the load cases fail alone
+                load_from = (
+                    saved["ok"].path if "ok" in saved else None
+                )  # else: the load cases fail alone
             tmp = str(tmp_path_factory.mktemp(f"features_w{world}"))
             outputs[world] = spawn(_suite, world, args=(world, tmp, load_from), timeout=400)
         return outputs[world]
@@ -133,7 +149,9 @@ def case(tmp_path_factory):
             pytest.fail(f"case {name!r} did not run at world {world}", pytrace=False)
         errors = [f"--- rank {i} ---\n{r['error']}" for i, r in enumerate(ranks) if "error" in r]
         if errors:
-            pytest.fail(f"case {name!r} raised at world {world}:\n" + "\n".join(errors), pytrace=False)
+            pytest.fail(
+                f"case {name!r} raised at world {world}:\n" + "\n".join(errors), pytrace=False
+            )
         return [r["ok"] for r in ranks]
 
     return get
@@ -147,7 +165,9 @@ def _assert_claims(result) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _reference(steps: int, global_batch: int, optimizer: str, max_norm: float | None = None):
-    model, losses, norms = reference_run(CONFIG, steps, global_batch, optimizer, max_norm=max_norm, dev=CPU)
+    model, losses, norms = reference_run(
+        CONFIG, steps, global_batch, optimizer, max_norm=max_norm, dev=CPU
+    )
     return model.state_dict(), losses, norms
 
 
@@ -163,14 +183,18 @@ def test_reshard_false_sends_two_thirds_of_true_and_peaks_higher_by_at_least_a_b
     for r in case(2, "reshard"):
         _assert_claims(r)
         psi_pad = fsdp.padded_numel(GPT(CONFIG), 2)
-        block = 4 * fsdp.padded_numel(GPT(CONFIG).blocks[0], 2)  # recomputed here, not taken from the rank
+        block = 4 * fsdp.padded_numel(
+            GPT(CONFIG).blocks[0], 2
+        )  # recomputed here, not taken from the rank
         assert r.psi_pad == psi_pad and r.block_param_bytes == block
         EXACT.assert_close(r.sent["True"], 3 * 0.5 * 4 * psi_pad)
         EXACT.assert_close(r.sent["False"], 2 * 0.5 * 4 * psi_pad)
         assert r.collectives["False"]["all_gather"] == {"forward": 5, "backward": 0}
         assert r.collectives["True"]["all_gather"] == {"forward": 5, "backward": 5}
         assert r.peak["False"] - r.peak["True"] >= block
-        assert r.peak_breakdown["False"]["Unsharded Param"] >= 4 * psi_pad  # every unit gathered at the peak
+        assert (
+            r.peak_breakdown["False"]["Unsharded Param"] >= 4 * psi_pad
+        )  # every unit gathered at the peak
         # the trace covers the whole step, phase by phase, and its maximum is the tracker's peak
         for mode in ("True", "False"):
             phases = [p for p, _, _ in r.trace[mode]]
@@ -223,7 +247,9 @@ def test_explicit_prefetch_issues_the_next_blocks_all_gather_before_the_block_ru
         for variant in ("implicit", "explicit"):
             kinds = [e[0] for e in r.events[variant]]
             assert kinds.count("F") == 4 and kinds.count("B") == 4
-            assert kinds.count("AG") == 10 and kinds.count("RS") == 5  # root + 4 blocks, forward and backward
+            assert (
+                kinds.count("AG") == 10 and kinds.count("RS") == 5
+            )  # root + 4 blocks, forward and backward
             assert all(e[2] <= e[3] for e in r.events[variant])
 
 
@@ -270,7 +296,9 @@ def test_fsdp1_flattens_each_unit_fsdp2_keeps_parameter_shapes(case):
         _assert_claims(r)
         assert sorted(r.fsdp1_flat_params) == ["<root>", "blocks.0", "blocks.1"]
         assert {k: g for k, (g, _) in r.fsdp2_param_shapes.items()} == plain
-        assert all(len(s) == 1 for s in r.fsdp1_param_shapes.values())  # 1-D views into the flat shard
+        assert all(
+            len(s) == 1 for s in r.fsdp1_param_shapes.values()
+        )  # 1-D views into the flat shard
     # the two ranks' slices of each flat parameter cover it: some weights live on one rank only
     for name, shape in plain.items():
         assert sum(r.fsdp1_param_shapes[name][0] for r in ranks) == torch.Size(shape).numel(), name
@@ -284,7 +312,9 @@ def test_fsdp1_flattens_each_unit_fsdp2_keeps_parameter_shapes(case):
 
 def test_a_checkpoint_saved_at_world_2_loads_at_world_1_and_4(case):
     saved = case(2, "save")[0]
-    assert len(saved.digest) > 2 * len(GPT(CONFIG).state_dict())  # model + exp_avg + exp_avg_sq (+ step)
+    assert len(saved.digest) > 2 * len(
+        GPT(CONFIG).state_dict()
+    )  # model + exp_avg + exp_avg_sq (+ step)
     for world in (1, 4):
         for r in case(world, "load"):
             assert r.world_size == world
@@ -311,20 +341,27 @@ def test_a_full_state_dict_exported_for_inference_gives_the_same_logits_in_a_pla
 # ----------------------------------------------------------------------------- clear errors
 
 
-@pytest.mark.parametrize("label,exc_type,words", [
-    ("wrap-twice", "ValueError", ["already sharded", "<root>"]),
-    ("wrap-after-a-block-was-sharded", "ValueError", ["already sharded", "blocks.1"]),
-    ("prefetch-module-of-another-model", "ValueError", ["prefetch target", "'blocks.0'", "not a module of this model"]),
-    ("prefetch-key-of-another-model", "ValueError", ["unit", "not a module of this model"]),
-    ("prefetch-not-a-unit", "ValueError", ["'blocks.1.attn'", "not a fully_shard unit"]),
-    ("prefetch-plan-not-a-dict", "TypeError", ["dict", "list"]),
-    ("load-fewer-layers", "KeyError", ["'blocks.3.", "does not have"]),
-    ("load-more-layers", "KeyError", ["'blocks.4.", "no entry"]),
-    ("load-other-width", "ValueError", ["'wte.weight'", "(512, 63)", "(512, 66)"]),
-    ("load-not-a-checkpoint", "FileNotFoundError", ["no .metadata"]),
-    ("hsdp-at-world-2", "ValueError", ["world_size must be 4", "got 2"]),
-    ("accumulation-indivisible", "ValueError", ["global_batch=8", "micro_batches"]),
-])
+@pytest.mark.parametrize(
+    "label,exc_type,words",
+    [
+        ("wrap-twice", "ValueError", ["already sharded", "<root>"]),
+        ("wrap-after-a-block-was-sharded", "ValueError", ["already sharded", "blocks.1"]),
+        (
+            "prefetch-module-of-another-model",
+            "ValueError",
+            ["prefetch target", "'blocks.0'", "not a module of this model"],
+        ),
+        ("prefetch-key-of-another-model", "ValueError", ["unit", "not a module of this model"]),
+        ("prefetch-not-a-unit", "ValueError", ["'blocks.1.attn'", "not a fully_shard unit"]),
+        ("prefetch-plan-not-a-dict", "TypeError", ["dict", "list"]),
+        ("load-fewer-layers", "KeyError", ["'blocks.3.", "does not have"]),
+        ("load-more-layers", "KeyError", ["'blocks.4.", "no entry"]),
+        ("load-other-width", "ValueError", ["'wte.weight'", "(512, 63)", "(512, 66)"]),
+        ("load-not-a-checkpoint", "FileNotFoundError", ["no .metadata"]),
+        ("hsdp-at-world-2", "ValueError", ["world_size must be 4", "got 2"]),
+        ("accumulation-indivisible", "ValueError", ["global_batch=8", "micro_batches"]),
+    ],
+)
 def test_misuse_gives_a_clear_error(case, label, exc_type, words):
     got_type, message = case(2, "errors")[0][label]
     assert got_type == exc_type, message
@@ -359,7 +396,11 @@ def test_the_memory_and_timeline_plots_draw_from_the_measurements(case):
     assert len(top.lines) == 4 + 4  # total + gathered per run, and 2 phase boundaries per run
     assert max(top.lines[0].get_ydata()) == pytest.approx(reshard.peak["True"] / 1e6)
     viz.fsdp_timeline(prefetch.events, ax=bottom)
-    assert [t.get_text() for t in bottom.get_yticklabels()] == ["implicit: compute", "implicit: comm",
-                                                                "explicit: compute", "explicit: comm"]
+    assert [t.get_text() for t in bottom.get_yticklabels()] == [
+        "implicit: compute",
+        "implicit: comm",
+        "explicit: compute",
+        "explicit: comm",
+    ]
     assert len(bottom.patches) == sum(len(e) for e in prefetch.events.values())
     plt.close(fig)

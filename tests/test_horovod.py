@@ -5,6 +5,7 @@ Horovod is built once per machine by ``make horovod`` (``make test`` does it fir
 skip, with that command in the message, only where it is not installed. The bad-input and API-table tests
 need no Horovod.
 """
+
 import inspect
 import os
 import time
@@ -32,15 +33,20 @@ def _processes_mentioning(token: str) -> list[str]:
 @needs_horovod
 def test_horovod_course_ddp_torch_ddp_and_one_device_end_equal():
     res = ex.compare_frameworks(steps=5, global_batch=16, optimizer="sgd", world_size=2)
-    pairs = {f"{a} vs {b}" for i, a in enumerate(ex.FRAMEWORKS) for b in ex.FRAMEWORKS[i + 1:]}
+    pairs = {f"{a} vs {b}" for i, a in enumerate(ex.FRAMEWORKS) for b in ex.FRAMEWORKS[i + 1 :]}
     assert set(res.diffs) == pairs | {f"horovod vs {ex.INIT_STEP}"}
-    assert res.tolerance is SGD and res.init_step_effect == 0.0, "a zero-gradient step leaves SGD where it was"
+    assert res.tolerance is SGD and res.init_step_effect == 0.0, (
+        "a zero-gradient step leaves SGD where it was"
+    )
     for p in pairs:
         a, b = p.split(" vs ")
         SGD.assert_close(res.states[a], res.states[b], p)
     assert len(res.checks()) == len(res.diffs) + 1
     res.assert_passed()  # every pair within SGD, every run's ranks bit-identical
-    for name, losses in res.losses.items():  # the same global-batch loss, step by step, and it learns
+    for (
+        name,
+        losses,
+    ) in res.losses.items():  # the same global-batch loss, step by step, and it learns
         SGD.assert_close(losses, res.losses["one device"], name)
     assert res.losses["one device"][-1] < res.losses["one device"][0]
 
@@ -76,18 +82,24 @@ def test_horovod_hang_ends_at_timeout_and_kills_the_process_tree():
     with pytest.raises(ex.HorovodTimeout, match="timeout=25s") as info:
         ex.run_horovod(steps=3, hang_rank=1, timeout=25)
     assert time.monotonic() - t0 < 45
-    leftovers = _processes_mentioning(info.value.run_dir)  # horovodrun, its middlemen and workers all name it
+    leftovers = _processes_mentioning(
+        info.value.run_dir
+    )  # horovodrun, its middlemen and workers all name it
     assert not leftovers, leftovers
     assert not os.path.exists(info.value.run_dir)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(global_batch=15, world_size=2), "global_batch=15 is not divisible by world_size = 2"),
-    (dict(global_batch=16, world_size=3), "not divisible by world_size = 3"),
-    (dict(world_size=0), "world_size must be an integer >= 1"),
-    (dict(steps=0), "steps must be an integer >= 1"),
-    (dict(optimizer="lamb"), "optimizer='lamb' is not one of"),
-], ids=["batch15_world2", "batch16_world3", "world0", "steps0", "unknown_optimizer"])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(global_batch=15, world_size=2), "global_batch=15 is not divisible by world_size = 2"),
+        (dict(global_batch=16, world_size=3), "not divisible by world_size = 3"),
+        (dict(world_size=0), "world_size must be an integer >= 1"),
+        (dict(steps=0), "steps must be an integer >= 1"),
+        (dict(optimizer="lamb"), "optimizer='lamb' is not one of"),
+    ],
+    ids=["batch15_world2", "batch16_world3", "world0", "steps0", "unknown_optimizer"],
+)
 def test_bad_input_is_refused_before_any_process_starts(kwargs, message):
     for fn in (ex.run_horovod, ex.compare_frameworks):
         with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -111,11 +123,19 @@ def test_api_table_names_real_deepspeed_keys_and_course_apis():
     ds = {row[0]: row[4] for row in ex.API_TABLE}
     for stage in (1, 2, 3):
         assert any(f"stage: {stage}" in cell for cell in ds.values())
-        DeepSpeedZeroConfig(stage=stage, offload_optimizer={"device": "cpu"})  # valid at every stage
-    cfg = DeepSpeedZeroConfig(stage=3, offload_param={"device": "cpu"}, reduce_bucket_size=1000,
-                              allgather_bucket_size=1000)
+        DeepSpeedZeroConfig(
+            stage=stage, offload_optimizer={"device": "cpu"}
+        )  # valid at every stage
+    cfg = DeepSpeedZeroConfig(
+        stage=3,
+        offload_param={"device": "cpu"},
+        reduce_bucket_size=1000,
+        allgather_bucket_size=1000,
+    )
     assert cfg.offload_param.device == "cpu"
-    assert {"comm_hook", "bucket_cap_mb"} <= set(inspect.signature(ddp.DDP).parameters) and ddp.DDP.no_sync
+    assert {"comm_hook", "bucket_cap_mb"} <= set(
+        inspect.signature(ddp.DDP).parameters
+    ) and ddp.DDP.no_sync
     assert "stage" in inspect.signature(zero.ZeroOptimizer).parameters and zero3.Zero3
     table = ex.api_table_markdown()
     assert table.count("\n") == len(ex.API_TABLE) + 1 and "retired" in table
@@ -127,12 +147,22 @@ def test_api_table_names_real_horovod_apis():
     import horovod.torch as hvd
 
     assert horovod.__version__ == ex.HOROVOD_VERSION
-    for name in ("init", "rank", "size", "local_rank", "broadcast_parameters", "broadcast_optimizer_state",
-                 "DistributedOptimizer", "allreduce", "join"):
+    for name in (
+        "init",
+        "rank",
+        "size",
+        "local_rank",
+        "broadcast_parameters",
+        "broadcast_optimizer_state",
+        "DistributedOptimizer",
+        "allreduce",
+        "join",
+    ):
         assert callable(getattr(hvd, name)), name
     assert hvd.Compression.fp16 and hvd.gloo_built()
     assert {"named_parameters", "compression", "backward_passes_per_step"} <= set(
-        inspect.signature(hvd.DistributedOptimizer).parameters)
+        inspect.signature(hvd.DistributedOptimizer).parameters
+    )
 
 
 @needs_horovod

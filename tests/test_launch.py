@@ -1,4 +1,5 @@
 """The launcher: real ranks, rank-ordered results, errors and hangs surface fast, nothing left behind."""
+
 import os
 import subprocess
 import sys
@@ -14,7 +15,9 @@ from course_lib.launch import RankError, RankTimeout, device, hello, resolve_bac
 
 
 def _children():
-    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    return [
+        p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -130,13 +133,27 @@ def test_backend_resolution():
 
 def test_same_function_runs_under_torchrun():
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "course_lib.launch", "course_lib.launch:hello"],
-        capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "course_lib.launch",
+            "course_lib.launch:hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     backend = resolve_backend("auto", 2)  # torchrun's --nproc-per-node 2 on this machine
-    assert (f"rank 1: {{'rank': 1, 'world_size': 2, 'backend': '{backend}', 'device': '{_expected_device(1, 2)}', "
-            "'sum_of_ranks': 1}") in proc.stdout
+    assert (
+        f"rank 1: {{'rank': 1, 'world_size': 2, 'backend': '{backend}', 'device': '{_expected_device(1, 2)}', "
+        "'sum_of_ranks': 1}"
+    ) in proc.stdout
 
 
 def test_hello_via_spawn():

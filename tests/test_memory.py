@@ -38,7 +38,9 @@ def adam_step(model, batch=(2, 8)):
 def test_model_state_bytes_matches_hand_count_for_adamw(tie):
     model = GPT(tiny_config(tie_weights=tie))
     n, tensors = model.num_params(), len(list(model.parameters()))
-    assert model_state_bytes(model) == dict(params=4 * n, grads=0, optimizer=0, extra=0, total=4 * n)
+    assert model_state_bytes(model) == dict(
+        params=4 * n, grads=0, optimizer=0, extra=0, total=4 * n
+    )
 
     opt = adam_step(model)
     got = model_state_bytes(model, opt)
@@ -64,7 +66,8 @@ def test_views_of_one_buffer_count_the_buffer_once():
     assert model_state_bytes(views)["params"] == 400
     # a storage already charged as params is not charged again as extra
     assert model_state_bytes(views, extra=[flat, torch.zeros(5)]) == dict(
-        params=400, grads=0, optimizer=0, extra=20, total=420)
+        params=400, grads=0, optimizer=0, extra=20, total=420
+    )
 
 
 def test_public_storage_helpers_count_each_storage_once():
@@ -73,8 +76,12 @@ def test_public_storage_helpers_count_each_storage_once():
     assert [t.numel() for t in tensors_in(nest)] == [30, 70, 5]
     assert storage_bytes(tensors_in(nest)) == 420
     seen: set = set()
-    assert unique_storage_bytes({"first": [flat[:10]], "second": [flat, other]}, seen) == dict(first=400, second=20)
-    assert storage_bytes([flat, other, torch.empty(0)], seen) == 0  # already charged (or empty): nothing new
+    assert unique_storage_bytes({"first": [flat[:10]], "second": [flat, other]}, seen) == dict(
+        first=400, second=20
+    )
+    assert (
+        storage_bytes([flat, other, torch.empty(0)], seen) == 0
+    )  # already charged (or empty): nothing new
 
 
 def test_model_state_bytes_rejects_a_non_optimizer():
@@ -90,12 +97,16 @@ def test_dtensor_counts_its_local_shard():
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)  # 2 ranks, one process
+    dist.init_process_group(
+        "fake", store=fake_pg.FakeStore(), rank=0, world_size=2
+    )  # 2 ranks, one process
     try:
         mesh = init_device_mesh("cpu", (2,))
         param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
         assert param.shape == (8, 4)
-        assert model_state_bytes([param])["params"] == 4 * 4 * 4  # this rank's 4 x 4 rows, not 8 x 4
+        assert (
+            model_state_bytes([param])["params"] == 4 * 4 * 4
+        )  # this rank's 4 x 4 rows, not 8 x 4
     finally:
         dist.destroy_process_group()
 
@@ -133,7 +144,10 @@ def test_activation_estimate_equals_saved_tensor_bytes(attn, b, s, overrides):
 
 def test_activation_estimate_without_loss():
     cfg = tiny_config()
-    assert measure(cfg, 2, 16, with_loss=False) == activation_bytes_estimate(cfg, 2, 16, with_loss=False)["total"]
+    assert (
+        measure(cfg, 2, 16, with_loss=False)
+        == activation_bytes_estimate(cfg, 2, 16, with_loss=False)["total"]
+    )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "math"])
@@ -178,13 +192,19 @@ def test_korthikanti_formula():
     s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B shapes
     sbh = s * b * h
     assert korthikanti_activation_bytes(s, b, h, a) == pytest.approx(sbh * (34 + 5 * a * s / h))
-    assert korthikanti_activation_bytes(s, b, h, a, n_layers=96) == pytest.approx(96 * sbh * (34 + 5 * a * s / h))
+    assert korthikanti_activation_bytes(s, b, h, a, n_layers=96) == pytest.approx(
+        96 * sbh * (34 + 5 * a * s / h)
+    )
     t = 8
     assert korthikanti_activation_bytes(s, b, h, a, tensor_parallel=t) == pytest.approx(
-        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-    assert korthikanti_activation_bytes(s, b, h, a, tensor_parallel=t, sequence_parallel=True) == pytest.approx(
-        sbh * (34 / t + 5 * a * s / (h * t)))
-    assert korthikanti_activation_bytes(s, b, h, a, recompute="selective") == pytest.approx(34 * sbh)
+        sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    )
+    assert korthikanti_activation_bytes(
+        s, b, h, a, tensor_parallel=t, sequence_parallel=True
+    ) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    assert korthikanti_activation_bytes(s, b, h, a, recompute="selective") == pytest.approx(
+        34 * sbh
+    )
     assert korthikanti_activation_bytes(s, b, h, a, recompute="full") == pytest.approx(2 * sbh)
     with pytest.raises(ValueError, match="recompute='some' must be"):
         korthikanti_activation_bytes(s, b, h, a, recompute="some")
@@ -195,7 +215,9 @@ def test_korthikanti_formula():
 
 # ZeRO paper, Figure 1: Psi = 7.5B, N = 64, K = 12. Decimal GB as in the paper; GiB to 2 decimals
 # (ZeRO-1 is 31.41e9 B = 29.25 GiB, which rounds to 29.2 at one decimal, not 29.3).
-@pytest.mark.parametrize("stage, gb, gib", [(0, 120.0, 111.76), (1, 31.4, 29.25), (2, 16.6, 15.50), (3, 1.9, 1.75)])
+@pytest.mark.parametrize(
+    "stage, gb, gib", [(0, 120.0, 111.76), (1, 31.4, 29.25), (2, 16.6, 15.50), (3, 1.9, 1.75)]
+)
 def test_zero_paper_numbers_for_7_5b_params_on_64_gpus(stage, gb, gib):
     total = zero_model_state_bytes(7.5e9, 64, stage)
     assert round(total / 1e9, 1) == gb
@@ -211,8 +233,9 @@ def test_zero_formulas(n):
         assert zero_model_state_bytes(psi, n, stage) == pytest.approx(mixed[stage])
         assert zero_model_state_bytes(psi, n, stage, precision="fp32") == pytest.approx(fp32[stage])
     parts = zero_model_state_breakdown(psi, n, 2, k=12)
-    assert parts == pytest.approx(dict(params=2 * psi, grads=2 * psi / n, optimizer=12 * psi / n,
-                                       total=mixed[2]))
+    assert parts == pytest.approx(
+        dict(params=2 * psi, grads=2 * psi / n, optimizer=12 * psi / n, total=mixed[2])
+    )
 
 
 @pytest.mark.parametrize(
@@ -277,8 +300,10 @@ def test_training_flops_per_token_and_matmul_peak():
 
     cfg = tiny_config()
     psi = GPT(cfg).num_params()
-    assert training_flops_per_token(psi, cfg.n_layer, cfg.block_size, cfg.d_model) == \
-        6 * psi + 12 * cfg.n_layer * cfg.block_size * cfg.d_model
+    assert (
+        training_flops_per_token(psi, cfg.n_layer, cfg.block_size, cfg.d_model)
+        == 6 * psi + 12 * cfg.n_layer * cfg.block_size * cfg.d_model
+    )
     with pytest.raises(ValueError, match="must be > 0"):
         training_flops_per_token(0, 2, 32, 64)
     peak = matmul_peak_flops(n=128, repeats=3)

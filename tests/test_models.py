@@ -14,7 +14,9 @@ from course_lib.results import REORDERED
 def expected_num_params(cfg: GPTConfig, unique: bool = True) -> int:
     """Hand count: embeddings + L blocks + ln_f (+ lm_head when untied or counted per name)."""
     h, r, V, T, L = cfg.d_model, cfg.mlp_ratio, cfg.vocab_size, cfg.block_size, cfg.n_layer
-    linear = (3 * h * h) + (h * h) + (r * h * h) + (r * h * h)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    linear = (
+        (3 * h * h) + (h * h) + (r * h * h) + (r * h * h)
+    )  # c_attn, attn.c_proj, c_fc, mlp.c_proj
     if cfg.bias:
         linear += 3 * h + h + r * h + h
     ln = 2 * h if cfg.bias else h
@@ -34,7 +36,9 @@ def test_forward_returns_logits_and_mean_cross_entropy(attn):
     logits, loss = model(x, y)
     assert logits.shape == (3, 20, 32)
     assert loss.shape == ()
-    REORDERED.assert_close(loss, torch.nn.functional.cross_entropy(logits.reshape(-1, 32), y.reshape(-1)))
+    REORDERED.assert_close(
+        loss, torch.nn.functional.cross_entropy(logits.reshape(-1, 32), y.reshape(-1))
+    )
     logits_only, no_loss = model(x)
     assert no_loss is None and torch.equal(logits_only, logits)
 
@@ -69,7 +73,9 @@ def test_sdpa_and_explicit_softmax_attention_agree():
     x, _ = make_batch(2, 32, 32, seed=2)
     sdpa, _ = GPT(tiny_config(attn="sdpa"))(x)
     math_, _ = GPT(tiny_config(attn="math"))(x)
-    REORDERED.assert_close(sdpa, math_)  # one fused kernel vs explicit softmax: the same sums, reordered
+    REORDERED.assert_close(
+        sdpa, math_
+    )  # one fused kernel vs explicit softmax: the same sums, reordered
 
 
 def test_attention_splits_by_heads_for_tensor_parallel():
@@ -106,13 +112,18 @@ def test_tied_weight_is_one_tensor_counted_once():
     cfg = tiny_config()
     model = GPT(cfg)
     assert model.lm_head.weight is model.wte.weight
-    assert model.num_params() == expected_num_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert (
+        model.num_params() == expected_num_params(cfg) == sum(p.numel() for p in model.parameters())
+    )
     assert model.num_params(unique=False) == model.num_params() + cfg.vocab_size * cfg.d_model
     assert "lm_head.weight" in model.state_dict()
 
 
-@pytest.mark.parametrize("overrides", [dict(tie_weights=False), dict(bias=False), dict(mlp_ratio=2, n_layer=3)],
-                         ids=["untied", "no_bias", "mlp_ratio=2,n_layer=3"])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(tie_weights=False), dict(bias=False), dict(mlp_ratio=2, n_layer=3)],
+    ids=["untied", "no_bias", "mlp_ratio=2,n_layer=3"],
+)
 def test_num_params_matches_hand_count(overrides):
     cfg = tiny_config(**overrides)
     model = GPT(cfg)
@@ -163,11 +174,20 @@ def test_init_scheme():
         (dict(attn="flash"), "attn='flash' must be 'sdpa' or 'math'"),
         (dict(n_layer=2.0), "n_layer=2.0 must be an int"),
     ],
-    ids=["d_model_not_divisible", "block_size_0", "vocab_size_0", "n_head_0", "dropout_1", "attn_unknown",
-         "n_layer_float"],
+    ids=[
+        "d_model_not_divisible",
+        "block_size_0",
+        "vocab_size_0",
+        "n_head_0",
+        "dropout_1",
+        "attn_unknown",
+        "n_layer_float",
+    ],
 )
 def test_config_error_names_the_rule(overrides, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+    ):
         tiny_config(**overrides)
 
 
@@ -199,11 +219,17 @@ def test_sequences_follow_the_counter_rule():
 
 
 def test_data_is_deterministic_and_seed_dependent():
-    a, b, c = make_batch(4, 16, 32, seed=5), make_batch(4, 16, 32, seed=5), make_batch(4, 16, 32, seed=6)
+    a, b, c = (
+        make_batch(4, 16, 32, seed=5),
+        make_batch(4, 16, 32, seed=5),
+        make_batch(4, 16, 32, seed=6),
+    )
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
     d1, d2 = SyntheticDataset(10, 16, 32, seed=7), SyntheticDataset(10, 16, 32, seed=7)
     assert len(d1) == 10
-    assert all(torch.equal(d1[i][0], d2[i][0]) and torch.equal(d1[i][1], d2[i][1]) for i in range(10))
+    assert all(
+        torch.equal(d1[i][0], d2[i][0]) and torch.equal(d1[i][1], d2[i][1]) for i in range(10)
+    )
 
 
 def test_loss_floor_is_ln_vocab_over_seq_len():
@@ -242,4 +268,6 @@ def test_model_learns_the_synthetic_task_in_200_steps():
     assert abs(losses[0] - ln_v) < 0.15
     final = sum(losses[-10:]) / 10
     assert final < 0.25 * ln_v, f"loss after 200 steps {final:.3f} (ln V = {ln_v:.3f})"
-    assert final > loss_floor(cfg.block_size, cfg.vocab_size) - 0.02  # cannot beat the floor (small slack: batch noise)
+    assert (
+        final > loss_floor(cfg.block_size, cfg.vocab_size) - 0.02
+    )  # cannot beat the floor (small slack: batch noise)

@@ -5,6 +5,7 @@ Every distributed case runs inside ONE spawn per world size (each spawn costs se
 parametrized tests read the case they name, check its rows (each rank compared itself with one
 device) and compare the merged stages with a single-device run computed here.
 """
+
 import functools
 
 import pytest
@@ -15,9 +16,23 @@ from course_lib.configs import parallel_config
 from course_lib.formulas import pipeline_bubble, pipeline_p2p_bytes
 from course_lib.launch import RankError, spawn
 from course_lib.models import GPT
-from course_lib.pipeline import (Action, LiveMicrobatches, PipelineObserver, PipelineRunner, Timeline,
-                                 check_schedule, gpipe, interleaved_one_f_one_b, make_schedules, measured_step,
-                                 one_f_one_b, peak_live_microbatches, simulate, split_gpt, split_microbatches)
+from course_lib.pipeline import (
+    Action,
+    LiveMicrobatches,
+    PipelineObserver,
+    PipelineRunner,
+    Timeline,
+    check_schedule,
+    gpipe,
+    interleaved_one_f_one_b,
+    make_schedules,
+    measured_step,
+    one_f_one_b,
+    peak_live_microbatches,
+    simulate,
+    split_gpt,
+    split_microbatches,
+)
 from course_lib.results import EXACT, SGD, for_optimizer
 from course_lib.train import reference_run, step_batch
 
@@ -33,14 +48,26 @@ def _suite(world: int) -> dict:
         for opt in OPTS:
             out[(sched, opt)] = E.pipeline_training(sched, opt, STEPS, M, BATCH)
     if world == 2:
-        out[("interleaved", "sgd")] = E.pipeline_training("interleaved", "sgd", STEPS, M, BATCH, num_chunks=2)
+        out[("interleaved", "sgd")] = E.pipeline_training(
+            "interleaved", "sgd", STEPS, M, BATCH, num_chunks=2
+        )
         for sched in ("gpipe", "1f1b", "interleaved"):
             out[("torch", sched)] = E.torch_pipelining_grads(sched, M, BATCH)
-        out["bubbles"] = E.measure_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.02, t_b=0.04, steps=5, warmup=1)
-        out["timelines"] = E.gpt_timelines(("gpipe", "1f1b"), num_microbatches=8, global_batch=16, steps=2)
+        out["bubbles"] = E.measure_bubbles(
+            ("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.02, t_b=0.04, steps=5, warmup=1
+        )
+        out["timelines"] = E.gpt_timelines(
+            ("gpipe", "1f1b"), num_microbatches=8, global_batch=16, steps=2
+        )
     if world == 4:  # 2 stages × 2 replicas
-        out["pp_dp"] = E.pp_dp_training(num_stages=2, schedule="1f1b", optimizer="sgd", steps=5,
-                                        num_microbatches=2, global_batch=16)
+        out["pp_dp"] = E.pp_dp_training(
+            num_stages=2,
+            schedule="1f1b",
+            optimizer="sgd",
+            steps=5,
+            num_microbatches=2,
+            global_batch=16,
+        )
     return out
 
 
@@ -72,7 +99,9 @@ def test_schedule_is_valid_and_bubble_matches_formula_in_unit_time(name, p, m):
         assert peak_live_microbatches(acts) == want
 
 
-@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2), (2, 4, 3), (3, 6, 2)])
+@pytest.mark.parametrize(
+    "p,m,v", [(2, 2, 2), (2, 4, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2), (2, 4, 3), (3, 6, 2)]
+)
 def test_interleaved_schedule_is_valid_and_bubble_is_p_minus_1_over_vm_plus_p_minus_1(p, m, v):
     scheds = make_schedules("interleaved", p, m, num_chunks=v)
     events = simulate(scheds, m, v, t_f=1.0 / v, t_b=2.0 / v)  # a chunk does 1/v of a stage's work
@@ -82,9 +111,20 @@ def test_interleaved_schedule_is_valid_and_bubble_is_p_minus_1_over_vm_plus_p_mi
 
 
 def test_one_f_one_b_alternates_after_warmup():
-    assert one_f_one_b(4, 6, 1) == [Action("F", 0), Action("F", 1), Action("F", 2), Action("B", 0), Action("F", 3),
-                                    Action("B", 1), Action("F", 4), Action("B", 2), Action("F", 5), Action("B", 3),
-                                    Action("B", 4), Action("B", 5)]
+    assert one_f_one_b(4, 6, 1) == [
+        Action("F", 0),
+        Action("F", 1),
+        Action("F", 2),
+        Action("B", 0),
+        Action("F", 3),
+        Action("B", 1),
+        Action("F", 4),
+        Action("B", 2),
+        Action("F", 5),
+        Action("B", 3),
+        Action("B", 4),
+        Action("B", 5),
+    ]
     assert gpipe(2, 2, 0) == [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]
 
 
@@ -168,8 +208,15 @@ def _raising_stage():
                 raise RuntimeError("boom")
             return self.lin(x)
 
-    runner = PipelineRunner([Boom()], dist.get_rank(), make_schedules("1f1b", 2, 4), 4, activation_shape=(2, 4),
-                            loss_fn=lambda out, y: out.pow(2).mean(), device=device())
+    runner = PipelineRunner(
+        [Boom()],
+        dist.get_rank(),
+        make_schedules("1f1b", 2, 4),
+        4,
+        activation_shape=(2, 4),
+        loss_fn=lambda out, y: out.pow(2).mean(),
+        device=device(),
+    )
     x = torch.randn(8, 4)
     runner.step(x, x)
 
@@ -195,24 +242,38 @@ def test_observers_see_every_action_and_change_nothing(name):
     grads = []
     for observe in (False, True):
         stage = split_gpt(GPT(config, seed=0), 1)[0]
-        runner = PipelineRunner([stage], 0, make_schedules(name, 1, m), m,
-                                activation_shape=(2, config.block_size, config.d_model), device="cpu")
+        runner = PipelineRunner(
+            [stage],
+            0,
+            make_schedules(name, 1, m),
+            m,
+            activation_shape=(2, config.block_size, config.d_model),
+            device="cpu",
+        )
         calls, timeline, live = _Calls(), Timeline(), LiveMicrobatches()
         losses = runner.step(x, y, observers=(calls, timeline, live) if observe else ())
         grads.append({n: q.grad.clone() for n, q in stage.named_parameters()})
     EXACT.assert_close(grads[1], grads[0], "observers must not change the step")
-    want = [(h, a.op, a.microbatch) for a in make_schedules(name, 1, m)[0] for h in ("begin", "end")]
+    want = [
+        (h, a.op, a.microbatch) for a in make_schedules(name, 1, m)[0] for h in ("begin", "end")
+    ]
     assert calls.calls == want  # no waits on one stage
-    assert [(e.kind, e.microbatch) for e in timeline.events] == [(a.op, a.microbatch) for a in runner.schedules[0]]
+    assert [(e.kind, e.microbatch) for e in timeline.events] == [
+        (a.op, a.microbatch) for a in runner.schedules[0]
+    ]
     assert live.peak == peak_live_microbatches(runner.schedules[0]) and live.live == 0
     assert len(losses) == m
     stats = measured_step(runner, x, y)
     assert stats.peak_live_microbatches == live.peak and stats.peak_live_bytes > 0
-    assert len(stats.live_bytes) == 2 * m and stats.live_bytes[-1][1] == 0  # every saved tensor released
+    assert (
+        len(stats.live_bytes) == 2 * m and stats.live_bytes[-1][1] == 0
+    )  # every saved tensor released
 
 
 def test_a_stage_raising_mid_schedule_names_the_stage_and_does_not_hang():
-    with pytest.raises(RankError, match=r"pipeline stage 1 \(rank 1\) failed in F1: RuntimeError: boom") as err:
+    with pytest.raises(
+        RankError, match=r"pipeline stage 1 \(rank 1\) failed in F1: RuntimeError: boom"
+    ) as err:
         spawn(_raising_stage, 2, timeout=60)
     assert err.value.rank == 1
 
@@ -252,8 +313,12 @@ def test_pp_times_dp_matches_single_device():
         r.assert_passed()
     ref = reference("sgd", 5)
     for replica in (0, 1):
-        SGD.assert_close(E.merge_states([r for r in res if r.replica == replica]), ref, f"replica {replica}")
-    assert len({g for r in res for g in r.groups}) == 2  # stage 0's group and stage 1's, never across stages
+        SGD.assert_close(
+            E.merge_states([r for r in res if r.replica == replica]), ref, f"replica {replica}"
+        )
+    assert (
+        len({g for r in res for g in r.groups}) == 2
+    )  # stage 0's group and stage 1's, never across stages
 
 
 # =========================================================================== bubbles and memory, measured
@@ -280,7 +345,9 @@ def test_bubble_result_survives_as_dict_and_back():
 def test_live_microbatches_gpipe_m_1f1b_at_most_p_minus_stage(m):
     res = suite(2)[0]["bubbles"]
     assert next(r for r in res.rows if r["schedule"] == "gpipe" and r["m"] == m)["peak_live"] == m
-    assert next(r for r in res.rows if r["schedule"] == "1f1b" and r["m"] == m)["peak_live"] <= 2  # rank 0: p − 0
+    assert (
+        next(r for r in res.rows if r["schedule"] == "1f1b" and r["m"] == m)["peak_live"] <= 2
+    )  # rank 0: p − 0
 
 
 def test_one_f_one_b_holds_fewer_live_activation_bytes_than_gpipe():
@@ -303,8 +370,11 @@ def test_p2p_bytes_match_prediction():
 
 
 def test_exercise_checker_rejects_gpipe_order_naming_the_first_wrong_action(learner_answer):
-    run = learner_answer("pipeline", "from course_lib.pipeline import gpipe\n"
-                                          "def one_f_one_b_schedule(p, m, stage):\n    return gpipe(p, m, stage)\n")
+    run = learner_answer(
+        "pipeline",
+        "from course_lib.pipeline import gpipe\n"
+        "def one_f_one_b_schedule(p, m, stage):\n    return gpipe(p, m, stage)\n",
+    )
     res = run("one_f_one_b_schedule")
     assert res.status == "failed"
     assert "p=1, m=2, stage=0: action 1 is F1, 1F1B runs B0" in res.message

@@ -1,5 +1,6 @@
 """The strategy chooser (course_lib.plan): the ZeRO paper's table, the fixed cases, clear errors, and agreement with
 the bytes the course's own ZeRO / FSDP2 runs measure on real ranks (chapter 09's review suite, N = 2)."""
+
 import pytest
 
 from course_lib import plan, viz
@@ -18,9 +19,18 @@ def test_zero_paper_table_is_120_31_4_16_6_1_9_gb():
     assert list(table) == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 
 
-@pytest.mark.parametrize("make", [small_config, zero_config, bench_config, parallel_config,
-                                  lambda: small_config(bias=True), lambda: parallel_config(mlp_ratio=2)],
-                         ids=["small", "zero", "bench", "parallel-untied", "bias", "mlp-ratio-2"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        small_config,
+        zero_config,
+        bench_config,
+        parallel_config,
+        lambda: small_config(bias=True),
+        lambda: parallel_config(mlp_ratio=2),
+    ],
+    ids=["small", "zero", "bench", "parallel-untied", "bias", "mlp-ratio-2"],
+)
 def test_gpt_num_params_counts_what_the_model_holds(make):
     config = make()
     assert plan.gpt_num_params(config) == GPT(config).num_params()
@@ -41,8 +51,12 @@ def test_tensor_and_pipeline_parallel_divide_model_states_and_zero_shards_them()
 def test_1f1b_first_stage_holds_the_activations_of_no_pipeline_and_tp_sp_divides_them():
     model = plan.Model(7e9, 32, 4096, 32, 2048)  # no vocab: blocks only
     none = plan.memory_per_gpu(model, plan.Layout())["activations"]
-    REORDERED.assert_close(plan.memory_per_gpu(model, plan.Layout(pp=4), num_microbatches=8)["activations"], none)
-    REORDERED.assert_close(plan.memory_per_gpu(model, plan.Layout(pp=4), num_microbatches=2)["activations"], none / 2)
+    REORDERED.assert_close(
+        plan.memory_per_gpu(model, plan.Layout(pp=4), num_microbatches=8)["activations"], none
+    )
+    REORDERED.assert_close(
+        plan.memory_per_gpu(model, plan.Layout(pp=4), num_microbatches=2)["activations"], none / 2
+    )
     REORDERED.assert_close(plan.memory_per_gpu(model, plan.Layout(tp=8))["activations"], none / 8)
     full = plan.memory_per_gpu(model, plan.Layout(recompute="full"))["activations"]
     REORDERED.assert_close(full, 2 * 2048 * 4096 * 32)  # each layer's input, 16-bit
@@ -58,7 +72,9 @@ def test_fixed_case(name):
     result = plan.recommend(model, cluster)
     assert check(result), f"{name}: expected {expected}, got {result.layout.name()}"
     assert result.memory["total"] <= result.usable_bytes
-    assert all(not fits for _, _, fits in result.tried[:-1]) and result.tried[-1][0] == result.layout
+    assert (
+        all(not fits for _, _, fits in result.tried[:-1]) and result.tried[-1][0] == result.layout
+    )
 
 
 def test_fixed_cases_give_the_expected_layouts_by_name():
@@ -85,30 +101,70 @@ def test_activations_that_fit_nowhere_are_named():
 def test_full_recompute_is_the_last_resort_and_says_so():
     # 70B on one node: no layout fits with selective recompute; TP 8 × ZeRO-3 with full recompute does
     result = plan.recommend(plan.Model(70e9, 80, 8192, 64, 4096), plan.Cluster(80, 8, 2))
-    assert result.layout.recompute == "full" and any("full activation recompute" in r for r in result.reasons)
+    assert result.layout.recompute == "full" and any(
+        "full activation recompute" in r for r in result.reasons
+    )
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: plan.memory_per_gpu(plan.Model(7e9, 32, 768, 6, 2048), plan.Layout(tp=4)),
-     "num_heads=6 is not divisible by tp_size=4"),
-    (lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(pp=3)), "layers=32 is not divisible by pp_size=3"),
-    (lambda: plan.check_layout(SEVEN_B, plan.Layout(dp=4, tp=8), plan.Cluster(80, 8, 8)),
-     r"dp_size × tp_size × pp_size = 4 × 8 × 1 = 32 must equal the number of GPUs"),
-    (lambda: plan.check_layout(SEVEN_B, plan.Layout(dp=4, tp=16), plan.Cluster(80, 8, 8)),
-     "tp_size=16 does not divide gpus_per_node=8"),
-    (lambda: plan.Model(7e9, 32, 4096, 3, 2048), "hidden=4096 is not divisible by num_heads=3"),
-    (lambda: plan.Model(-1, 32, 4096, 32, 2048), r"params=-1 \(the parameter count Ψ\) must be a number > 0"),
-    (lambda: plan.Model(7e9, 0, 4096, 32, 2048), "layers=0 must be an int >= 1"),
-    (lambda: plan.Cluster(0, 8, 1), "gpu_memory_gb=0 must be a number > 0"),
-    (lambda: plan.Cluster(80, 8, 0), "nodes=0 must be an int >= 1"),
-    (lambda: plan.Layout(zero=4), "zero_stage=4 must be 0, 1, 2 or 3"),
-    (lambda: plan.Layout(recompute="some"), "recompute='some' must be one of"),
-    (lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(), precision="bf16"), "precision='bf16' must be"),
-    (lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(recompute="none"), precision="fp32"),
-     "precision='fp32' activations are derived for the course GPT"),
-    (lambda: plan.recommend(SEVEN_B, plan.Cluster(80), reserve=1.0), r"reserve=1.0 must be in \[0, 1\)"),
-], ids=["heads-tp", "layers-pp", "world", "tp-node", "hidden-heads", "params", "layers", "memory", "nodes", "zero",
-        "recompute", "precision", "fp32-needs-config", "reserve"])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: plan.memory_per_gpu(plan.Model(7e9, 32, 768, 6, 2048), plan.Layout(tp=4)),
+            "num_heads=6 is not divisible by tp_size=4",
+        ),
+        (
+            lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(pp=3)),
+            "layers=32 is not divisible by pp_size=3",
+        ),
+        (
+            lambda: plan.check_layout(SEVEN_B, plan.Layout(dp=4, tp=8), plan.Cluster(80, 8, 8)),
+            r"dp_size × tp_size × pp_size = 4 × 8 × 1 = 32 must equal the number of GPUs",
+        ),
+        (
+            lambda: plan.check_layout(SEVEN_B, plan.Layout(dp=4, tp=16), plan.Cluster(80, 8, 8)),
+            "tp_size=16 does not divide gpus_per_node=8",
+        ),
+        (lambda: plan.Model(7e9, 32, 4096, 3, 2048), "hidden=4096 is not divisible by num_heads=3"),
+        (
+            lambda: plan.Model(-1, 32, 4096, 32, 2048),
+            r"params=-1 \(the parameter count Ψ\) must be a number > 0",
+        ),
+        (lambda: plan.Model(7e9, 0, 4096, 32, 2048), "layers=0 must be an int >= 1"),
+        (lambda: plan.Cluster(0, 8, 1), "gpu_memory_gb=0 must be a number > 0"),
+        (lambda: plan.Cluster(80, 8, 0), "nodes=0 must be an int >= 1"),
+        (lambda: plan.Layout(zero=4), "zero_stage=4 must be 0, 1, 2 or 3"),
+        (lambda: plan.Layout(recompute="some"), "recompute='some' must be one of"),
+        (
+            lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(), precision="bf16"),
+            "precision='bf16' must be",
+        ),
+        (
+            lambda: plan.memory_per_gpu(SEVEN_B, plan.Layout(recompute="none"), precision="fp32"),
+            "precision='fp32' activations are derived for the course GPT",
+        ),
+        (
+            lambda: plan.recommend(SEVEN_B, plan.Cluster(80), reserve=1.0),
+            r"reserve=1.0 must be in \[0, 1\)",
+        ),
+    ],
+    ids=[
+        "heads-tp",
+        "layers-pp",
+        "world",
+        "tp-node",
+        "hidden-heads",
+        "params",
+        "layers",
+        "memory",
+        "nodes",
+        "zero",
+        "recompute",
+        "precision",
+        "fp32-needs-config",
+        "reserve",
+    ],
+)
 def test_bad_input_names_the_rule(make, message):
     with pytest.raises(plan.PlanError, match=message):
         make()
@@ -118,10 +174,21 @@ def test_widget_shows_the_plan_as_text():
     pytest.importorskip("ipywidgets")
     text = repr(viz.planner_widget())
     assert "→ ZeRO-2 (dp 8)" in text
-    assert "PlanError: hidden=768 is not divisible by num_heads=5" in repr(viz.planner_widget(hidden=768, heads=5))
+    assert "PlanError: hidden=768 is not divisible by num_heads=5" in repr(
+        viz.planner_widget(hidden=768, heads=5)
+    )
     # heads=6 on 4-GPU nodes: the chooser takes the largest TP size that divides both (2)
-    assert "TP 2 + SP" in repr(viz.planner_widget(params_billions=200, layers=32, hidden=768, heads=6,
-                                                   gpus_per_node=4, nodes=16, seq_len=2**15))
+    assert "TP 2 + SP" in repr(
+        viz.planner_widget(
+            params_billions=200,
+            layers=32,
+            hidden=768,
+            heads=6,
+            gpus_per_node=4,
+            nodes=16,
+            seq_len=2**15,
+        )
+    )
 
 
 # --------------------------------------------------------------------------- against real ranks
@@ -137,18 +204,28 @@ def test_planner_agrees_with_the_bytes_measured_by_chapters_03_and_04(suite):
     assert [r["layout"] for r in rows] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"]
     result = R.review_result(suite)
     planner = [r for r in result.checks() if "planner" in r.quantity]
-    assert len(planner) == 5 + 4, "model states of five layouts, activations of the four ZeRO stages"
+    assert len(planner) == 5 + 4, (
+        "model states of five layouts, activations of the four ZeRO stages"
+    )
     assert all(r.verdict for r in planner), result.table()
 
 
 def test_review_suite_measures_every_technique_at_its_formula(suite):
     result = R.review_result(suite)
     claims = result.claims()
-    for name in ("DDP (ours)", "ZeRO-1 (ours)", "ZeRO-2 (ours)", "ZeRO-3 (ours)", "FSDP2 (torch)",
-                 "TP (Megatron, ours)"):
+    for name in (
+        "DDP (ours)",
+        "ZeRO-1 (ours)",
+        "ZeRO-2 (ours)",
+        "ZeRO-3 (ours)",
+        "FSDP2 (torch)",
+        "TP (Megatron, ours)",
+    ):
         assert f"{name}: model states per rank / formula" in claims
         assert f"{name}: sent per step / formula" in claims
-    assert sum("bubble of the worst rank" in q for q in claims) == 4  # gpipe and 1f1b at m = 1 and 4
+    assert (
+        sum("bubble of the worst rank" in q for q in claims) == 4
+    )  # gpipe and 1f1b at m = 1 and 4
     result.assert_passed()
     assert "PP (GPipe, 1F1B)" in R.comparison_table(R.comparison_rows(suite))
 

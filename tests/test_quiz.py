@@ -41,8 +41,19 @@ SEED_DIGESTS = {
     "f729c1b7fd792c2c2fc4afcd1ffdf0a3db482f84dde0144a48ab051bf49e09c9": "O",
     "b39ffa0cc921795822e2ad0cf6ef38ac8875046dc0920bf983ea31dce9cd7841": "X",
 }
-ITEM_KEYS = {"id", "chapter", "statement", "answer", "explanation", "trap", "source", "topic", "teaches",
-             "seed", "group"}
+ITEM_KEYS = {
+    "id",
+    "chapter",
+    "statement",
+    "answer",
+    "explanation",
+    "trap",
+    "source",
+    "topic",
+    "teaches",
+    "seed",
+    "group",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +86,9 @@ def flipped(answer):
 
 
 def test_bank_has_one_file_per_chapter_named_by_topic():
-    assert sorted(p.name for p in q.BANK_DIR.glob("*.yaml")) == sorted(f"{t}.yaml" for t in CHAPTERS)
+    assert sorted(p.name for p in q.BANK_DIR.glob("*.yaml")) == sorted(
+        f"{t}.yaml" for t in CHAPTERS
+    )
     assert q.chapters() == CHAPTERS  # in course order (notebook numbers), not file-name order
 
 
@@ -93,7 +106,11 @@ def test_bank_file_schema(path):
         assert item["answer"] in ("O", "X"), item["id"]
         for name in ("statement", "explanation"):
             for lang in ("ko", "en"):
-                assert isinstance(item[name][lang], str) and item[name][lang].strip(), (item["id"], name, lang)
+                assert isinstance(item[name][lang], str) and item[name][lang].strip(), (
+                    item["id"],
+                    name,
+                    lang,
+                )
         assert isinstance(item["trap"], str) and item["trap"].strip(), item["id"]
         assert isinstance(item["source"], str) and item["source"].strip(), item["id"]
         assert item.get("seed", False) in (True, False), item["id"]
@@ -152,8 +169,11 @@ def test_the_seed_items_are_the_pinned_statements_verbatim_with_their_answers():
 
 
 def test_only_the_pinned_statements_are_marked_seed():
-    unmarked = [item["id"] for item in q.load_bank()
-                if not item.get("seed") and digest(item["statement"]["ko"]) in SEED_DIGESTS]
+    unmarked = [
+        item["id"]
+        for item in q.load_bank()
+        if not item.get("seed") and digest(item["statement"]["ko"]) in SEED_DIGESTS
+    ]
     assert not unmarked
 
 
@@ -208,7 +228,9 @@ def write_bank(root: Path, chapter: str, items, *, title=True) -> Path:
 def test_malformed_yaml_names_the_file(tmp_path):
     bank = tmp_path / "bank"
     bank.mkdir()
-    (bank / "collectives.yaml").write_text("chapter: collectives\nitems: [unclosed\n", encoding="utf-8")
+    (bank / "collectives.yaml").write_text(
+        "chapter: collectives\nitems: [unclosed\n", encoding="utf-8"
+    )
     with pytest.raises(q.QuizBankError, match=r"collectives\.yaml.*malformed YAML"):
         q.load_bank(bank_dir=bank)
 
@@ -248,10 +270,25 @@ def test_a_bank_file_not_named_by_a_chapter_topic_is_rejected(tmp_path):
         (lambda it: it.update(teaches="zero#later"), r"points at a later chapter"),
         (lambda it: it.update(group="Two Words"), r"group must be a short lower-case name"),
     ],
-    ids=["missing-trap", "missing-explanation", "answer-true", "answer-lowercase", "missing-en",
-         "blank-ko", "chapter-mismatch", "chapter-a-number", "seed-not-bool", "typo-field",
-         "missing-teaches", "missing-topic", "teaches-without-chapter", "teaches-by-number",
-         "teaches-unknown-chapter", "teaches-later-chapter", "group-not-a-slug"],
+    ids=[
+        "missing-trap",
+        "missing-explanation",
+        "answer-true",
+        "answer-lowercase",
+        "missing-en",
+        "blank-ko",
+        "chapter-mismatch",
+        "chapter-a-number",
+        "seed-not-bool",
+        "typo-field",
+        "missing-teaches",
+        "missing-topic",
+        "teaches-without-chapter",
+        "teaches-by-number",
+        "teaches-unknown-chapter",
+        "teaches-later-chapter",
+        "group-not-a-slug",
+    ],
 )
 def test_invalid_items_are_reported_with_file_and_id(tmp_path, mutate, message):
     item = good_item(name="broken")
@@ -276,8 +313,10 @@ def test_id_prefix_must_match_the_chapter(tmp_path):
     other = good_item("single-device", "b")
     other["id"] = "collectives-b"
     write_bank(tmp_path / "bank", "single-device", [other])
-    with pytest.raises(q.QuizBankError,
-                       match=r"single-device\.yaml, item 'collectives-b': id must start with 'single-device-'"):
+    with pytest.raises(
+        q.QuizBankError,
+        match=r"single-device\.yaml, item 'collectives-b': id must start with 'single-device-'",
+    ):
         q.load_bank(bank_dir=tmp_path / "bank")
 
 
@@ -295,10 +334,18 @@ def test_file_without_items_list_is_rejected(tmp_path):
 
 
 def test_unknown_chapter_lists_the_available_ones():
-    expected = ("available chapters: collectives (00), single-device (01), ddp (02), zero (03), fsdp (04), "
-                "pipeline (05), tensor-parallel (06), ray-train (07), ray-data (08), review (09)")
-    for call in (lambda: q.load_bank(42), lambda: q.quiz(42), lambda: q.grade(42, {}), lambda: q.load_bank("x"),
-                 lambda: q.quiz(True), lambda: q.load_bank("ch02")):
+    expected = (
+        "available chapters: collectives (00), single-device (01), ddp (02), zero (03), fsdp (04), "
+        "pipeline (05), tensor-parallel (06), ray-train (07), ray-data (08), review (09)"
+    )
+    for call in (
+        lambda: q.load_bank(42),
+        lambda: q.quiz(42),
+        lambda: q.grade(42, {}),
+        lambda: q.load_bank("x"),
+        lambda: q.quiz(True),
+        lambda: q.load_bank("ch02"),
+    ):
         with pytest.raises(ValueError, match=re.escape(expected)):
             call()
 
@@ -362,7 +409,9 @@ def test_grade_rejects_invalid_answers_naming_item_and_allowed_values(bad):
 
 
 def test_grade_rejects_unknown_ids_and_wrong_list_length():
-    with pytest.raises(ValueError, match=r"unknown item id 'collectives-nope' for chapter collectives"):
+    with pytest.raises(
+        ValueError, match=r"unknown item id 'collectives-nope' for chapter collectives"
+    ):
         q.grade(0, {"collectives-nope": "O"})
     with pytest.raises(ValueError, match=r"statements but 2 answers"):
         q.grade(0, ["O", "X"])
@@ -428,21 +477,44 @@ def test_corrupt_progress_file_is_replaced_with_a_warning(course_home):
 def test_number_keyed_records_of_an_older_progress_file_are_read_by_topic(course_home):
     """A learner's saved progress stays valid: "ch02" records become "ddp" ones, merged with any new ones."""
     course_home.mkdir(parents=True)
-    old = {"quiz": {"ch02": {"last": {"score": 9, "total": 17}, "best": {"score": 16, "total": 17}, "attempts": 3},
-                    "ch05": {"last": {"score": 4, "total": 19}, "best": {"score": 4, "total": 19}, "attempts": 1},
-                    "pipeline": {"last": {"score": 10, "total": 19}, "best": {"score": 10, "total": 19},
-                                 "attempts": 1}},
-           "exam": {"last": {"score": 30, "total": 40, "seed": 0}, "best": {"score": 30, "total": 40, "seed": 0},
-                    "attempts": 1}}
+    old = {
+        "quiz": {
+            "ch02": {
+                "last": {"score": 9, "total": 17},
+                "best": {"score": 16, "total": 17},
+                "attempts": 3,
+            },
+            "ch05": {
+                "last": {"score": 4, "total": 19},
+                "best": {"score": 4, "total": 19},
+                "attempts": 1,
+            },
+            "pipeline": {
+                "last": {"score": 10, "total": 19},
+                "best": {"score": 10, "total": 19},
+                "attempts": 1,
+            },
+        },
+        "exam": {
+            "last": {"score": 30, "total": 40, "seed": 0},
+            "best": {"score": 30, "total": 40, "seed": 0},
+            "attempts": 1,
+        },
+    }
     (course_home / "progress.json").write_text(json.dumps(old), encoding="utf-8")
     data = q.progress()
     assert set(data["quiz"]) == {"ddp", "pipeline"}
     assert data["quiz"]["ddp"] == old["quiz"]["ch02"]
-    assert data["quiz"]["pipeline"] == {"last": {"score": 10, "total": 19}, "best": {"score": 10, "total": 19},
-                                        "attempts": 2}
+    assert data["quiz"]["pipeline"] == {
+        "last": {"score": 10, "total": 19},
+        "best": {"score": 10, "total": 19},
+        "attempts": 2,
+    }
     assert data["exam"] == old["exam"]
     first = q.load_bank("ddp")[0]
-    q.grade("ddp", {first["id"]: flipped(first["answer"])})  # a new attempt writes the migrated file back
+    q.grade(
+        "ddp", {first["id"]: flipped(first["answer"])}
+    )  # a new attempt writes the migrated file back
     stored = json.loads((course_home / "progress.json").read_text(encoding="utf-8"))
     assert set(stored["quiz"]) == {"ddp", "pipeline"} and stored["quiz"]["ddp"]["attempts"] == 4
     assert stored["quiz"]["ddp"]["best"] == {"score": 16, "total": 17}
@@ -454,19 +526,28 @@ def test_number_keyed_records_of_an_older_progress_file_are_read_by_topic(course
 
 def test_terminal_quiz_with_scripted_input(course_home):
     items = q.load_bank(6)[:3]
-    replies = iter([
-        items[0]["answer"].lower(),          # right, lower case accepted
-        "maybe", "", flipped(items[1]["answer"]),  # two invalid replies re-asked, then wrong
-        items[2]["answer"],                  # right
-    ])
+    replies = iter(
+        [
+            items[0]["answer"].lower(),  # right, lower case accepted
+            "maybe",
+            "",
+            flipped(items[1]["answer"]),  # two invalid replies re-asked, then wrong
+            items[2]["answer"],  # right
+        ]
+    )
     prompts, printed = [], []
 
     def fake_input(prompt):
         prompts.append(prompt)
         return next(replies)
 
-    result = q.run_terminal_quiz(6, lang="en", n=3, input_fn=fake_input,
-                                 print_fn=lambda *a: printed.append(" ".join(map(str, a))))
+    result = q.run_terminal_quiz(
+        6,
+        lang="en",
+        n=3,
+        input_fn=fake_input,
+        print_fn=lambda *a: printed.append(" ".join(map(str, a))),
+    )
     out = "\n".join(printed)
     assert len(prompts) == 5
     assert out.count("Please answer O or X") == 2
@@ -489,7 +570,9 @@ def test_terminal_quiz_stops_on_q_and_end_of_input(course_home):
         raise EOFError
 
     printed = []
-    result = q.run_terminal_quiz(7, input_fn=eof, print_fn=lambda *a: printed.append(" ".join(map(str, a))))
+    result = q.run_terminal_quiz(
+        7, input_fn=eof, print_fn=lambda *a: printed.append(" ".join(map(str, a)))
+    )
     assert result.total == 0
     assert q.progress()["quiz"]["ray-train"]["attempts"] == 1  # the empty run recorded nothing
 
@@ -497,8 +580,16 @@ def test_terminal_quiz_stops_on_q_and_end_of_input(course_home):
 def test_terminal_quiz_shuffle_is_deterministic():
     def asked(seed):
         seen = []
-        q.run_terminal_quiz(8, lang="en", n=5, shuffle=True, seed=seed, record=False,
-                            input_fn=lambda _: "O", print_fn=lambda *a: seen.append(" ".join(map(str, a))))
+        q.run_terminal_quiz(
+            8,
+            lang="en",
+            n=5,
+            shuffle=True,
+            seed=seed,
+            record=False,
+            input_fn=lambda _: "O",
+            print_fn=lambda *a: seen.append(" ".join(map(str, a))),
+        )
         return [line for line in seen if line.startswith("[")]
 
     assert asked(1) == asked(1)
@@ -533,7 +624,10 @@ def test_widget_builds_and_buttons_give_feedback_score_and_summary(course_home):
     assert widget.finished
     assert f"{len(items) - 1}/{len(items)}" in widget.summary.value
     assert items[1]["trap"] in widget.summary.value
-    assert q.progress()["quiz"]["collectives"]["last"] == {"score": len(items) - 1, "total": len(items)}
+    assert q.progress()["quiz"]["collectives"]["last"] == {
+        "score": len(items) - 1,
+        "total": len(items),
+    }
 
 
 def test_widget_answer_by_id_and_invalid_value():
@@ -574,13 +668,17 @@ def test_displayed_widget_carries_the_deterministic_text():
     formatter = formatters.DisplayFormatter()
     data_1, _ = formatter.format(q.quiz(0, mode="widget"))
     data_2, _ = formatter.format(q.quiz(0, mode="widget"))
-    compared = lambda data: {k: v for k, v in data.items() if k != "application/vnd.jupyter.widget-view+json"}
+    compared = lambda data: {
+        k: v for k, v in data.items() if k != "application/vnd.jupyter.widget-view+json"
+    }
     assert compared(data_1) == compared(data_2) == {"text/plain": q.quiz(0, mode="widget").text()}
 
 
 def test_nbval_skips_the_widget_view_mimetype():
     plugin = pytest.importorskip("nbval.plugin")
-    assert "application/vnd.jupyter.widget-view+json" in inspect.getsource(plugin.IPyNbFile.__init__)
+    assert "application/vnd.jupyter.widget-view+json" in inspect.getsource(
+        plugin.IPyNbFile.__init__
+    )
 
 
 def test_text_fallback_outside_a_kernel():
@@ -588,8 +686,13 @@ def test_text_fallback_outside_a_kernel():
     assert isinstance(shown, q.QuizText)
     lines = repr(shown).splitlines()
     assert lines[0].startswith("Chapter 04 O/X quiz") and lines[0].endswith("(3 statements)")
-    assert lines[1:4] == [f"{n:2d}. {item['statement']['en']}" for n, item in enumerate(q.load_bank(4)[:3], 1)]
-    assert lines[-1] == "(answer with grade('fsdp', {item_id: 'O' or 'X'}) or: course-lib quiz --chapter fsdp)"
+    assert lines[1:4] == [
+        f"{n:2d}. {item['statement']['en']}" for n, item in enumerate(q.load_bank(4)[:3], 1)
+    ]
+    assert (
+        lines[-1]
+        == "(answer with grade('fsdp', {item_id: 'O' or 'X'}) or: course-lib quiz --chapter fsdp)"
+    )
     assert repr(q.quiz(4, lang="en", n=3)) == repr(shown)
 
 
@@ -597,7 +700,9 @@ def test_quiz_shuffle_and_n():
     plain = [i["id"] for i in q.quiz(5, mode="text").items]
     shuffled = [i["id"] for i in q.quiz(5, mode="text", shuffle=True, seed=3).items]
     assert sorted(plain) == sorted(shuffled) and plain != shuffled
-    assert [i["id"] for i in q.quiz(5, mode="text", shuffle=True, seed=3, n=4).items] == shuffled[:4]
+    assert [i["id"] for i in q.quiz(5, mode="text", shuffle=True, seed=3, n=4).items] == shuffled[
+        :4
+    ]
     with pytest.raises(ValueError, match="n must be an integer"):
         q.quiz(5, n=0)
     with pytest.raises(ValueError, match="mode must be"):
@@ -729,8 +834,15 @@ def test_groups_have_at_least_two_members_and_seeds_carry_none():
 def test_every_item_has_a_topic_and_the_seed_topics_are_covered():
     topics = collections.Counter(item["topic"] for item in q.load_bank())
     seeds = {item["topic"] for item in q.load_bank() if item.get("seed")}
-    assert seeds == {"basics", "data-parallel", "model-parallel", "pipeline-parallel", "tensor-parallel",
-                     "horovod", "deepspeed"}
+    assert seeds == {
+        "basics",
+        "data-parallel",
+        "model-parallel",
+        "pipeline-parallel",
+        "tensor-parallel",
+        "horovod",
+        "deepspeed",
+    }
     assert all(count >= 2 for count in topics.values()), topics
 
 
@@ -741,8 +853,15 @@ ABSOLUTE_EN = re.compile(r"\b(always|must|never|at all)\b", re.IGNORECASE)
 def test_absolute_words_do_not_predict_the_answer():
     """Among non-seed items whose statement says always/must/never/at all (항상/반드시/전혀) in either
     language, the share of true (O) statements lies between 35 % and 65 %."""
-    hits = [item for item in q.load_bank() if not item.get("seed")
-            and (ABSOLUTE_KO.search(item["statement"]["ko"]) or ABSOLUTE_EN.search(item["statement"]["en"]))]
+    hits = [
+        item
+        for item in q.load_bank()
+        if not item.get("seed")
+        and (
+            ABSOLUTE_KO.search(item["statement"]["ko"])
+            or ABSOLUTE_EN.search(item["statement"]["en"])
+        )
+    ]
     assert len(hits) >= 10
     share = sum(item["answer"] == "O" for item in hits) / len(hits)
     assert 0.35 <= share <= 0.65, (share, [(i["id"], i["answer"]) for i in hits])
@@ -753,7 +872,13 @@ def test_anchor_reader_finds_html_anchors_and_headings_in_markdown_cells_only(tm
     source.write_text(
         '# %% [markdown]\n# # 07 · Demo title\n#\n# <a id="tasks"></a>\n# text\n#\n# ## 3. Step time vs `bucket` size\n'
         '\n# %%\n# ## not-a-heading in code\nx = 1  # <a id="in-code"></a>\n',
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     anchors = notebook_anchors(source)
-    assert {"tasks", "demo-title", "3-step-time-vs-bucket-size", "step-time-vs-bucket-size"} <= anchors
+    assert {
+        "tasks",
+        "demo-title",
+        "3-step-time-vs-bucket-size",
+        "step-time-vs-bucket-size",
+    } <= anchors
     assert "in-code" not in anchors and "not-a-heading-in-code" not in anchors

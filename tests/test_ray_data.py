@@ -3,6 +3,7 @@
 The driver-side facts use ``streaming_split`` directly (what Ray Train's ``DataConfig`` calls with
 ``equal=True``); one ``TorchTrainer`` fit then proves them inside Train and races streaming against serial.
 """
+
 import os
 import time
 
@@ -22,7 +23,7 @@ def local_ray():
     ray_data.quiet()
     ctx = r.data.DataContext.get_current()
     before = ctx.execution_options.preserve_order
-    ctx.execution_options.preserve_order = True          # deterministic block order (and split assignment)
+    ctx.execution_options.preserve_order = True  # deterministic block order (and split assignment)
     temp_dir = ray_train._state["temp_dir"]
     yield r
     ctx.execution_options.preserve_order = before
@@ -42,44 +43,79 @@ def _flat(batches):
 
 def test_equal_split_drops_rows_mod_workers_and_keeps_a_short_last_batch(local_ray):
     ids = ray_data.split_ids(ray.data.range(101, override_num_blocks=4), 2, batch_size=16)[0]
-    assert [len(_flat(s)) for s in ids] == [50, 50], "equal=True truncates 101 rows to 2 × 50: 101 mod 2 dropped"
-    assert [len(b) for b in ids[0]] == [16, 16, 16, 2], "50 rows in batches of 16: the last batch is short"
+    assert [len(_flat(s)) for s in ids] == [50, 50], (
+        "equal=True truncates 101 rows to 2 × 50: 101 mod 2 dropped"
+    )
+    assert [len(b) for b in ids[0]] == [16, 16, 16, 2], (
+        "50 rows in batches of 16: the last batch is short"
+    )
     assert len(set(_flat(ids[0])) | set(_flat(ids[1]))) == 100
 
 
 def test_each_epoch_covers_every_row_once_with_a_new_reproducible_local_shuffle(local_ray):
     ds = ray.data.range(96, override_num_blocks=6)
-    kw = dict(batch_size=8, epochs=2, local_shuffle_buffer_size=32, local_shuffle_seed=lambda epoch: 7 + epoch)
+    kw = dict(
+        batch_size=8,
+        epochs=2,
+        local_shuffle_buffer_size=32,
+        local_shuffle_seed=lambda epoch: 7 + epoch,
+    )
     run1, run2 = ray_data.split_ids(ds, 2, **kw), ray_data.split_ids(ds, 2, **kw)
     for epoch in run1:
-        assert sorted(_flat(epoch[0]) + _flat(epoch[1])) == list(range(96)), "every row once per epoch"
-    assert run1 == run2, "same seeds + preserve_order: identical per-worker id sequences in two runs"
-    assert [_flat(s) for s in run1[0]] != [_flat(s) for s in run1[1]], "seed + epoch: a new order every epoch"
-    assert [sorted(_flat(s)) for s in run1[0]] == [sorted(_flat(s)) for s in run1[1]], \
+        assert sorted(_flat(epoch[0]) + _flat(epoch[1])) == list(range(96)), (
+            "every row once per epoch"
+        )
+    assert run1 == run2, (
+        "same seeds + preserve_order: identical per-worker id sequences in two runs"
+    )
+    assert [_flat(s) for s in run1[0]] != [_flat(s) for s in run1[1]], (
+        "seed + epoch: a new order every epoch"
+    )
+    assert [sorted(_flat(s)) for s in run1[0]] == [sorted(_flat(s)) for s in run1[1]], (
         "a local shuffle reorders rows inside each worker's share; the share itself stays"
+    )
 
 
 def test_random_shuffle_with_a_fixed_seed_repeats_the_order_every_epoch(local_ray):
     ds = ray.data.range(64, override_num_blocks=4)
     fixed = ray_data.split_ids(ds.random_shuffle(seed=3), 2, batch_size=8, epochs=2)
-    assert fixed[0] == fixed[1], "random_shuffle(seed=s) is re-executed with the same seed each epoch"
-    per_epoch = [ray_data.split_ids(ds.random_shuffle(seed=3 + e), 2, batch_size=8)[0] for e in range(2)]
+    assert fixed[0] == fixed[1], (
+        "random_shuffle(seed=s) is re-executed with the same seed each epoch"
+    )
+    per_epoch = [
+        ray_data.split_ids(ds.random_shuffle(seed=3 + e), 2, batch_size=8)[0] for e in range(2)
+    ]
     assert per_epoch[0] != per_epoch[1] and per_epoch[0] == fixed[0]
     assert sorted(_flat(per_epoch[1][0]) + _flat(per_epoch[1][1])) == list(range(64))
 
 
 def test_fewer_rows_than_workers_times_batch_is_refused_before_anything_runs(local_ray, tmp_path):
-    small = E.write_corpus(str(tmp_path / "small"), rows=24, files=2, bad_id=0)   # tokenising it would raise
+    small = E.write_corpus(
+        str(tmp_path / "small"), rows=24, files=2, bad_id=0
+    )  # tokenising it would raise
     ds = E.build_dataset(small["folder"], cost_ms=0.0, batch_size=16)
-    assert ray_data.known_num_rows(ds) == 24, "Arrow blocks know their rows; map_batches keeps the count"
+    assert ray_data.known_num_rows(ds) == 24, (
+        "Arrow blocks know their rows; map_batches keeps the count"
+    )
     rows = ray_data.parquet_num_rows(small["folder"])
     assert rows == 24, "the Parquet footers know the files' size"
     t0 = time.perf_counter()
-    with pytest.raises(ValueError, match=r"24 rows, fewer than num_workers × batch_size = 2 × 16 = 32"):
-        E.fit({"train": ds}, {"variants": {"train": {"source": "train"}}, "batch_size": 16, "step_sleep": 0.0})
-    with pytest.raises(ValueError, match=r"24 rows, fewer than .* = 32: split equally, each worker gets 12 rows"):
-        ray_data.check_enough_rows(ray.data.range(24).map_batches(lambda b: b, udf_modifying_row_count=False), 2, 16)
-    assert time.perf_counter() - t0 < 10, "refused from metadata, without running the pipeline or starting workers"
+    with pytest.raises(
+        ValueError, match=r"24 rows, fewer than num_workers × batch_size = 2 × 16 = 32"
+    ):
+        E.fit(
+            {"train": ds},
+            {"variants": {"train": {"source": "train"}}, "batch_size": 16, "step_sleep": 0.0},
+        )
+    with pytest.raises(
+        ValueError, match=r"24 rows, fewer than .* = 32: split equally, each worker gets 12 rows"
+    ):
+        ray_data.check_enough_rows(
+            ray.data.range(24).map_batches(lambda b: b, udf_modifying_row_count=False), 2, 16
+        )
+    assert time.perf_counter() - t0 < 10, (
+        "refused from metadata, without running the pipeline or starting workers"
+    )
     assert ray_data.check_enough_rows(rows, 2, 12) == 24
 
 
@@ -90,7 +126,9 @@ def test_a_raising_map_batches_function_names_the_operator_and_the_batch(local_r
         E.build_dataset(bad["folder"], cost_ms=0.0, batch_size=16).materialize()
     text = str(info.value)
     assert "MapBatches(tokenize)" in text, text[-2000:]
-    assert "tokenize failed on batch 2 (ids 32..47): ValueError: unknown word 'w??'" in text, text[-2000:]
+    assert "tokenize failed on batch 2 (ids 32..47): ValueError: unknown word 'w??'" in text, text[
+        -2000:
+    ]
     assert time.perf_counter() - t0 < 120, "fails, does not hang"
 
 
@@ -123,9 +161,14 @@ def test_standard_scaler_fits_on_train_and_transforms_another_dataset(local_ray,
 @pytest.fixture(scope="module")
 def overlap(local_ray, corpus):
     shuffled = {"epochs": 2, "shuffle_buffer": 32, "seed": 11}
-    extra = {"serial_2ep": {"source": "serial", **shuffled}, "streaming_2ep": {"source": "streaming", **shuffled}}
+    extra = {
+        "serial_2ep": {"source": "serial", **shuffled},
+        "streaming_2ep": {"source": "streaming", **shuffled},
+    }
     valid = ray.data.range(40)
-    return E.overlap_run(corpus["folder"], cost_ms=4.0, step_sleep=0.06, extra=extra, unsplit={"valid": valid})
+    return E.overlap_run(
+        corpus["folder"], cost_ms=4.0, step_sleep=0.06, extra=extra, unsplit={"valid": valid}
+    )
 
 
 def test_streaming_and_serial_see_every_row_once_per_epoch_and_end_equal(overlap, corpus):
@@ -137,16 +180,25 @@ def test_streaming_and_serial_see_every_row_once_per_epoch_and_end_equal(overlap
     for name in ("serial_2ep", "streaming_2ep", "serial", "streaming", "no_prefetch", "dataloader"):
         for epoch in (0, 1):
             assert f"{name}, epoch {epoch}: rows seen over the workers" in claims
-    assert "serial_2ep vs streaming_2ep: final parameters" in claims and "streaming: final parameters" in claims
+    assert (
+        "serial_2ep vs streaming_2ep: final parameters" in claims
+        and "streaming: final parameters" in claims
+    )
     result.assert_passed()
     for w in workers:
         first = w["runs"]["streaming_2ep"]["ids"]
-        assert first[:len(first) // 2] != first[len(first) // 2:], "the local shuffle changes every epoch"
-    assert [w["rows"]["valid"] for w in workers] == [40, 40], "a dataset left out of datasets_to_split: whole"
+        assert first[: len(first) // 2] != first[len(first) // 2 :], (
+            "the local shuffle changes every epoch"
+        )
+    assert [w["rows"]["valid"] for w in workers] == [40, 40], (
+        "a dataset left out of datasets_to_split: whole"
+    )
 
 
 def test_streaming_is_faster_than_serial_and_waits_less(overlap):
     s = E.summarize(overlap)
-    assert s["ratio"] < 1.0, f"streaming/serial wall time {s['ratio']:.2f} (serial {s['serial']['wall_s']:.2f} s)"
+    assert s["ratio"] < 1.0, (
+        f"streaming/serial wall time {s['ratio']:.2f} (serial {s['serial']['wall_s']:.2f} s)"
+    )
     assert s["streaming"]["steps"] == s["serial"]["steps"] == 256 // 32
     assert "MapBatches(tokenize)" in overlap["stats"]

@@ -11,6 +11,7 @@ elsewhere. ``make test-multinode`` runs just the multi-node tests. Clean-up, pas
 the two namespaces (Ray's daemons, the driver) is killed by PID, the namespaces and the veth pair are deleted,
 the Ray temp dirs removed.
 """
+
 import json
 import os
 import shutil
@@ -27,8 +28,14 @@ pytest.importorskip("ray")
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_V2_ENABLED": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
+RAY_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_V2_ENABLED": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONWARNINGS": "ignore",
+    "PYTHONPATH": ROOT,
+}
 
 DRIVER = textwrap.dedent("""
     import json, sys
@@ -56,7 +63,9 @@ def _ray_start(hosts, i, *args):
             return
         hosts.kill(i)
         time.sleep(1)
-    raise RuntimeError(f"ray start on host {i} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+    raise RuntimeError(
+        f"ray start on host {i} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +73,33 @@ def two_node_ray():
     reason = netns.skip_reason()
     if reason:
         pytest.skip(reason)
-    base = tempfile.mkdtemp(prefix="c7", dir="/tmp")   # short: Ray's socket paths must stay < 108 bytes
+    base = tempfile.mkdtemp(
+        prefix="c7", dir="/tmp"
+    )  # short: Ray's socket paths must stay < 108 bytes
     try:
         with netns.TwoHosts("ray", net=77) as hosts:
             head, worker = hosts.ips
             t0 = time.perf_counter()
-            _ray_start(hosts, 0, "--head", f"--node-ip-address={head}", "--port=6379", "--num-cpus=1",
-                       f"--temp-dir={base}/h", "--include-dashboard=false", "--disable-usage-stats")
-            _ray_start(hosts, 1, f"--address={head}:6379", f"--node-ip-address={worker}", "--num-cpus=1",
-                       f"--temp-dir={base}/w", "--disable-usage-stats")
+            _ray_start(
+                hosts,
+                0,
+                "--head",
+                f"--node-ip-address={head}",
+                "--port=6379",
+                "--num-cpus=1",
+                f"--temp-dir={base}/h",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+            )
+            _ray_start(
+                hosts,
+                1,
+                f"--address={head}:6379",
+                f"--node-ip-address={worker}",
+                "--num-cpus=1",
+                f"--temp-dir={base}/w",
+                "--disable-usage-stats",
+            )
             print(f"two Ray nodes started in {time.perf_counter() - t0:.1f} s")
             yield {"hosts": hosts, "address": f"{head}:6379", "base": base}
     finally:
@@ -85,13 +112,21 @@ def test_torch_trainer_places_one_worker_on_each_of_two_nodes(two_node_ray):
     driver = os.path.join(base, "driver.py")
     with open(driver, "w") as f:
         f.write(DRIVER)
-    storage = os.path.join(base, "runs")   # one disk here; on a real cluster: NFS or S3
+    storage = os.path.join(base, "runs")  # one disk here; on a real cluster: NFS or S3
     t0 = time.perf_counter()
-    proc = hosts.run(0, sys.executable, driver, two_node_ray["address"], storage, check=False, timeout=400,
-                     env=hosts.env(0, **RAY_ENV))
+    proc = hosts.run(
+        0,
+        sys.executable,
+        driver,
+        two_node_ray["address"],
+        storage,
+        check=False,
+        timeout=400,
+        env=hosts.env(0, **RAY_ENV),
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    per_rank = json.loads(lines[-1][len("RESULT "):])
+    per_rank = json.loads(lines[-1][len("RESULT ") :])
     assert sorted(r["node"] for r in per_rank) == sorted(hosts.ips), per_rank
     assert all(r["ok"] for r in per_rank), f"DDP across the two nodes equals one device: {per_rank}"
     print(f"TorchTrainer across two nodes: {time.perf_counter() - t0:.1f} s")

@@ -3,6 +3,7 @@
 Each ``TorchTrainer.fit`` costs ≈ 25–60 s on 2 CPUs (actor start-up), so the few fits here each prove
 several things: equality with one device, resume after a failure, the callback's reports.
 """
+
 import inspect
 import os
 import subprocess
@@ -16,7 +17,6 @@ ray = pytest.importorskip("ray")
 
 from course_lib import ray_train  # noqa: E402
 from course_lib.experiments import ray_train as ex  # noqa: E402
-
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +33,36 @@ def _trainer(loop, cfg, callbacks=(), max_failures=0, num_workers=2):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    return TorchTrainer(loop, train_loop_config=cfg,
-                        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=ray_train.auto_use_gpu()),
-                        run_config=RunConfig(**ray_train.run_config_kwargs("test"), callbacks=list(callbacks),
-                                             failure_config=FailureConfig(max_failures=max_failures)))
+    return TorchTrainer(
+        loop,
+        train_loop_config=cfg,
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=ray_train.auto_use_gpu()),
+        run_config=RunConfig(
+            **ray_train.run_config_kwargs("test"),
+            callbacks=list(callbacks),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
 
 
 def test_ray_core_tasks_actor_object_store(local_ray):
     nap = ray.remote(ex.nap)
-    ray.get([nap.remote(0.0) for _ in range(2)])  # start the 2 worker processes (seconds on a busy machine)
+    ray.get(
+        [nap.remote(0.0) for _ in range(2)]
+    )  # start the 2 worker processes (seconds on a busy machine)
     t0 = time.perf_counter()
     assert ray.get([nap.remote(1.0) for _ in range(4)]) == [1.0] * 4
     waves = time.perf_counter() - t0
-    assert 1.95 <= waves < 3.5, f"4 × 1 s tasks on 2 CPUs take two waves (not 1, not 4), took {waves:.2f} s"
+    assert 1.95 <= waves < 3.5, (
+        f"4 × 1 s tasks on 2 CPUs take two waves (not 1, not 4), took {waves:.2f} s"
+    )
 
     big = np.arange(2_000_000, dtype=np.float64)
     ref = ray.put(big)
     total, writeable = ray.get(ray.remote(ex.checksum).remote(ref))
-    assert total == float(big[:1000].sum()) and writeable is False, "object-store numpy arrays are zero-copy views"
+    assert total == float(big[:1000].sum()) and writeable is False, (
+        "object-store numpy arrays are zero-copy views"
+    )
 
     rng = np.random.default_rng(0)
     X, w_true = rng.normal(size=(64, 3)), np.array([1.0, -2.0, 0.5])
@@ -61,7 +73,9 @@ def test_ray_core_tasks_actor_object_store(local_ray):
     for _ in range(60):
         w = ps.get_weights.remote()
         ray.get(ps.apply.remote(*[grad.remote(w, xs, ys) for xs, ys in shards]))
-    assert ray.get(ps.apply.remote(np.zeros(3))) == 61, "the actor kept its state (update count) between calls"
+    assert ray.get(ps.apply.remote(np.zeros(3))) == 61, (
+        "the actor kept its state (update count) between calls"
+    )
     # gradient descent converges (not an equality between two computations: no named tolerance applies)
     assert np.abs(ray.get(ps.get_weights.remote()) - w_true).max() < 1e-3
 
@@ -72,21 +86,26 @@ def test_too_many_workers_is_refused_before_a_pending_hang(local_ray):
     with pytest.warns(UserWarning, match="autoscaling"):
         ray_train.check_resources(3, autoscaling=True)
     with pytest.raises(ValueError, match="GPU"):
-        ray_train.check_resources(2, use_gpu=True) if not ray_train.auto_use_gpu() else ray_train.check_resources(99)
+        ray_train.check_resources(
+            2, use_gpu=True
+        ) if not ray_train.auto_use_gpu() else ray_train.check_resources(99)
     ray_train.check_resources(2)  # fits: no error
 
 
 def test_ddp_fit_survives_a_raising_worker_and_equals_one_device(local_ray, tmp_path):
     """A worker raises in epoch 1; Ray restarts the group, it resumes from epoch 0's checkpoint, ends equal."""
-    cfg = ex.train_config(fail={"rank": 1, "epoch": 1, "step": 1, "how": "raise",
-                                "marker": str(tmp_path / "raised")})
+    cfg = ex.train_config(
+        fail={"rank": 1, "epoch": 1, "step": 1, "how": "raise", "marker": str(tmp_path / "raised")}
+    )
     log = ray_train.ReportLog()
     result = _trainer(ex.ddp_loop, cfg, callbacks=[log], max_failures=1).fit()
     assert (tmp_path / "raised").exists(), "the failure was injected"
     ex.equal_to_one_device(result, cfg).assert_passed()  # within for_optimizer("adamw") = ADAMW
     hist = log.history()
     steps = [(h["epoch"], h["step"]) for h in hist if "step" in h]
-    assert steps.count((1, 0)) == 2, "epoch 1's first step ran, was lost with the failure, and was redone"
+    assert steps.count((1, 0)) == 2, (
+        "epoch 1's first step ran, was lost with the failure, and was redone"
+    )
     assert steps[-1] == (2, 2) and len(log.failures()) == 1
     text = log.failures()[0][1]
     assert text == "RuntimeError: injected failure on rank 1 in epoch 1, step 1", text
@@ -95,8 +114,9 @@ def test_ddp_fit_survives_a_raising_worker_and_equals_one_device(local_ray, tmp_
 
 def test_fsdp2_dcp_survives_a_killed_worker_and_equals_one_device(local_ray, tmp_path):
     """FSDP2 on Ray's process group; a worker process is SIGKILLed; DCP shards restore; ends equal."""
-    cfg = ex.train_config(fail={"rank": 0, "epoch": 1, "step": 2, "how": "kill",
-                                "marker": str(tmp_path / "killed")})
+    cfg = ex.train_config(
+        fail={"rank": 0, "epoch": 1, "step": 2, "how": "kill", "marker": str(tmp_path / "killed")}
+    )
     result = _trainer(ex.fsdp_loop, cfg, max_failures=1).fit()
     assert (tmp_path / "killed").exists()
     with result.checkpoint.as_directory() as d:
@@ -114,14 +134,17 @@ def test_a_raising_training_function_shows_the_worker_traceback(local_ray, tmp_p
     """No retries left: fit() raises WorkerGroupError whose text ends with the worker's traceback (notebook §9)."""
     from ray.train import TrainingFailedError, WorkerGroupError
 
-    cfg = ex.train_config(epochs=1, fail={"rank": 1, "epoch": 0, "step": 0, "how": "raise",
-                                          "marker": str(tmp_path / "raised")})
+    cfg = ex.train_config(
+        epochs=1,
+        fail={"rank": 1, "epoch": 0, "step": 0, "how": "raise", "marker": str(tmp_path / "raised")},
+    )
     with pytest.raises(TrainingFailedError) as info:
         _trainer(ex.ddp_loop, cfg).fit()
     err = info.value
     assert isinstance(err, WorkerGroupError)
-    assert {r: (type(e).__name__, str(e)) for r, e in err.worker_failures.items()} == \
-        {1: ("RuntimeError", "injected failure on rank 1 in epoch 0, step 0")}, "only rank 1 failed"
+    assert {r: (type(e).__name__, str(e)) for r, e in err.worker_failures.items()} == {
+        1: ("RuntimeError", "injected failure on rank 1 in epoch 0, step 0")
+    }, "only rank 1 failed"
     lines = str(err).splitlines()
     where = ex.__file__
     assert lines[-6:] == [
@@ -130,7 +153,8 @@ def test_a_raising_training_function_shows_the_worker_traceback(local_ray, tmp_p
         "    fail_once(cfg, rank, epoch, step)",
         f'  File "{where}", line {_line_of(ex.fail_once, "raise RuntimeError")}, in fail_once',
         '    raise RuntimeError(f"injected failure on rank {rank} in epoch {epoch}, step {step}")',
-        "RuntimeError: injected failure on rank 1 in epoch 0, step 0"], "\n".join(lines)
+        "RuntimeError: injected failure on rank 1 in epoch 0, step 0",
+    ], "\n".join(lines)
     assert lines[:2] == ["Training failed due to worker errors:", "[Rank 1 Error Snippet]:"], lines
 
 
@@ -142,12 +166,28 @@ def test_a_chapter02_rank_function_runs_unchanged_under_spawn_torchrun_and_ray(l
     args = ("torch_ddp", "adamw", 3)
     by_spawn = spawn(equality_with_single_device, 2, args=args, backend="gloo")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "course_lib.launch", "course_lib.experiments.ddp:equality_with_single_device", "--backend", "gloo",
-         *[a for v in args for a in ("--arg", repr(v))]],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "course_lib.launch",
+            "course_lib.experiments.ddp:equality_with_single_device",
+            "--backend",
+            "gloo",
+            *[a for v in args for a in ("--arg", repr(v))],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = _trainer(ex.rank_function_loop, {"fn": equality_with_single_device, "args": args}).fit()
+    result = _trainer(
+        ex.rank_function_loop, {"fn": equality_with_single_device, "args": args}
+    ).fit()
     by_ray = ex.rank_results(result, 2)
     for r in range(2):
         assert all(by_spawn[r].claims().values()), by_spawn[r]

@@ -1,4 +1,5 @@
 """Set-up: pins agree everywhere, the CLI doctor passes, CI calls the README's test command."""
+
 import re
 import subprocess
 import sys
@@ -10,8 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pins(lines):
-    return {re.split(r"[=\[]", ln)[0].lower(): ln.strip() for ln in lines
-            if ln.strip() and not ln.strip().startswith("#")}
+    return {
+        re.split(r"[=\[]", ln)[0].lower(): ln.strip()
+        for ln in lines
+        if ln.strip() and not ln.strip().startswith("#")
+    }
 
 
 def test_environment_yml_mirrors_requirements():
@@ -35,10 +39,23 @@ def test_ci_runs_make_test_and_readme_has_the_two_commands():
 
 
 def test_doctor_passes():
-    proc = subprocess.run([sys.executable, "-m", "course_lib.cli", "doctor"], capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "course_lib.cli", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for word in ("torch", "ray", "backend", "cpu cores", "ranks", "c++ compiler", "Python.h", "doctor: ok"):
+    for word in (
+        "torch",
+        "ray",
+        "backend",
+        "cpu cores",
+        "ranks",
+        "c++ compiler",
+        "Python.h",
+        "doctor: ok",
+    ):
         assert word in proc.stdout
 
 
@@ -49,12 +66,25 @@ def test_jupyterlab_starts_on_localhost_with_a_token(tmp_path):
 
     lab = Path(sys.executable).parent / "jupyter"
     mk = (ROOT / "Makefile").read_text()
-    assert "--ServerApp.ip=127.0.0.1" in mk and "token" not in mk.lower(), "make lab must not drop the token"
+    assert "--ServerApp.ip=127.0.0.1" in mk and "token" not in mk.lower(), (
+        "make lab must not drop the token"
+    )
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path), HOME=str(tmp_path))
-    proc = subprocess.Popen([str(lab), "lab", "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0", "--no-browser",
-                             *(["--allow-root"] if os.getuid() == 0 else []),
-                             f"--notebook-dir={ROOT / 'notebooks'}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            str(lab),
+            "lab",
+            "--ServerApp.ip=127.0.0.1",
+            "--ServerApp.port=0",
+            "--no-browser",
+            *(["--allow-root"] if os.getuid() == 0 else []),
+            f"--notebook-dir={ROOT / 'notebooks'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         deadline, seen = time.monotonic() + 90, ""
         while time.monotonic() < deadline and "?token=" not in seen:

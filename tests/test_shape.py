@@ -13,6 +13,7 @@
   (the exceptions are listed below, each with its reason);
 * the repository stands alone: no file refers to the course's design folder outside it.
 """
+
 import ast
 import difflib
 import importlib.util
@@ -25,7 +26,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIB = ROOT / "course_lib"
-
 
 
 def _load_file(path: Path, name: str):
@@ -53,14 +53,22 @@ def test_notebook_cells_are_what_build_notebooks_makes_of_its_source(src):
     want = [(c.cell_type, c.source) for c in build.parse(src.read_text(encoding="utf-8")).cells]
     nb = nbformat.read(ROOT / "notebooks" / f"{src.stem}.ipynb", as_version=4)
     got = [(c.cell_type, c.source) for c in nb.cells]
-    assert len(got) == len(want), f"{src.stem}.ipynb has {len(got)} cells, its source builds {len(want)}: " \
-                                  f"run python tools/build_notebooks.py {src.stem[:2]}"
+    assert len(got) == len(want), (
+        f"{src.stem}.ipynb has {len(got)} cells, its source builds {len(want)}: "
+        f"run python tools/build_notebooks.py {src.stem[:2]}"
+    )
     for i, (g, w) in enumerate(zip(got, want)):
-        diff = "\n".join(difflib.unified_diff(w[1].splitlines(), g[1].splitlines(), "source", "notebook", n=0,
-                                               lineterm=""))
+        diff = "\n".join(
+            difflib.unified_diff(
+                w[1].splitlines(), g[1].splitlines(), "source", "notebook", n=0, lineterm=""
+            )
+        )
         if g != w:
-            pytest.fail(f"{src.stem}.ipynb cell {i} ({w[0]}) differs from notebooks/src/{src.name} (run python "
-                        f"tools/build_notebooks.py {src.stem[:2]}):\n{diff}", pytrace=False)
+            pytest.fail(
+                f"{src.stem}.ipynb cell {i} ({w[0]}) differs from notebooks/src/{src.name} (run python "
+                f"tools/build_notebooks.py {src.stem[:2]}):\n{diff}",
+                pytrace=False,
+            )
 
 
 # --------------------------------------------------------------------------- exercises mirror solutions
@@ -86,7 +94,9 @@ def _public_api(module) -> dict:
 
 
 def test_exercise_and_solution_files_mirror_each_other():
-    assert EXERCISE_FILES == sorted(p.stem for p in (ROOT / "solutions").glob("*.py") if p.stem != "__init__")
+    assert EXERCISE_FILES == sorted(
+        p.stem for p in (ROOT / "solutions").glob("*.py") if p.stem != "__init__"
+    )
 
 
 @pytest.mark.parametrize("module", EXERCISE_FILES)
@@ -101,12 +111,14 @@ def test_every_exercise_has_a_checker_an_exercise_and_a_solution():
 
     for name, ex in EXERCISES.items():
         assert callable(ex.runner), name
-        assert ex.runner.__module__ == f"course_lib.checks.{ex.module}", \
+        assert ex.runner.__module__ == f"course_lib.checks.{ex.module}", (
             f"{name}: checker {ex.runner.__module__}.{ex.runner.__name__} is not in course_lib/checks/{ex.module}.py"
+        )
         for package in ("exercises", "solutions"):
             module = _load_file(ROOT / package / f"{ex.module}.py", f"_shape_{package}_{ex.module}")
-            assert callable(getattr(module, ex.function, None)), f"{name}: {package}/{ex.module}.py has no " \
-                                                                 f"{ex.function}"
+            assert callable(getattr(module, ex.function, None)), (
+                f"{name}: {package}/{ex.module}.py has no {ex.function}"
+            )
 
 
 # --------------------------------------------------------------------------- nbval's sanitizer
@@ -123,7 +135,10 @@ def _sanitize(text: str) -> str:
 @pytest.mark.parametrize("root", ["/work/main", "/tmp/ci-clone-1234", "/home/learner/course"])
 def test_sanitizer_masks_the_repository_path_wherever_the_clone_lives(root):
     frame = f'  File "{root}/course_lib/experiments/ray_train.py", line 212, in ddp_loop\n'
-    assert _sanitize(frame) == '  File "COURSE/course_lib/experiments/ray_train.py", line N, in ddp_loop\n'
+    assert (
+        _sanitize(frame)
+        == '  File "COURSE/course_lib/experiments/ray_train.py", line N, in ddp_loop\n'
+    )
 
 
 def test_sanitizer_still_masks_temporary_paths_and_times():
@@ -134,10 +149,34 @@ def test_sanitizer_still_masks_temporary_paths_and_times():
 
 # Each module's layer; a module may import only from its own layer or those below it.
 LAYERS = {
-    "foundation": {"launch", "comm", "memory", "formulas", "models", "data", "configs", "results", "train",
-                   "chapters", "clock"},
-    "techniques": {"ddp", "grad_buckets", "sharding", "zero", "zero3", "zero3_shards", "fsdp", "pipeline",
-                   "pipeline_schedules", "tensor_parallel", "ray_train", "ray_data", "plan"},
+    "foundation": {
+        "launch",
+        "comm",
+        "memory",
+        "formulas",
+        "models",
+        "data",
+        "configs",
+        "results",
+        "train",
+        "chapters",
+        "clock",
+    },
+    "techniques": {
+        "ddp",
+        "grad_buckets",
+        "sharding",
+        "zero",
+        "zero3",
+        "zero3_shards",
+        "fsdp",
+        "pipeline",
+        "pipeline_schedules",
+        "tensor_parallel",
+        "ray_train",
+        "ray_data",
+        "plan",
+    },
     "instruments": {"fsdp_meters"},  # meters and timelines that attach to a technique from outside
     "experiments": {"experiments", "checks"},
     "learner": {"check", "quiz", "viz"},
@@ -167,13 +206,16 @@ def _imports(path: Path) -> list[tuple[str, str, int]]:
         if isinstance(node, ast.Import):
             found += [(alias.name, "", node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join(base + (node.module.split(".") if node.module else []))
             for alias in node.names:
                 sub = f"{module}.{alias.name}"
-                is_module = (LIB.parent / (sub.replace(".", "/") + ".py")).exists() or \
-                    (LIB.parent / sub.replace(".", "/")).is_dir()
-                found.append((sub, "", node.lineno) if is_module else (module, alias.name, node.lineno))
+                is_module = (LIB.parent / (sub.replace(".", "/") + ".py")).exists() or (
+                    LIB.parent / sub.replace(".", "/")
+                ).is_dir()
+                found.append(
+                    (sub, "", node.lineno) if is_module else (module, alias.name, node.lineno)
+                )
     return [f for f in found if f[0] == "course_lib" or f[0].startswith("course_lib.")]
 
 
@@ -189,16 +231,24 @@ def _layer(top: str) -> str | None:
 
 def test_every_module_has_a_layer():
     tops = {_top(_dotted(p)) for p in _modules()} - {""}
-    assert sorted(t for t in tops if _layer(t) is None) == [], "add new modules to LAYERS in tests/test_shape.py"
+    assert sorted(t for t in tops if _layer(t) is None) == [], (
+        "add new modules to LAYERS in tests/test_shape.py"
+    )
 
 
-@pytest.mark.parametrize("path", [p for p in _modules() if p != LIB / "__init__.py"],
-                         ids=lambda p: str(p.relative_to(LIB)))
+@pytest.mark.parametrize(
+    "path",
+    [p for p in _modules() if p != LIB / "__init__.py"],
+    ids=lambda p: str(p.relative_to(LIB)),
+)
 def test_imports_run_down_the_layers(path):
     me = _layer(_top(_dotted(path)))
     assert me is not None, f"{path.relative_to(ROOT)} has no layer: add it to LAYERS"
-    up = [f"line {line}: {mod}" for mod, _, line in _imports(path)
-          if _layer(_top(mod)) is not None and ORDER.index(_layer(_top(mod))) > ORDER.index(me)]
+    up = [
+        f"line {line}: {mod}"
+        for mod, _, line in _imports(path)
+        if _layer(_top(mod)) is not None and ORDER.index(_layer(_top(mod))) > ORDER.index(me)
+    ]
     assert up == [], f"{path.relative_to(ROOT)} ({me}) imports from a higher layer"
 
 
@@ -262,12 +312,24 @@ def test_no_module_imports_another_modules_private_names():
             if name.startswith("_") and not name.startswith("__") and mod != _dotted(path):
                 private.append(f"{path.relative_to(ROOT)}:{line}: from {mod} import {name}")
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                   for a in n.names if (LIB / (a.name + ".py")).exists() or (LIB / a.name).is_dir()}
+        aliases = {
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom)
+            for a in n.names
+            if (LIB / (a.name + ".py")).exists() or (LIB / a.name).is_dir()
+        }
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
-                    and node.attr.startswith("_") and not node.attr.startswith("__"):
-                private.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                private.append(
+                    f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}"
+                )
     assert private == []
 
 
@@ -281,36 +343,80 @@ def test_import_parser_sees_relative_absolute_and_lazy_imports(tmp_path):
 
 # (module, function) -> why that loop calls backward itself instead of stepping through train.train_step.
 BACKWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("experiments/collectives", "toy_data_parallel_step"): "a bare weight matrix, no optimizer: times compute "
-                                                           "and the all-reduce apart",
+    (
+        "experiments/collectives",
+        "toy_data_parallel_step",
+    ): "a bare weight matrix, no optimizer: times compute and the all-reduce apart",
     ("experiments/collectives", "step"): "the same toy step, inside the scaling race",
-    ("experiments/ddp", "accumulation_with_no_sync"): "several backwards (all but the last under no_sync) "
-                                                      "per optimizer step",
-    ("checks/ddp", "_reference_grads"): "checks gradients after backward: no optimizer step in the exercise",
-    ("checks/ddp", "check_allreduce_gradients"): "checks the learner's gradients after backward, before any step",
-    ("checks/ddp", "check_bucketed_reducer"): "checks the learner's reducer's gradients after backward",
-    ("experiments/fsdp_features", "accumulation_without_sync"): "M backwards per optimizer step, gradient sync "
-                                                                "switched off and on per micro-batch",
-    ("experiments/fsdp_practice", "activation_checkpointing"): "memory tracked over forward and backward only: "
-                                                               "a step inside the tracker changes the peaks",
-    ("experiments/horovod", "_horovod_train"): "a Horovod worker: DistributedOptimizer's zero_grad takes no "
-                                               "set_to_none",
-    ("experiments/zero", "zero_stage_profile"): "samples memory and counts collectives per phase (forward, "
-                                               "backward, step) of the measured step",
-    ("experiments/zero_libraries", "deepspeed_zero"): "DeepSpeed's engine owns backward: engine.backward(loss)",
-    ("checks/zero", "check_zero1_step"): "the learner's Zero1Step is not a torch optimizer (zero_grad takes no "
-                                         "arguments)",
-    ("checks/zero", "check_sharded_linear"): "one layer, no optimizer: forward and backward collectives counted "
-                                             "apart",
-    ("experiments/tensor_parallel", "linear_layers"): "one layer with a fixed output gradient, no model or "
-                                                      "optimizer",
-    ("experiments/tensor_parallel", "tp_step"): "collectives counted per phase, activations metered during "
-                                                "forward only",
-    ("experiments/tensor_parallel", "dtensor_step"): "collectives counted per phase under loss_parallel()",
-    ("experiments/tensor_parallel", "_blocks_sum_of_squares"): "blocks only, loss Σout² on a sequence shard: "
-                                                               "no model(x, y)",
-    ("experiments/tensor_parallel", "fsdp_tp_step"): "one forward + backward whose gradients are the result",
-    ("checks/tensor_parallel", "_check"): "the learner's autograd.Function run with a fixed output gradient",
+    (
+        "experiments/ddp",
+        "accumulation_with_no_sync",
+    ): "several backwards (all but the last under no_sync) per optimizer step",
+    (
+        "checks/ddp",
+        "_reference_grads",
+    ): "checks gradients after backward: no optimizer step in the exercise",
+    (
+        "checks/ddp",
+        "check_allreduce_gradients",
+    ): "checks the learner's gradients after backward, before any step",
+    (
+        "checks/ddp",
+        "check_bucketed_reducer",
+    ): "checks the learner's reducer's gradients after backward",
+    (
+        "experiments/fsdp_features",
+        "accumulation_without_sync",
+    ): "M backwards per optimizer step, gradient sync switched off and on per micro-batch",
+    (
+        "experiments/fsdp_practice",
+        "activation_checkpointing",
+    ): "memory tracked over forward and backward only: a step inside the tracker changes the peaks",
+    (
+        "experiments/horovod",
+        "_horovod_train",
+    ): "a Horovod worker: DistributedOptimizer's zero_grad takes no set_to_none",
+    (
+        "experiments/zero",
+        "zero_stage_profile",
+    ): "samples memory and counts collectives per phase (forward, "
+    "backward, step) of the measured step",
+    (
+        "experiments/zero_libraries",
+        "deepspeed_zero",
+    ): "DeepSpeed's engine owns backward: engine.backward(loss)",
+    (
+        "checks/zero",
+        "check_zero1_step",
+    ): "the learner's Zero1Step is not a torch optimizer (zero_grad takes no arguments)",
+    (
+        "checks/zero",
+        "check_sharded_linear",
+    ): "one layer, no optimizer: forward and backward collectives counted apart",
+    (
+        "experiments/tensor_parallel",
+        "linear_layers",
+    ): "one layer with a fixed output gradient, no model or optimizer",
+    (
+        "experiments/tensor_parallel",
+        "tp_step",
+    ): "collectives counted per phase, activations metered during forward only",
+    (
+        "experiments/tensor_parallel",
+        "dtensor_step",
+    ): "collectives counted per phase under loss_parallel()",
+    (
+        "experiments/tensor_parallel",
+        "_blocks_sum_of_squares",
+    ): "blocks only, loss Σout² on a sequence shard: no model(x, y)",
+    (
+        "experiments/tensor_parallel",
+        "fsdp_tp_step",
+    ): "one forward + backward whose gradients are the result",
+    (
+        "checks/tensor_parallel",
+        "_check",
+    ): "the learner's autograd.Function run with a fixed output gradient",
 }
 
 
@@ -321,8 +427,11 @@ def _backward_calls(path: Path) -> list[tuple[str, int]]:
     def walk(node, fn):
         for child in ast.iter_child_nodes(node):
             name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
-            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
-                    and child.func.attr == "backward":
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr == "backward"
+            ):
                 calls.append((fn, child.lineno))
             walk(child, name)
 
@@ -334,16 +443,23 @@ def test_every_single_program_loop_steps_through_train_step():
     loose = []
     for path in sorted((LIB / "experiments").glob("*.py")) + sorted((LIB / "checks").glob("*.py")):
         module = f"{path.parent.name}/{path.stem}"
-        loose += [f"{module}.py:{line} in {fn}()" for fn, line in _backward_calls(path)
-                  if (module, fn) not in BACKWARD_EXCEPTIONS]
-    assert loose == [], "step through course_lib.train.train_step, or list the loop in BACKWARD_EXCEPTIONS"
+        loose += [
+            f"{module}.py:{line} in {fn}()"
+            for fn, line in _backward_calls(path)
+            if (module, fn) not in BACKWARD_EXCEPTIONS
+        ]
+    assert loose == [], (
+        "step through course_lib.train.train_step, or list the loop in BACKWARD_EXCEPTIONS"
+    )
 
 
 def test_backward_exceptions_are_still_there():
     """An exception whose loop is gone is stale: remove it."""
     for (module, fn), why in BACKWARD_EXCEPTIONS.items():
         assert why, (module, fn)
-        assert fn in {f for f, _ in _backward_calls(LIB / f"{module}.py")}, f"{module}.{fn} no longer calls backward"
+        assert fn in {f for f, _ in _backward_calls(LIB / f"{module}.py")}, (
+            f"{module}.{fn} no longer calls backward"
+        )
 
 
 # --------------------------------------------------------------------------- the repository stands alone
@@ -352,8 +468,10 @@ def test_backward_exceptions_are_still_there():
 def test_no_file_refers_to_the_design_folder_outside_the_repository():
     import subprocess
 
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    needles = ("../shared", "shared/seeds", "COURSE_DESIGN", "parents[2] / \"shared\"")
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    needles = ("../shared", "shared/seeds", "COURSE_DESIGN", 'parents[2] / "shared"')
     hits = []
     for name in files:
         path = ROOT / name

@@ -1,9 +1,16 @@
 """`course-lib smoke`: every chapter's rank functions run once with backend="auto" and report where they ran."""
+
 import pytest
 
 from course_lib.chapters import CHAPTERS
-from course_lib.experiments.smoke import (SMOKE, SMOKE_RAY, format_smoke, run_smoke, smoke_entries,
-                                          smoke_world)
+from course_lib.experiments.smoke import (
+    SMOKE,
+    SMOKE_RAY,
+    format_smoke,
+    run_smoke,
+    smoke_entries,
+    smoke_world,
+)
 from course_lib.launch import resolve_backend
 
 
@@ -16,7 +23,9 @@ def test_chapters_are_chosen_by_topic_or_by_number():
         smoke_entries(["dpp"])
 
 
-@pytest.mark.timeout(900)  # one spawn for ~50 entries and one Ray session: ~2-3 min on an idle 2-core machine
+@pytest.mark.timeout(
+    900
+)  # one spawn for ~50 entries and one Ray session: ~2-3 min on an idle 2-core machine
 def test_smoke_runs_every_chapters_rank_functions_on_the_auto_backend():
     world = smoke_world()
     rows = run_smoke(world)

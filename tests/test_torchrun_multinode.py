@@ -15,6 +15,7 @@ hostname resolves to 127.0.0.1, so three settings are needed (README, "Multi-nod
 Needs root (``ip netns``); skips with the reason elsewhere. Every process is ended by PID and the namespaces
 are deleted, pass or fail.
 """
+
 import os
 import subprocess
 import sys
@@ -25,7 +26,9 @@ import pytest
 import torch
 
 import netns
-from course_lib.results import REORDERED  # the same computation on the same 2 ranks: float order at most
+from course_lib.results import (
+    REORDERED,
+)  # the same computation on the same 2 ranks: float order at most
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -36,13 +39,31 @@ FSDP = ("course_lib.experiments.fsdp:fsdp2_vs_single_device", (3, "adamw"))
 
 def torchrun_command(node_rank: int, hosts, rdzv_id: str, out_dir: str) -> list[str]:
     """The command run on each host (the README's multi-node settings)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.ips[0]}:{PORT}", f"--rdzv-id={rdzv_id}",
-           "--local-addr", hosts.ips[node_rank]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={hosts.ips[0]}:{PORT}",
+        f"--rdzv-id={rdzv_id}",
+        "--local-addr",
+        hosts.ips[node_rank],
+    ]
     if node_rank == 0:
         cmd += ["--rdzv-conf", "is_host=1"]
-    return cmd + ["-m", "course_lib.launch", "netns:run_and_save", "--backend", "gloo",
-                  "--arg", repr(out_dir), "--arg", repr([DDP, FSDP])]
+    return cmd + [
+        "-m",
+        "course_lib.launch",
+        "netns:run_and_save",
+        "--backend",
+        "gloo",
+        "--arg",
+        repr(out_dir),
+        "--arg",
+        repr([DDP, FSDP]),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -60,28 +81,51 @@ def test_ddp_and_fsdp2_under_torchrun_on_two_nodes_equal_the_single_node_run(two
     from course_lib.launch import spawn
 
     out_dir = str(tmp_path)
-    env = {"PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {
+        "PYTHONPATH": os.pathsep.join([ROOT, TESTS]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
     rdzv_id = uuid.uuid4().hex[:8]
     t0 = time.perf_counter()
-    procs = [two_hosts.popen(i, torchrun_command(i, two_hosts, rdzv_id, out_dir), env=two_hosts.env(i, **env),
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in (1, 0)]
+    procs = [
+        two_hosts.popen(
+            i,
+            torchrun_command(i, two_hosts, rdzv_id, out_dir),
+            env=two_hosts.env(i, **env),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (1, 0)
+    ]
     try:
         outs = [p.communicate(timeout=400) for p in procs]
     except subprocess.TimeoutExpired:
         for i in range(2):
             two_hosts.kill(i)
         outs = [p.communicate() for p in procs]
-        pytest.fail(f"torchrun on two nodes did not finish in 400 s:\n{outs[1][1][-3000:]}\n{outs[0][1][-3000:]}")
+        pytest.fail(
+            f"torchrun on two nodes did not finish in 400 s:\n{outs[1][1][-3000:]}\n{outs[0][1][-3000:]}"
+        )
     multi_s = time.perf_counter() - t0
     for (_out, err), p, node in zip(outs, procs, (1, 0)):
         assert p.returncode == 0, f"node {node}: torchrun exited {p.returncode}\n{err[-3000:]}"
-    assert "rank 0:" in outs[1][0] and "rank 1:" in outs[1][0], outs[1][0]   # node 0 holds global rank 0
-    per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    assert "rank 0:" in outs[1][0] and "rank 1:" in outs[1][0], outs[1][
+        0
+    ]  # node 0 holds global rank 0
+    per_rank = [
+        torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)
+    ]
 
     where = [d["where"] for d in per_rank]
-    assert [w["node_rank"] for w in where] == [0, 1] and all(w["local_world_size"] == 1 for w in where), where
-    assert where[0]["netns"] != where[1]["netns"], "the two ranks ran in different network namespaces"
+    assert [w["node_rank"] for w in where] == [0, 1] and all(
+        w["local_world_size"] == 1 for w in where
+    ), where
+    assert where[0]["netns"] != where[1]["netns"], (
+        "the two ranks ran in different network namespaces"
+    )
     assert all(w["master_addr"] == two_hosts.ips[0] for w in where), where
 
     ddp_single = spawn(equality_with_single_device, 2, args=DDP[1], backend="gloo")
@@ -89,8 +133,14 @@ def test_ddp_and_fsdp2_under_torchrun_on_two_nodes_equal_the_single_node_run(two
     for r in range(2):
         ddp, fsdp = per_rank[r]["results"]
         assert all(ddp.claims().values()), ddp
-        REORDERED.assert_close(ddp.max_abs_diff, ddp_single[r].max_abs_diff, "DDP max|Δ| vs one device")
-        assert fsdp["allclose_1e-5"], fsdp["max_abs_diff"]  # the FSDP2 experiment's own verdict vs one device
-        REORDERED.assert_close(fsdp["full_state"], fsdp_single[r]["full_state"], "FSDP2 final state")
+        REORDERED.assert_close(
+            ddp.max_abs_diff, ddp_single[r].max_abs_diff, "DDP max|Δ| vs one device"
+        )
+        assert fsdp["allclose_1e-5"], fsdp[
+            "max_abs_diff"
+        ]  # the FSDP2 experiment's own verdict vs one device
+        REORDERED.assert_close(
+            fsdp["full_state"], fsdp_single[r]["full_state"], "FSDP2 final state"
+        )
         REORDERED.assert_close(fsdp["losses"], fsdp_single[r]["losses"], "FSDP2 losses")
     print(f"two-node torchrun (DDP + FSDP2, 3 AdamW steps each): {multi_s:.1f} s")

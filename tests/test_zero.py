@@ -8,6 +8,7 @@ rows must all pass; the single-device references run in this process. The model 
 N is exercised. Equality uses the named tolerances of ``course_lib.results`` (SGD, ADAMW, EXACT,
 BF16).
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,14 +35,41 @@ CONFIG = zero_config()
 GLOBAL_BATCH, SEQ, STEPS = 8, CONFIG.block_size, 10  # global batch divisible by N = 2 and 4
 SMALL_BUCKETS = 0.05  # MiB: ~13k fp32 elements per bucket, so stage 2 reduces in several buckets during backward
 CLIP = 0.5  # below the gradient norm of every step (~1.3), so clipping really scales
-CLIP_INF = 0.02  # below the largest |gradient element| of every step (~0.05): the inf-norm clips too
+CLIP_INF = (
+    0.02  # below the largest |gradient element| of every step (~0.05): the inf-norm clips too
+)
 
 
-def case(stage, opt="adamw", *, cap=None, clip=None, norm_type=2.0, resume_at=None, tie=True, dtype=None,
-         probe=False, groups=False, micro=1, unit="block"):
+def case(
+    stage,
+    opt="adamw",
+    *,
+    cap=None,
+    clip=None,
+    norm_type=2.0,
+    resume_at=None,
+    tie=True,
+    dtype=None,
+    probe=False,
+    groups=False,
+    micro=1,
+    unit="block",
+):
     """One training configuration; ``micro`` > 1 accumulates gradients over that many backward passes per step."""
-    return dict(stage=stage, opt=opt, cap=cap, clip=clip, norm_type=norm_type, resume_at=resume_at, tie=tie,
-                dtype=dtype, probe=probe, groups=groups, micro=micro, unit=unit)
+    return dict(
+        stage=stage,
+        opt=opt,
+        cap=cap,
+        clip=clip,
+        norm_type=norm_type,
+        resume_at=resume_at,
+        tie=tie,
+        dtype=dtype,
+        probe=probe,
+        groups=groups,
+        micro=micro,
+        unit=unit,
+    )
 
 
 CASES = {
@@ -170,35 +198,55 @@ def _train_zero3(c) -> dict:
     plain = make_model(c)
 
     def build(seed=0):
-        model = Zero3(make_model(c, seed=seed), compute_dtype=torch.bfloat16 if c["dtype"] == "bf16" else None,
-                      unit=c["unit"])
+        model = Zero3(
+            make_model(c, seed=seed),
+            compute_dtype=torch.bfloat16 if c["dtype"] == "bf16" else None,
+            unit=c["unit"],
+        )
         params = param_groups(model.named_parameters()) if c["groups"] else model.parameters()
         return model, opt_cls(params, **kwargs)
 
     model, opt = build()
-    out = {"names": [n for n, _ in model.named_parameters()],
-           "shards": [(p.dtype, p.numel()) for p in model.parameters()],
-           "module_params_are_shards": [a is b for a, b in zip(model.module.parameters(), model.parameters())]
-           + [len(list(model.module.parameters())) == len(list(model.parameters()))],
-           "overrides_named_parameters": "named_parameters" in type(model).__dict__, "records": [], "norms": []}
+    out = {
+        "names": [n for n, _ in model.named_parameters()],
+        "shards": [(p.dtype, p.numel()) for p in model.parameters()],
+        "module_params_are_shards": [
+            a is b for a, b in zip(model.module.parameters(), model.parameters())
+        ]
+        + [len(list(model.module.parameters())) == len(list(model.parameters()))],
+        "overrides_named_parameters": "named_parameters" in type(model).__dict__,
+        "records": [],
+        "norms": [],
+    }
     for step in range(STEPS):
-        if step == c["resume_at"]:  # full weights (same on every rank) + this rank's optimizer state, as documented
+        if (
+            step == c["resume_at"]
+        ):  # full weights (same on every rank) + this rank's optimizer state, as documented
             blob = io.BytesIO()
             torch.save({"model": model.full_state_dict(), "optim": opt.state_dict()}, blob)
             blob.seek(0)
             saved = torch.load(blob)
-            model, opt = build(seed=1)  # other weights, fresh optimizer: everything must come from the checkpoint
+            model, opt = build(
+                seed=1
+            )  # other weights, fresh optimizer: everything must come from the checkpoint
             model.load_full_state_dict(saved["model"])
             opt.load_state_dict(saved["optim"])
         x, y = batch(step, world, rank)
         with comm.CommLog() as log:
             for xm, ym in zip(x.chunk(c["micro"]), y.chunk(c["micro"])):
                 _, loss = model(xm, ym)
-                if step == 0:  # the weights autograd saved for backward were freed after each layer's forward
-                    out["saved_bytes"] = sum(r["bytes"] for r in saved_tensors_table(loss) if r["new"])
+                if (
+                    step == 0
+                ):  # the weights autograd saved for backward were freed after each layer's forward
+                    out["saved_bytes"] = sum(
+                        r["bytes"] for r in saved_tensors_table(loss) if r["new"]
+                    )
                     _, plain_loss = plain(xm, ym)
-                    out["saved_bytes_plain"] = sum(r["bytes"] for r in saved_tensors_table(plain_loss, exclude=plain)
-                                                   if r["new"])
+                    out["saved_bytes_plain"] = sum(
+                        r["bytes"]
+                        for r in saved_tensors_table(plain_loss, exclude=plain)
+                        if r["new"]
+                    )
                 (loss / c["micro"]).backward()
             if c["clip"]:
                 out["norms"].append(model.clip_grad_norm_(c["clip"], c["norm_type"]).item())
@@ -208,7 +256,9 @@ def _train_zero3(c) -> dict:
             out["comm"] = comm_accounting(log, model)
             out["records"] = log.as_dicts()
             out["grad_dtypes"] = {p.grad.dtype for p in model.parameters()}
-            out["state_dtypes"] = {t.dtype for s in opt.state.values() for t in s.values() if t.dim() > 0}
+            out["state_dtypes"] = {
+                t.dtype for s in opt.state.values() for t in s.values() if t.dim() > 0
+            }
         opt.zero_grad()
     sd = model.full_state_dict()
     out["params"] = {k: v.clone() for k, v in sd.items()}
@@ -221,8 +271,10 @@ def run_cases(names: list[str]) -> dict:
     and the LR-scheduler runs (``schedulers``)."""
     from course_lib.experiments.zero import zero_clip_and_resume, zero_stage_report
 
-    out = {name: (_train_zero3 if CASES[name]["stage"] == 3 else _train_zero_optimizer)(CASES[name])
-           for name in names}
+    out = {
+        name: (_train_zero3 if CASES[name]["stage"] == 3 else _train_zero_optimizer)(CASES[name])
+        for name in names
+    }
     out["reports"] = [zero_stage_report(stage) for stage in range(4)]
     out["reports"] += [zero_stage_report(3, zero3_unit="param")]
     out["reports"] += [zero_clip_and_resume(stage=stage) for stage in (1, 2)]
@@ -239,7 +291,9 @@ def results(world: int) -> dict:
     """Rank 0's results of every configuration at this world size (one spawn, cached)."""
     if world not in _RESULTS:
         per_rank = spawn(run_cases, world, args=(list(CASES),), timeout=600)
-        _RESULTS[world] = {name: dict(per_rank[0][name], all_ranks=[r[name] for r in per_rank]) for name in CASES}
+        _RESULTS[world] = {
+            name: dict(per_rank[0][name], all_ranks=[r[name] for r in per_rank]) for name in CASES
+        }
         _REPORTS[world] = [report for r in per_rank for report in r["reports"]]
         _SCHEDULERS[world] = per_rank[0]["schedulers"]
     return _RESULTS[world]
@@ -266,7 +320,11 @@ def reference(name: str, world: int) -> dict:
             for pm, pw in zip(master.parameters(), work.parameters()):
                 pm.grad, pw.grad = pw.grad.float(), None
         if c["clip"]:
-            norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), c["clip"], c["norm_type"]).item())
+            norms.append(
+                torch.nn.utils.clip_grad_norm_(
+                    master.parameters(), c["clip"], c["norm_type"]
+                ).item()
+            )
         opt.step()
         opt.zero_grad()
         if work is not master:
@@ -304,7 +362,13 @@ def test_zero_with_sgd_matches_single_device_with_tied_weights(world, name):
     SGD.assert_close(got["params"], ref["params"])
 
 
-ADAMW_CASES = ["stage1-adamw", "stage2-adamw", "stage2-adamw-one-bucket", "stage3-adamw", "stage3-adamw-untied"]
+ADAMW_CASES = [
+    "stage1-adamw",
+    "stage2-adamw",
+    "stage2-adamw-one-bucket",
+    "stage3-adamw",
+    "stage3-adamw-untied",
+]
 ACCUMULATE_CASES = ["stage1-adamw-accumulate", "stage2-adamw-accumulate", "stage3-adamw-accumulate"]
 
 
@@ -314,8 +378,9 @@ def test_zero_with_adamw_weight_decay_matches_single_device_after_10_steps(world
     ADAMW.assert_close(got["params"], ref["params"])
 
 
-@pytest.mark.parametrize("world,name", grid(["stage1-adamw", "stage3-adamw"]),
-                         ids=ids(["stage1-adamw", "stage3-adamw"]))
+@pytest.mark.parametrize(
+    "world,name", grid(["stage1-adamw", "stage3-adamw"]), ids=ids(["stage1-adamw", "stage3-adamw"])
+)
 def test_every_rank_ends_with_the_same_full_weights(world, name):
     ranks = results(world)[name]["all_ranks"]
     for other in ranks[1:]:
@@ -328,25 +393,39 @@ def test_gradient_accumulation_over_two_backwards_matches_single_device(world, n
     ADAMW.assert_close(got["params"], ref["params"])
 
 
-CLIP_CASES = ["stage1-adamw-clip", "stage2-adamw-clip", "stage3-adamw-clip", "stage3-sgd-clip", "stage3-sgd-clip-inf"]
+CLIP_CASES = [
+    "stage1-adamw-clip",
+    "stage2-adamw-clip",
+    "stage3-adamw-clip",
+    "stage3-sgd-clip",
+    "stage3-sgd-clip-inf",
+]
 
 
 @pytest.mark.parametrize("world,name", grid(CLIP_CASES), ids=ids(CLIP_CASES))
 def test_clip_grad_norm_uses_the_global_norm_like_single_device(world, name):
     got, ref = results(world)[name], reference(name, world)
     assert min(ref["norms"]) > CASES[name]["clip"]  # clipping really happened on every step
-    assert all(r["norms"] == got["norms"] for r in got["all_ranks"])  # every rank scaled by the same factor
+    assert all(
+        r["norms"] == got["norms"] for r in got["all_ranks"]
+    )  # every rank scaled by the same factor
     tol = for_optimizer(CASES[name]["opt"])
     tol.assert_close(got["norms"], ref["norms"], "gradient norms")
     tol.assert_close(got["params"], ref["params"])
 
 
-RESUME = [("stage1-adamw-resume", "stage1-adamw"), ("stage2-adamw-resume", "stage2-adamw"),
-          ("stage3-adamw-resume", "stage3-adamw")]
+RESUME = [
+    ("stage1-adamw-resume", "stage1-adamw"),
+    ("stage2-adamw-resume", "stage2-adamw"),
+    ("stage3-adamw-resume", "stage3-adamw"),
+]
 
 
-@pytest.mark.parametrize("world,resumed,uninterrupted", [(w, a, b) for w in WORLDS for a, b in RESUME],
-                         ids=[f"world={w},{a}" for w in WORLDS for a, _ in RESUME])
+@pytest.mark.parametrize(
+    "world,resumed,uninterrupted",
+    [(w, a, b) for w in WORLDS for a, b in RESUME],
+    ids=[f"world={w},{a}" for w in WORLDS for a, _ in RESUME],
+)
 def test_resume_from_checkpoint_equals_uninterrupted_run(world, resumed, uninterrupted):
     got = results(world)[resumed]["params"]
     assert dict(CASES[resumed], resume_at=None) == CASES[uninterrupted]
@@ -382,10 +461,14 @@ def test_zero3_parameters_are_one_fp32_shard_per_unique_parameter_under_original
     got = results(world)["stage3-adamw"]
     model = GPT(CONFIG)
     named = list(model.named_parameters())  # the tied weight once, under its first name
-    assert got["names"] == [f"module.{n}" for n, _ in named]  # registered on the original submodules
+    assert got["names"] == [
+        f"module.{n}" for n, _ in named
+    ]  # registered on the original submodules
     assert got["shards"] == [(torch.float32, math.ceil(p.numel() / world)) for _, p in named]
     assert all(got["module_params_are_shards"])  # the wrapped module holds exactly the shards
-    assert not got["overrides_named_parameters"]  # nn.Module's own named_parameters(), not an override
+    assert not got[
+        "overrides_named_parameters"
+    ]  # nn.Module's own named_parameters(), not an override
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
@@ -421,14 +504,24 @@ def test_zero3_bf16_compute_matches_bf16_single_device_with_fp32_master_weights(
     assert max(relative(got["params"][k], init[k]) for k in init) > BF16.atol
     assert got["grad_dtypes"] == {torch.float32} and got["state_dtypes"] == {torch.float32}
     gathers = [r for r in got["records"] if r["op"] == "all_gather" and r["tag"] == "param"]
-    assert gathers and all(r["dtype"] == "bfloat16" and r["tensor_bytes"] == 2 * r["numel"] for r in gathers)
+    assert gathers and all(
+        r["dtype"] == "bfloat16" and r["tensor_bytes"] == 2 * r["numel"] for r in gathers
+    )
     scatters = [r for r in got["records"] if r["tag"] == "grad"]
-    assert scatters and all(r["op"] == "reduce_scatter" and r["dtype"] == "float32" for r in scatters)
+    assert scatters and all(
+        r["op"] == "reduce_scatter" and r["dtype"] == "float32" for r in scatters
+    )
 
 
 # ----------------------------------------------------------------------------- bytes held, bytes sent
 
-MEMORY_CASES = ["stage1-adamw", "stage2-adamw", "stage2-adamw-one-bucket", "stage3-adamw", "stage3-adamw-untied"]
+MEMORY_CASES = [
+    "stage1-adamw",
+    "stage2-adamw",
+    "stage2-adamw-one-bucket",
+    "stage3-adamw",
+    "stage3-adamw-untied",
+]
 
 
 def test_ddp_model_state_bytes_match_16_psi():
@@ -519,11 +612,16 @@ def _error_cases() -> dict:
     z = ZeroOptimizer(model().parameters(), adamw)
     out["resume-other-world"] = catch(lambda: z.load_state_dict(dict(z.state_dict(), world_size=3)))
     z3 = Zero3(model())
-    out["zero3-inner-call"] = catch(lambda: z3.module(*make_batch(2, SEQ, CONFIG.vocab_size, seed=0)))
+    out["zero3-inner-call"] = catch(
+        lambda: z3.module(*make_batch(2, SEQ, CONFIG.vocab_size, seed=0))
+    )
     sd = z3.full_state_dict()
-    out["zero3-load-missing"] = catch(lambda: z3.load_full_state_dict({k: v for k, v in sd.items()
-                                                                       if k != "wte.weight"}))
-    out["zero3-load-shape"] = catch(lambda: z3.load_full_state_dict(dict(sd, **{"ln_f.weight": torch.ones(3)})))
+    out["zero3-load-missing"] = catch(
+        lambda: z3.load_full_state_dict({k: v for k, v in sd.items() if k != "wte.weight"})
+    )
+    out["zero3-load-shape"] = catch(
+        lambda: z3.load_full_state_dict(dict(sd, **{"ln_f.weight": torch.ones(3)}))
+    )
     out["zero3-clip-norm-type"] = catch(lambda: z3.clip_grad_norm_(1.0, norm_type=0))
     return out
 
@@ -533,26 +631,29 @@ def errors():
     return spawn(_error_cases, 2, timeout=300)[0]
 
 
-@pytest.mark.parametrize("label,exc_type,words", [
-    ("stage4", "ValueError", ["stage=4 is not one of 1, 2 (use Zero3 for stage 3)"]),
-    ("stage3", "ValueError", ["stage=3 is not one of 1, 2 (use Zero3 for stage 3)"]),
-    ("lbfgs", "ValueError", ["LBFGS", "element-wise"]),
-    ("adafactor", "ValueError", ["Adafactor", "element-wise"]),
-    ("not-an-optimizer", "TypeError", ["element-wise torch.optim.Optimizer", "Linear"]),
-    ("mixed-devices", "ValueError", ["several devices"]),
-    ("zero3-mixed-devices", "ValueError", ["several devices"]),
-    ("bf16-params", "ValueError", ["fp32"]),
-    ("duplicate", "ValueError", ["twice"]),
-    ("zero3-dtype", "ValueError", ["compute_dtype"]),
-    ("course-ddp", "ValueError", ["course_lib.ddp.DDP", "its own reduce-scatter"]),
-    ("torch-ddp", "ValueError", ["DistributedDataParallel", "its own reduce-scatter"]),
-    ("zero3-of-ddp", "ValueError", ["plain module"]),
-    ("resume-other-world", "ValueError", ["world_size=3"]),
-    ("zero3-inner-call", "RuntimeError", ["call the wrapper"]),
-    ("zero3-load-missing", "RuntimeError", ["missing keys ['wte.weight']"]),
-    ("zero3-load-shape", "ValueError", ["ln_f.weight has shape (3,)"]),
-    ("zero3-clip-norm-type", "ValueError", ["norm_type=0.0"]),
-])
+@pytest.mark.parametrize(
+    "label,exc_type,words",
+    [
+        ("stage4", "ValueError", ["stage=4 is not one of 1, 2 (use Zero3 for stage 3)"]),
+        ("stage3", "ValueError", ["stage=3 is not one of 1, 2 (use Zero3 for stage 3)"]),
+        ("lbfgs", "ValueError", ["LBFGS", "element-wise"]),
+        ("adafactor", "ValueError", ["Adafactor", "element-wise"]),
+        ("not-an-optimizer", "TypeError", ["element-wise torch.optim.Optimizer", "Linear"]),
+        ("mixed-devices", "ValueError", ["several devices"]),
+        ("zero3-mixed-devices", "ValueError", ["several devices"]),
+        ("bf16-params", "ValueError", ["fp32"]),
+        ("duplicate", "ValueError", ["twice"]),
+        ("zero3-dtype", "ValueError", ["compute_dtype"]),
+        ("course-ddp", "ValueError", ["course_lib.ddp.DDP", "its own reduce-scatter"]),
+        ("torch-ddp", "ValueError", ["DistributedDataParallel", "its own reduce-scatter"]),
+        ("zero3-of-ddp", "ValueError", ["plain module"]),
+        ("resume-other-world", "ValueError", ["world_size=3"]),
+        ("zero3-inner-call", "RuntimeError", ["call the wrapper"]),
+        ("zero3-load-missing", "RuntimeError", ["missing keys ['wte.weight']"]),
+        ("zero3-load-shape", "ValueError", ["ln_f.weight has shape (3,)"]),
+        ("zero3-clip-norm-type", "ValueError", ["norm_type=0.0"]),
+    ],
+)
 def test_misuse_gives_a_clear_error(errors, label, exc_type, words):
     if label not in errors:
         pytest.skip(f"{label} not available in this torch")
@@ -584,20 +685,30 @@ def _zero_with_lr_scheduler(stage: int) -> dict:
         ref_sched.step()
         lrs.append(opt.param_groups[0]["lr"])
         ref_lrs.append(ref_opt.param_groups[0]["lr"])
-    return {"is_optimizer": isinstance(opt, torch.optim.Optimizer), "lrs": lrs, "ref_lrs": ref_lrs,
-            "inner_lr": opt.optimizer.param_groups[0]["lr"], "params": full_params(model),
-            "ref_params": full_params(reference)}
+    return {
+        "is_optimizer": isinstance(opt, torch.optim.Optimizer),
+        "lrs": lrs,
+        "ref_lrs": ref_lrs,
+        "inner_lr": opt.optimizer.param_groups[0]["lr"],
+        "params": full_params(model),
+        "ref_params": full_params(reference),
+    }
 
 
-@pytest.mark.parametrize("world,stage", [(w, s) for w in WORLDS for s in (1, 2)],
-                         ids=[f"world={w},stage={s}" for w in WORLDS for s in (1, 2)])
+@pytest.mark.parametrize(
+    "world,stage",
+    [(w, s) for w in WORLDS for s in (1, 2)],
+    ids=[f"world={w},stage={s}" for w in WORLDS for s in (1, 2)],
+)
 def test_zero_optimizer_is_a_torch_optimizer_that_lr_schedulers_drive(world, stage):
     results(world)
     got = _SCHEDULERS[world][stage]
     assert got["is_optimizer"]
     # the same formula on the same numbers
     EXACT.assert_close(got["lrs"], got["ref_lrs"], "learning rates")
-    assert got["inner_lr"] == got["lrs"][-1]  # the scheduler drives the optimizer that steps the shards
+    assert (
+        got["inner_lr"] == got["lrs"][-1]
+    )  # the scheduler drives the optimizer that steps the shards
     ADAMW.assert_close(got["params"], got["ref_params"])
 
 

@@ -5,6 +5,7 @@ run in this process (``common.reference_run``). The model is chapter 03's (``com
 Ψ = 128,835, odd sizes, tied embedding), with 4 blocks where "the root + the 2 largest blocks" must
 be less than the whole model.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,11 +28,34 @@ BATCH = 8  # global batch, divisible by 2 and 4
 CLIP = 0.5  # below every step's gradient norm (~1.3): clipping really scales
 
 
-def case(opt="adamw", steps=10, *, prefetch=False, dtype=None, clip=None, micro=1, resume_at=None, n_layer=2,
-         tie=True, probe=False, sublayers=False):
+def case(
+    opt="adamw",
+    steps=10,
+    *,
+    prefetch=False,
+    dtype=None,
+    clip=None,
+    micro=1,
+    resume_at=None,
+    n_layer=2,
+    tie=True,
+    probe=False,
+    sublayers=False,
+):
     """One training configuration; ``sublayers``: units=[every block's attn and mlp] instead of the blocks."""
-    return dict(opt=opt, steps=steps, prefetch=prefetch, dtype=dtype, clip=clip, micro=micro, resume_at=resume_at,
-                n_layer=n_layer, tie=tie, probe=probe, sublayers=sublayers)
+    return dict(
+        opt=opt,
+        steps=steps,
+        prefetch=prefetch,
+        dtype=dtype,
+        clip=clip,
+        micro=micro,
+        resume_at=resume_at,
+        n_layer=n_layer,
+        tie=tie,
+        probe=probe,
+        sublayers=sublayers,
+    )
 
 
 CASES = {
@@ -67,7 +91,9 @@ def _probe(model, zero3) -> dict:
 
     def after(module, args, output):
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda grad: sample("backward"))  # runs just before this module's backward
+            output.register_hook(
+                lambda grad: sample("backward")
+            )  # runs just before this module's backward
 
     leaves = [m for m in model.modules() if not list(m.children())]
     handles = [m.register_forward_pre_hook(lambda m, a: sample("forward")) for m in leaves]
@@ -93,7 +119,9 @@ def _train(c) -> dict:
     out = {"norms": [], "units": model.unit_table()}
     peaks, handles = _probe(model.module, model) if c["probe"] else (None, [])
     for step in range(c["steps"]):
-        if step == c["resume_at"]:  # full weights + this rank's optimizer state, into a model built from other weights
+        if (
+            step == c["resume_at"]
+        ):  # full weights + this rank's optimizer state, into a model built from other weights
             blob = io.BytesIO()
             torch.save({"model": model.full_state_dict(), "optim": opt.state_dict()}, blob)
             blob.seek(0)
@@ -103,7 +131,9 @@ def _train(c) -> dict:
             opt.load_state_dict(saved["optim"])
         x, y = common.shard_batch(*common.step_batch(step, cfg, BATCH, dev))
         opt.zero_grad(set_to_none=True)
-        for xm, ym in zip(x.chunk(c["micro"]), y.chunk(c["micro"])):  # micro > 1: accumulate gradients
+        for xm, ym in zip(
+            x.chunk(c["micro"]), y.chunk(c["micro"])
+        ):  # micro > 1: accumulate gradients
             with comm.CommLog() as log_f:
                 _, loss = model(xm, ym)
             with comm.CommLog() as log_b:
@@ -168,7 +198,9 @@ def _errors() -> dict:
         "shared-blocks": catch(lambda: Zero3(tied(blocks_share), unit="block")),
         "shared-root": catch(lambda: Zero3(tied(block_and_root_share), unit="block")),
         "unknown-unit": catch(lambda: Zero3(gpt(), unit="block", units=[nn.Linear(3, 3)])),
-        "nested-units": catch(lambda: Zero3(nested, unit="block", units=[nested.blocks[0], nested.blocks[0].attn])),
+        "nested-units": catch(
+            lambda: Zero3(nested, unit="block", units=[nested.blocks[0], nested.blocks[0].attn])
+        ),
         "root-as-unit": catch(lambda: Zero3(nested, unit="block", units=[nested])),
         "bad-unit": catch(lambda: Zero3(gpt(), unit="layer")),
         "prefetch-per-param": catch(lambda: Zero3(gpt(), unit="param", prefetch=True)),
@@ -191,7 +223,9 @@ class ToyModel(nn.Module):
 def any_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "sequential":
-        return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+        return nn.Sequential(
+            nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5)
+        )
     return ToyModel()
 
 
@@ -205,7 +239,10 @@ def _any_models(steps: int = 4) -> dict:
 
     dev, out = device(), {}
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(BATCH, 10, generator=gen).to(dev), torch.randn(BATCH, 5, generator=gen).to(dev)
+    x, y = (
+        torch.randn(BATCH, 10, generator=gen).to(dev),
+        torch.randn(BATCH, 5, generator=gen).to(dev),
+    )
     for kind in ("sequential", "toy"):
         z = Zero3(any_model(kind).to(dev))
         timeline = Zero3Timeline()
@@ -217,11 +254,17 @@ def _any_models(steps: int = 4) -> dict:
             nn.functional.mse_loss(z(xs), ys).backward()
             opt.step()
         handle.remove()
-        out[kind] = {"units": [u.name for u in z.units], "describe": z.describe(), "repr": repr(z),
-                     "gathers": timeline.count("gather"), "frees": timeline.count("free"),
-                     "freed_bytes": [e[2] for e in timeline.events if e[0] == "free"],
-                     "units_seen": sorted({e[1] for e in timeline.events}), "world": dist.get_world_size(),
-                     "params": {k: v.detach().cpu().clone() for k, v in z.full_state_dict().items()}}
+        out[kind] = {
+            "units": [u.name for u in z.units],
+            "describe": z.describe(),
+            "repr": repr(z),
+            "gathers": timeline.count("gather"),
+            "frees": timeline.count("free"),
+            "freed_bytes": [e[2] for e in timeline.events if e[0] == "free"],
+            "units_seen": sorted({e[1] for e in timeline.events}),
+            "world": dist.get_world_size(),
+            "params": {k: v.detach().cpu().clone() for k, v in z.full_state_dict().items()},
+        }
     return out
 
 
@@ -238,7 +281,9 @@ _RESULTS: dict[int, dict] = {}
 def results(world: int) -> dict:
     if world not in _RESULTS:
         per_rank = spawn(run_all, world, args=(list(CASES),), timeout=600)
-        _RESULTS[world] = {name: dict(per_rank[0][name], all_ranks=[r[name] for r in per_rank]) for name in CASES}
+        _RESULTS[world] = {
+            name: dict(per_rank[0][name], all_ranks=[r[name] for r in per_rank]) for name in CASES
+        }
         _RESULTS[world]["errors"] = per_rank[0]["errors"]
         _RESULTS[world]["any_model"] = per_rank[0]["any_model"]
     return _RESULTS[world]
@@ -250,7 +295,9 @@ def reference(name: str) -> dict:
     c = CASES[name]
     cfg = config(c)
     if c["dtype"] is None:
-        model, losses, norms = common.reference_run(cfg, c["steps"], BATCH, c["opt"], max_norm=c["clip"], dev="cpu")
+        model, losses, norms = common.reference_run(
+            cfg, c["steps"], BATCH, c["opt"], max_norm=c["clip"], dev="cpu"
+        )
         return {"params": model.state_dict(), "norms": norms, "model": model}
     master = GPT(cfg, seed=0)
     work = copy.deepcopy(master).to(torch.bfloat16)
@@ -269,8 +316,11 @@ def reference(name: str) -> dict:
 
 
 def grid(names):
-    return pytest.mark.parametrize("world,name", [(w, n) for w in WORLDS for n in names],
-                                   ids=[f"world={w},{n}" for w in WORLDS for n in names])
+    return pytest.mark.parametrize(
+        "world,name",
+        [(w, n) for w in WORLDS for n in names],
+        ids=[f"world={w},{n}" for w in WORLDS for n in names],
+    )
 
 
 # ----------------------------------------------------------------------------- equality with one device
@@ -282,13 +332,21 @@ def test_per_unit_sgd_equals_one_device_after_5_steps(world, name):
     SGD.assert_close(got["params"], ref["params"])
 
 
-ADAMW_CASES = ["adamw", "adamw-prefetch", "adamw-untied", "adamw-accumulate-prefetch", "adamw-resume-prefetch"]
+ADAMW_CASES = [
+    "adamw",
+    "adamw-prefetch",
+    "adamw-untied",
+    "adamw-accumulate-prefetch",
+    "adamw-resume-prefetch",
+]
 
 
 @grid(ADAMW_CASES)
 def test_per_unit_adamw_equals_one_device_after_10_steps(world, name):
     got, ref = results(world)[name], reference(name)
-    assert list(got["params"]) == list(ref["params"])  # the plain model's keys, the tied name included
+    assert list(got["params"]) == list(
+        ref["params"]
+    )  # the plain model's keys, the tied name included
     for k, v in ref["params"].items():
         ADAMW.assert_close(got["params"][k], v, msg=k)
 
@@ -339,7 +397,15 @@ def test_eval_forward_without_autograd_gives_the_same_loss_and_frees_everything(
 # ----------------------------------------------------------------------------- collectives and bytes
 
 
-@grid(["adamw", "adamw-prefetch", "adamw-bf16-prefetch", "probe-4-blocks-prefetch", "sgd-sublayer-units-prefetch"])
+@grid(
+    [
+        "adamw",
+        "adamw-prefetch",
+        "adamw-bf16-prefetch",
+        "probe-4-blocks-prefetch",
+        "sgd-sublayer-units-prefetch",
+    ]
+)
 def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter_per_unit(world, name):
     got = results(world)[name]
     units = got["units"]
@@ -351,7 +417,9 @@ def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter_per_unit(world,
         assert sorted(r[2] for r in gathers) == sizes  # each all-gather is one whole unit
     scatters = [r for r in got["backward"] if r[0] == "reduce_scatter"]
     assert len(scatters) == len(units) and sorted(r[2] for r in scatters) == sizes
-    assert [r for r in got["forward"] if r[0] == "reduce_scatter"] == [] and got["step_records"] == 0
+    assert [r for r in got["forward"] if r[0] == "reduce_scatter"] == [] and got[
+        "step_records"
+    ] == 0
 
 
 @grid(["adamw", "adamw-prefetch", "adamw-untied"])
@@ -369,10 +437,14 @@ def test_gathered_weights_peak_is_at_most_root_plus_two_largest_blocks(world, na
     got = results(world)[name]
     model = GPT(config(CASES[name]))
     nbytes = {id(p): math.ceil(p.numel() / world) * world * 4 for p in model.parameters()}
-    blocks = sorted((sum(nbytes[id(p)] for p in b.parameters()) for b in model.blocks), reverse=True)
+    blocks = sorted(
+        (sum(nbytes[id(p)] for p in b.parameters()) for b in model.blocks), reverse=True
+    )
     root = sum(nbytes.values()) - sum(blocks)
     bound = root + blocks[0] + blocks[1]
-    assert bound < sum(nbytes.values())  # the bound says something: 4 blocks, 2 of them never gathered at once
+    assert bound < sum(
+        nbytes.values()
+    )  # the bound says something: 4 blocks, 2 of them never gathered at once
     expected = root + (blocks[0] + blocks[1] if CASES[name]["prefetch"] else blocks[0])
     for r in got["all_ranks"]:
         for phase in ("forward", "backward"):
@@ -383,16 +455,23 @@ def test_gathered_weights_peak_is_at_most_root_plus_two_largest_blocks(world, na
 # ----------------------------------------------------------------------------- clear errors
 
 
-@pytest.mark.parametrize("label,exc_type,words", [
-    ("shared-blocks", "ValueError", ["blocks.1.ln_1.weight", "unit blocks.0", "unit blocks.1", "one unit"]),
-    ("shared-root", "ValueError", ["ln_f.weight", "the root unit", "unit blocks.0"]),
-    ("unknown-unit", "ValueError", ["units[0] (Linear) is not a submodule of the wrapped GPT"]),
-    ("nested-units", "ValueError", ["blocks.0.attn", "blocks.0", "nested"]),
-    ("root-as-unit", "ValueError", ["wrapped module itself"]),
-    ("bad-unit", "ValueError", ["unit='layer'", "'param'", "'block'"]),
-    ("prefetch-per-param", "ValueError", ["unit='block'"]),
-    ("recovers", "ValueError", ["shards back: True, gathered bytes: 0"]),
-])
+@pytest.mark.parametrize(
+    "label,exc_type,words",
+    [
+        (
+            "shared-blocks",
+            "ValueError",
+            ["blocks.1.ln_1.weight", "unit blocks.0", "unit blocks.1", "one unit"],
+        ),
+        ("shared-root", "ValueError", ["ln_f.weight", "the root unit", "unit blocks.0"]),
+        ("unknown-unit", "ValueError", ["units[0] (Linear) is not a submodule of the wrapped GPT"]),
+        ("nested-units", "ValueError", ["blocks.0.attn", "blocks.0", "nested"]),
+        ("root-as-unit", "ValueError", ["wrapped module itself"]),
+        ("bad-unit", "ValueError", ["unit='layer'", "'param'", "'block'"]),
+        ("prefetch-per-param", "ValueError", ["unit='block'"]),
+        ("recovers", "ValueError", ["shards back: True, gathered bytes: 0"]),
+    ],
+)
 def test_bad_inputs_give_clear_errors(label, exc_type, words):
     got_type, message = results(2)["errors"][label]
     assert got_type == exc_type, message

@@ -6,6 +6,7 @@ result rows must pass. Equality uses the named tolerances of ``course_lib.result
 the reason, when ``deepspeed_available()`` says it cannot run here.
 The memory calculator's numbers are the ZeRO paper's (Rajbhandari et al. 2019, Ψ = 7.5B, N = 64).
 """
+
 import math
 import re
 
@@ -14,9 +15,15 @@ import pytest
 from course_lib.launch import spawn
 from course_lib.models import GPT, equality_config, tiny_config
 from course_lib.results import ADAMW
-from course_lib.experiments.zero_libraries import (deepspeed_available, deepspeed_table, deepspeed_zero_stages,
-                                                   reference_training, torch_zero1_memory, zero1_partition,
-                                                   zero1_table)
+from course_lib.experiments.zero_libraries import (
+    deepspeed_available,
+    deepspeed_table,
+    deepspeed_zero_stages,
+    reference_training,
+    torch_zero1_memory,
+    zero1_partition,
+    zero1_table,
+)
 from course_lib.viz import zero_memory_calculator, zero_memory_table
 
 # d_model = 27 makes several tensors odd-sized and Ψ = 18,927 not a multiple of 2N, so DeepSpeed's
@@ -75,7 +82,10 @@ def test_zero_redundancy_optimizer_per_rank_state_sums_to_one_devices_adamw_stat
     assert sum(r["n_tensors"] for r in result["per_rank"]) == n_tensors
     # exp_avg + exp_avg_sq (8 bytes per parameter) + one 4-byte step per tensor, split without overlap
     assert result["total_optimizer_bytes"] == 8 * result["psi"] + 4 * n_tensors
-    assert all(x["per_rank"] == result["per_rank"] and x["losses"] == result["losses"] for x in zero1[world])
+    assert all(
+        x["per_rank"] == result["per_rank"] and x["losses"] == result["losses"]
+        for x in zero1[world]
+    )
 
 
 @pytest.mark.parametrize("world", ZERO1_WORLDS)
@@ -96,12 +106,27 @@ def ds(request):
     if not ok:
         pytest.skip(reason)
     world = request.param
-    results = spawn(deepspeed_zero_stages, world, timeout=280,
-                    kwargs=dict(stages=STAGES, config=ODD, steps=DS_STEPS, micro_batch=DS_GLOBAL_BATCH // world,
-                                bucket_elements=BUCKET, return_params=True))
+    results = spawn(
+        deepspeed_zero_stages,
+        world,
+        timeout=280,
+        kwargs=dict(
+            stages=STAGES,
+            config=ODD,
+            steps=DS_STEPS,
+            micro_batch=DS_GLOBAL_BATCH // world,
+            bucket_elements=BUCKET,
+            return_params=True,
+        ),
+    )
     by_stage = {s: [rank_results[i] for rank_results in results] for i, s in enumerate(STAGES)}
     reference = reference_training(ODD, steps=DS_STEPS, global_batch=DS_GLOBAL_BATCH)
-    return {"world": world, "by_stage": by_stage, "reference": reference, "table": deepspeed_table(results[0])}
+    return {
+        "world": world,
+        "by_stage": by_stage,
+        "reference": reference,
+        "table": deepspeed_table(results[0]),
+    }
 
 
 def test_deepspeed_available_gives_a_reason():
@@ -122,7 +147,10 @@ def test_deepspeed_zero_trains_like_one_device(ds, stage):
 
 def _predicted_psi_pad(stage: int, world: int) -> int:
     sizes = [p.numel() for p in GPT(ODD).parameters()]
-    if stage in (1, 2):  # one flat group, padded to a multiple of 2N (nccl_start_alignment_factor * N)
+    if stage in (
+        1,
+        2,
+    ):  # one flat group, padded to a multiple of 2N (nccl_start_alignment_factor * N)
         return math.ceil(sum(sizes) / (2 * world)) * 2 * world
     if stage == 3:  # every tensor split in N equal pieces
         return sum(math.ceil(n / world) * world for n in sizes)
@@ -138,7 +166,9 @@ def test_deepspeed_pads_psi_as_documented(ds, stage):
 def test_deepspeed_stage0_holds_16_psi(ds):
     for r in ds["by_stage"][0]:
         n_tensors = len(list(GPT(ODD).parameters()))
-        assert r["measured"]["total"] == 16 * r["psi"] + 4 * n_tensors  # + AdamW's 4-byte step per tensor
+        assert (
+            r["measured"]["total"] == 16 * r["psi"] + 4 * n_tensors
+        )  # + AdamW's 4-byte step per tensor
         assert r["adam_step"] == 4 * n_tensors and r["rest"] == 0
 
 
@@ -148,12 +178,20 @@ def test_deepspeed_measured_bytes_are_formula_plus_fp32_master_partition(ds, sta
     for r in ds["by_stage"][stage]:
         n, psi_pad, f = r["world_size"], r["psi_pad"], r["formula_breakdown"]
         m = r["measured"]
-        assert r["fp32_master"] == m["master"] == 4 * psi_pad / n  # the clone DeepSpeed keeps for an fp32 model
-        assert m["params"] == f["params"]  # 4Ψ_pad (stages 1/2: the flat buffer), 4Ψ_pad/N (stage 3)
-        assert m["optimizer"] == f["optimizer"] + r["adam_step"] and r["adam_step"] == 4  # one flat partition
+        assert (
+            r["fp32_master"] == m["master"] == 4 * psi_pad / n
+        )  # the clone DeepSpeed keeps for an fp32 model
+        assert (
+            m["params"] == f["params"]
+        )  # 4Ψ_pad (stages 1/2: the flat buffer), 4Ψ_pad/N (stage 3)
+        assert (
+            m["optimizer"] == f["optimizer"] + r["adam_step"] and r["adam_step"] == 4
+        )  # one flat partition
         assert 0 <= r["grad_overhang"] <= r["bounds"]["grad_overhang"]
         assert 0 <= r["in_flight_grads"] <= r["bounds"]["in_flight_grads"]
-        assert abs(r["rest"]) <= 4 * (psi_pad - r["psi"]), ds["table"]  # padding a per-tensor grad does not hold
+        assert abs(r["rest"]) <= 4 * (psi_pad - r["psi"]), ds[
+            "table"
+        ]  # padding a per-tensor grad does not hold
     if stage == 1:  # nothing in flight: all gradients are held anyway -> formula + 4Ψ/N to 0.1 %
         for r in ds["by_stage"][1]:
             assert r["ratio_expected"] == pytest.approx(1.0, abs=1e-3)
@@ -180,7 +218,12 @@ def _totals(table: str) -> list[str]:
 
 def test_calculator_reproduces_the_zero_paper_7_5b_on_64_gpus():
     assert _totals(zero_memory_table(7.5e9, 64)) == ["120.0", "31.4", "16.6", "1.9"]
-    assert _totals(zero_memory_table(7.5e9, 64, precision="mixed", k=12)) == ["120.0", "31.4", "16.6", "1.9"]
+    assert _totals(zero_memory_table(7.5e9, 64, precision="mixed", k=12)) == [
+        "120.0",
+        "31.4",
+        "16.6",
+        "1.9",
+    ]
 
 
 def test_calculator_widget_text_is_the_table_and_resets_k_with_precision():
@@ -189,7 +232,9 @@ def test_calculator_widget_text_is_the_table_and_resets_k_with_precision():
     data = bundle[0] if isinstance(bundle, tuple) else bundle
     assert data["text/plain"] == zero_memory_table(7.5e9, 64, stage=3) == repr(calc)
     assert _totals(data["text/plain"]) == ["120.0", "31.4", "16.6", "1.9"]
-    precision = next(w for w in calc.children[2].children if getattr(w, "options", None) == ("mixed", "fp32"))
+    precision = next(
+        w for w in calc.children[2].children if getattr(w, "options", None) == ("mixed", "fp32")
+    )
     precision.value = "fp32"
     assert "K = 8" in calc.table() and "fp32" in calc.table()
 
@@ -203,15 +248,25 @@ def test_zero_stage_profile_time_peak_and_when_each_stage_communicates(spawned):
     assert set(r["step_s"]) == {0, 1, 2, 3} and all(t > 0 for t in r["step_s"].values())
     nb = r["buckets_stage2"]
     assert nb > 1
-    assert r["calls"][1]["backward"] == {} and r["calls"][1]["step"]["reduce_scatter"] == r["buckets_stage1"]
-    assert r["calls"][2]["backward"] == {"reduce_scatter": nb} and "reduce_scatter" not in r["calls"][2]["step"]
+    assert (
+        r["calls"][1]["backward"] == {}
+        and r["calls"][1]["step"]["reduce_scatter"] == r["buckets_stage1"]
+    )
+    assert (
+        r["calls"][2]["backward"] == {"reduce_scatter": nb}
+        and "reduce_scatter" not in r["calls"][2]["step"]
+    )
     assert r["calls"][3]["forward"] == {"all_gather": len(r["units"])}
     assert r["calls"][0]["backward"].get("all_reduce", 0) > 0
     units = {u["name"]: u["gathered_bytes"] for u in r["units"]}
     g3 = max(r["peak"][3][ph]["transient"] for ph in ("forward", "backward"))
-    k, rest = divmod(g3 - units["(root)"], units["blocks.0"])  # blocks gathered at once: in use (+ prefetched)
+    k, rest = divmod(
+        g3 - units["(root)"], units["blocks.0"]
+    )  # blocks gathered at once: in use (+ prefetched)
     assert rest == 0 and 1 <= k <= 2
-    assert r["peak"][2]["backward"]["transient"] > 0 and r["peak"][2]["after step"]["transient"] == 0
+    assert (
+        r["peak"][2]["backward"]["transient"] > 0 and r["peak"][2]["after step"]["transient"] == 0
+    )
     assert len(set(r["activation_bytes"].values())) == 1 and r["activation_bytes"][0] > 0
     for st in range(4):
         top = max(r["peak"][st][ph]["total"] for ph in ("forward", "backward", "step"))

@@ -21,6 +21,7 @@ The cache is ``$COURSE_LIB_WHEELS`` or ``${XDG_CACHE_HOME:-~/.cache}/course_lib/
 key ``horovod-<version>_torch-<torch version>_<python tag>_<machine>``: a wheel compiled against one
 torch must not be installed beside another. The build log stays in the cache as ``<key>.log``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,13 @@ import time
 
 HOROVOD_VERSION = "0.28.1"
 PATCHED_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
-BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITHOUT_MPI": "1", "HOROVOD_WITH_GLOO": "1",
-             "HOROVOD_WITHOUT_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1"}
+BUILD_ENV = {
+    "HOROVOD_WITH_PYTORCH": "1",
+    "HOROVOD_WITHOUT_MPI": "1",
+    "HOROVOD_WITH_GLOO": "1",
+    "HOROVOD_WITHOUT_TENSORFLOW": "1",
+    "HOROVOD_WITHOUT_MXNET": "1",
+}
 MARKER = os.path.join(sys.prefix, ".horovod_build_key")
 
 
@@ -59,7 +65,9 @@ def build_key() -> str:
     try:
         torch_version = md.version("torch")
     except md.PackageNotFoundError:
-        raise SystemExit("[build_horovod] torch is not installed in this venv: run `make setup` first") from None
+        raise SystemExit(
+            "[build_horovod] torch is not installed in this venv: run `make setup` first"
+        ) from None
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
     return f"horovod-{HOROVOD_VERSION}_torch-{torch_version}_{py}_{platform.machine()}"
 
@@ -91,7 +99,9 @@ def verify() -> None:
     code = "import horovod.torch as hvd; assert hvd.gloo_built(), 'Horovod was built without gloo'"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
-        raise SystemExit(f"[build_horovod] the installed Horovod does not import:\n{out.stderr[-3000:]}")
+        raise SystemExit(
+            f"[build_horovod] the installed Horovod does not import:\n{out.stderr[-3000:]}"
+        )
 
 
 def install(wheel: str, key: str) -> None:
@@ -113,8 +123,10 @@ def patch_cxx_standard(src: str) -> None:
             text = f.read()
         new, n = re.subn(r"(CMAKE_CXX_STANDARD\s+)14\b", r"\g<1>17", text)
         if n == 0 and not re.search(r"CMAKE_CXX_STANDARD\s+17\b", text):
-            raise SystemExit(f"[build_horovod] {rel}: no 'CMAKE_CXX_STANDARD 14' to patch — the sdist changed; "
-                             "look at the file before building")
+            raise SystemExit(
+                f"[build_horovod] {rel}: no 'CMAKE_CXX_STANDARD 14' to patch — the sdist changed; "
+                "look at the file before building"
+            )
         with open(path, "w") as f:
             f.write(new)
         say(f"patched {rel}: CMAKE_CXX_STANDARD 14 -> 17 ({n} place(s))")
@@ -122,7 +134,9 @@ def patch_cxx_standard(src: str) -> None:
 
 def check_tools(env: dict) -> None:
     if not shutil.which("c++") and not shutil.which("g++"):
-        raise SystemExit("[build_horovod] no C++ compiler: install one (Debian: apt-get install g++)")
+        raise SystemExit(
+            "[build_horovod] no C++ compiler: install one (Debian: apt-get install g++)"
+        )
     if not shutil.which("cmake", path=env["PATH"]):
         say("cmake not found: installing it from PyPI into this venv")
         pip("install", "--quiet", "cmake<4")  # horovod's gloo needs CMake 3 policies
@@ -139,8 +153,18 @@ def build(key: str, dest: str, log_path: str) -> str:
     try:
         with open(log_path, "w") as log:
             say(f"downloading the horovod=={HOROVOD_VERSION} sdist from the package index")
-            pip("download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation", "-d", work,
-                f"horovod=={HOROVOD_VERSION}", log=log, env=env)
+            pip(
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--no-build-isolation",
+                "-d",
+                work,
+                f"horovod=={HOROVOD_VERSION}",
+                log=log,
+                env=env,
+            )
             (sdist,) = glob.glob(os.path.join(work, f"horovod-{HOROVOD_VERSION}.tar.gz"))
             with tarfile.open(sdist) as tar:
                 tar.extractall(work, filter="data")
@@ -148,7 +172,17 @@ def build(key: str, dest: str, log_path: str) -> str:
             patch_cxx_standard(src)
             say(f"compiling (≈7 min on 2 idle cores, longer on a busy machine); log: {log_path}")
             out = os.path.join(work, "wheel")
-            pip("wheel", "--no-deps", "--no-build-isolation", "--verbose", "-w", out, src, log=log, env=env)
+            pip(
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "--verbose",
+                "-w",
+                out,
+                src,
+                log=log,
+                env=env,
+            )
         (wheel,) = glob.glob(os.path.join(out, "horovod-*.whl"))
         staging = f"{dest}.tmp-{os.getpid()}"
         os.makedirs(staging, exist_ok=True)
@@ -159,8 +193,10 @@ def build(key: str, dest: str, log_path: str) -> str:
     except subprocess.CalledProcessError as exc:
         with open(log_path, errors="replace") as f:
             tail = f.read()[-4000:]
-        raise SystemExit(f"[build_horovod] {' '.join(exc.cmd[2:4])} failed (exit {exc.returncode}); "
-                         f"end of {log_path}:\n{tail}") from None
+        raise SystemExit(
+            f"[build_horovod] {' '.join(exc.cmd[2:4])} failed (exit {exc.returncode}); "
+            f"end of {log_path}:\n{tail}"
+        ) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -172,7 +208,9 @@ def cached_wheel(dest: str) -> str | None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--force", action="store_true", help="rebuild even if the cache holds the wheel")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if the cache holds the wheel"
+    )
     ns = parser.parse_args(argv)
     key = build_key()
     if not ns.force and installed_key() == key:
@@ -182,7 +220,9 @@ def main(argv=None) -> None:
     os.makedirs(root, exist_ok=True)
     dest = os.path.join(root, key)
     with open(os.path.join(root, f"{key}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second clone building at the same time waits here, then reuses
+        fcntl.flock(
+            lock, fcntl.LOCK_EX
+        )  # a second clone building at the same time waits here, then reuses
         wheel = None if ns.force else cached_wheel(dest)
         if wheel is None:
             if ns.force:

@@ -13,6 +13,7 @@ cell structure (count or kinds) changed: such a notebook must be executed.
 Each notebook is executed with its working directory in notebooks/ and stored with outputs,
 which strict nbval (`make test`) then compares on every run.
 """
+
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,9 @@ def parse(text: str) -> nbformat.NotebookNode:
             return
         body = "\n".join(buf).strip("\n")
         if kind == "markdown":
-            body = "\n".join(ln[2:] if ln.startswith("# ") else ln.lstrip("#") for ln in body.splitlines())
+            body = "\n".join(
+                ln[2:] if ln.startswith("# ") else ln.lstrip("#") for ln in body.splitlines()
+            )
             cells.append(nbformat.v4.new_markdown_cell(body))
         elif body:
             cells.append(nbformat.v4.new_code_cell(body))
@@ -45,7 +48,11 @@ def parse(text: str) -> nbformat.NotebookNode:
             buf.append(line)
     flush()
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
     nb.metadata["language_info"] = {"name": "python"}
     return nb
 
@@ -56,8 +63,10 @@ def update_sources(src: Path) -> None:
     new, old = parse(src.read_text(encoding="utf-8")), nbformat.read(target, as_version=4)
     kinds_new, kinds_old = [c.cell_type for c in new.cells], [c.cell_type for c in old.cells]
     if kinds_new != kinds_old:
-        raise SystemExit(f"{target.name}: the cells changed ({len(kinds_old)} stored, {len(kinds_new)} in the "
-                         f"source, or their kinds): execute it instead of --sources-only")
+        raise SystemExit(
+            f"{target.name}: the cells changed ({len(kinds_old)} stored, {len(kinds_new)} in the "
+            f"source, or their kinds): execute it instead of --sources-only"
+        )
     changed = 0
     for cell, fresh in zip(old.cells, new.cells):
         if cell.source != fresh.source:
@@ -69,7 +78,9 @@ def update_sources(src: Path) -> None:
 def main(argv):
     if "--sources-only" in argv:
         for src in sorted(SRC.glob("[0-9][0-9]_*.py")):
-            if not [a for a in argv if not a.startswith("--")] or any(src.name.startswith(a) for a in argv):
+            if not [a for a in argv if not a.startswith("--")] or any(
+                src.name.startswith(a) for a in argv
+            ):
                 update_sources(src)
         return
     execute = "--no-execute" not in argv
@@ -82,8 +93,13 @@ def main(argv):
             cell["id"] = f"{src.stem[:2]}-{i:03d}"  # stable ids: clean diffs
         t0 = time.perf_counter()
         if execute:
-            NotebookClient(nb, timeout=900, kernel_name="python3", record_timing=False,
-                           resources={"metadata": {"path": str(OUT)}}).execute()
+            NotebookClient(
+                nb,
+                timeout=900,
+                kernel_name="python3",
+                record_timing=False,
+                resources={"metadata": {"path": str(OUT)}},
+            ).execute()
         target = OUT / (src.stem + ".ipynb")
         nbformat.write(nb, target)
         print(f"{target.name:<40} {time.perf_counter() - t0:6.1f} s", flush=True)

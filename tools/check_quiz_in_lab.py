@@ -17,6 +17,7 @@ no browser download, no driver package: a websocket to Chromium's DevTools port 
   the same line whose Hangul is replaced by other syllables and by missing-glyph boxes: with no Korean font
   all three are the same row of boxes.
 """
+
 from __future__ import annotations
 
 import base64
@@ -40,13 +41,26 @@ import websocket
 
 HANGUL = re.compile(r"[\uac00-\ud7a3]")
 TOFU = "\ue000"  # a private-use code point: no font has it, so Chromium draws the missing-glyph box
-CJK_FONT = re.compile(r"CJK|Nanum|Baekmuk|UnDotum|UnBatang|Noto (Sans|Serif) KR|Source Han", re.IGNORECASE)
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--force-device-scale-factor=1"]
+CJK_FONT = re.compile(
+    r"CJK|Nanum|Baekmuk|UnDotum|UnBatang|Noto (Sans|Serif) KR|Source Han", re.IGNORECASE
+)
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--force-device-scale-factor=1",
+]
 SETTINGS = {  # no network from the page, and every cell attached to the DOM (no windowing)
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false",
-                                                                        "checkForUpdates": False},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+    },
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
 
@@ -66,8 +80,12 @@ def korean_font() -> str:
     """What fontconfig picks for Korean text (``fc-match :lang=ko``): ``family|file``, or '' without fontconfig."""
     if not shutil.which("fc-match"):
         return ""
-    done = subprocess.run(["fc-match", "-f", "%{family}|%{file}", ":lang=ko"], capture_output=True, text=True,
-                          timeout=30)
+    done = subprocess.run(
+        ["fc-match", "-f", "%{family}|%{file}", ":lang=ko"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return done.stdout.strip()
 
 
@@ -89,8 +107,10 @@ def _wait(what: str, probe, timeout: float, every: float = 0.25):
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}" + (f" (last: {last})" if last
-                                                                                          else ""))
+            raise TimeoutError(
+                f"timed out after {timeout:.0f} s waiting for {what}"
+                + (f" (last: {last})" if last else "")
+            )
         time.sleep(every)
 
 
@@ -112,9 +132,13 @@ class DevTools:
                 return msg.get("result", {})
 
     def js(self, expression: str):
-        out = self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
+        out = self.call(
+            "Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True
+        )
         if "exceptionDetails" in out:
-            raise RuntimeError(f"page script failed: {out['exceptionDetails'].get('exception', out)}")
+            raise RuntimeError(
+                f"page script failed: {out['exceptionDetails'].get('exception', out)}"
+            )
         return out["result"].get("value")
 
     def screenshot(self, clip: dict | None = None) -> bytes:
@@ -125,12 +149,21 @@ class DevTools:
 
     def click(self, selector_js: str) -> None:
         """A real mouse click (press + release) at the centre of the element ``selector_js`` evaluates to."""
-        box = self.js(f"(async () => {{ const e = {selector_js}; e.scrollIntoView({{block: 'nearest', "
-                      "behavior: 'instant'}); await new Promise(r => requestAnimationFrame(() => "
-                      "requestAnimationFrame(r))); const r = e.getBoundingClientRect(); "
-                      "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        box = self.js(
+            f"(async () => {{ const e = {selector_js}; e.scrollIntoView({{block: 'nearest', "
+            "behavior: 'instant'}); await new Promise(r => requestAnimationFrame(() => "
+            "requestAnimationFrame(r))); const r = e.getBoundingClientRect(); "
+            "return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
         for kind in ("mousePressed", "mouseReleased"):
-            self.call("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
+            self.call(
+                "Input.dispatchMouseEvent",
+                type=kind,
+                x=box[0],
+                y=box[1],
+                button="left",
+                clickCount=1,
+            )
 
     def close(self) -> None:
         self.ws.close()
@@ -141,21 +174,41 @@ def _start_chromium(work: Path, env: dict, size: str, procs: list) -> DevTools:
     failed start is still cleaned up); returns its page."""
     profile = work / "chrome"
     profile.mkdir()
-    proc = subprocess.Popen([find_chromium() or "chromium", *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-                             f"--window-size={size}", "--remote-debugging-port=0", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            find_chromium() or "chromium",
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={profile}",
+            f"--window-size={size}",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     procs.append(proc)
     active = profile / "DevToolsActivePort"
 
     def devtools_port():
         if proc.poll() is not None:
-            raise StartError(f"chromium exited ({proc.returncode}) before opening its DevTools port")
+            raise StartError(
+                f"chromium exited ({proc.returncode}) before opening its DevTools port"
+            )
         words = active.read_text().split() if active.is_file() else []
         return words[0] if words else None
 
     port = _wait("Chromium's DevToolsActivePort", devtools_port, 60)
-    pages = _wait("a page target", lambda: [p for p in json.load(urllib.request.urlopen(
-        f"http://127.0.0.1:{port}/json", timeout=10)) if p["type"] == "page"], 30)
+    pages = _wait(
+        "a page target",
+        lambda: [
+            p
+            for p in json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=10))
+            if p["type"] == "page"
+        ],
+        30,
+    )
     return DevTools(pages[0]["webSocketDebuggerUrl"])
 
 
@@ -167,7 +220,9 @@ def _end(procs: list[subprocess.Popen], marker: str) -> list[int]:
         found = set()
         for proc in procs:
             try:
-                found |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)} | {proc.pid}
+                found |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)} | {
+                    proc.pid
+                }
             except psutil.NoSuchProcess:
                 pass
         for p in psutil.process_iter(["cmdline"]):
@@ -214,8 +269,14 @@ def _processes(pids) -> list:
 class Lab:
     """JupyterLab on a free port + headless Chromium pointed at it; a context manager that cleans up both."""
 
-    def __init__(self, notebooks: dict[str, nbformat.NotebookNode], *, env: dict | None = None,
-                 size: str = "1280,1600", timeout: float = 120):
+    def __init__(
+        self,
+        notebooks: dict[str, nbformat.NotebookNode],
+        *,
+        env: dict | None = None,
+        size: str = "1280,1600",
+        timeout: float = 120,
+    ):
         self.work = Path(tempfile.mkdtemp(prefix="course_lab_"))
         self.timeout, self.procs, self.left_alive = timeout, [], []
         for name, nb in notebooks.items():
@@ -226,9 +287,13 @@ class Lab:
             path.write_text(json.dumps(value))
         self.token = secrets.token_hex(16)
         self.env = dict(os.environ if env is None else env)
-        self.env.update(JUPYTER_CONFIG_DIR=str(self.work / "config"), JUPYTER_RUNTIME_DIR=str(self.work / "runtime"),
-                        JUPYTERLAB_SETTINGS_DIR=str(self.work / "settings"), IPYTHONDIR=str(self.work / "ipython"),
-                        JUPYTERLAB_WORKSPACES_DIR=str(self.work / "workspaces"))
+        self.env.update(
+            JUPYTER_CONFIG_DIR=str(self.work / "config"),
+            JUPYTER_RUNTIME_DIR=str(self.work / "runtime"),
+            JUPYTERLAB_SETTINGS_DIR=str(self.work / "settings"),
+            IPYTHONDIR=str(self.work / "ipython"),
+            JUPYTERLAB_WORKSPACES_DIR=str(self.work / "workspaces"),
+        )
         self.size = size
         self.page: DevTools | None = None
         self._log = None
@@ -249,17 +314,32 @@ class Lab:
         jupyter = Path(sys.executable).parent / "jupyter"
         self._log = open(self.work / "lab.log", "wb")  # noqa: SIM115 - closed in close()
         root = ["--allow-root"] if os.getuid() == 0 else []
-        lab = subprocess.Popen([str(jupyter), "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-                                f"--ServerApp.port={free_port()}", f"--IdentityProvider.token={self.token}",
-                                "--LabApp.expose_app_in_browser=True", f"--ServerApp.root_dir={self.work}", *root],
-                               stdout=subprocess.DEVNULL, stderr=self._log, env=self.env, cwd=self.work,
-                               start_new_session=True)
+        lab = subprocess.Popen(
+            [
+                str(jupyter),
+                "lab",
+                "--no-browser",
+                "--ServerApp.ip=127.0.0.1",
+                f"--ServerApp.port={free_port()}",
+                f"--IdentityProvider.token={self.token}",
+                "--LabApp.expose_app_in_browser=True",
+                f"--ServerApp.root_dir={self.work}",
+                *root,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            env=self.env,
+            cwd=self.work,
+            start_new_session=True,
+        )
         self.procs.append(lab)
         runtime = self.work / "runtime"
 
         def server_info():
             if lab.poll() is not None:
-                raise StartError(f"jupyter lab exited ({lab.returncode}): {(self.work / 'lab.log').read_text()}")
+                raise StartError(
+                    f"jupyter lab exited ({lab.returncode}): {(self.work / 'lab.log').read_text()}"
+                )
             for f in runtime.glob("jpserver-*.json"):
                 info = json.loads(f.read_text() or "{}")
                 if info.get("port"):
@@ -275,14 +355,25 @@ class Lab:
         focus, so nothing is current until activated)."""
         self.page.call("Emulation.setFocusEmulationEnabled", enabled=True)
         self.page.call("Page.navigate", url=f"{self.url}/lab/tree/{notebook}?token={self.token}")
-        panel = (f"Array.from(window.jupyterapp.shell.widgets('main')).find(w => w.context && "
-                 f"w.context.path === {json.dumps(notebook)})")
-        _wait(f"JupyterLab to open {notebook} with its kernel idle", lambda: self.page.js(
-            f"{panel}?.sessionContext?.session?.kernel?.status === 'idle' && "
-            "!!document.querySelector('.jp-Notebook .jp-CodeCell')"), self.timeout, 0.5)
+        panel = (
+            f"Array.from(window.jupyterapp.shell.widgets('main')).find(w => w.context && "
+            f"w.context.path === {json.dumps(notebook)})"
+        )
+        _wait(
+            f"JupyterLab to open {notebook} with its kernel idle",
+            lambda: self.page.js(
+                f"{panel}?.sessionContext?.session?.kernel?.status === 'idle' && "
+                "!!document.querySelector('.jp-Notebook .jp-CodeCell')"
+            ),
+            self.timeout,
+            0.5,
+        )
         self.page.js(f"(window.jupyterapp.shell.activateById({panel}.id), true)")
-        _wait("the notebook to be the current widget", lambda: self.page.js(
-            f"window.jupyterapp.shell.currentWidget === {panel}"), 30)
+        _wait(
+            "the notebook to be the current widget",
+            lambda: self.page.js(f"window.jupyterapp.shell.currentWidget === {panel}"),
+            30,
+        )
         return self.page
 
     def close(self) -> list[int]:
@@ -302,21 +393,35 @@ class Lab:
 # The quiz in the browser
 # --------------------------------------------------------------------------------------------------
 
-UI = {"en": {"right": "✔ correct", "wrong": "✘ wrong", "score": "Score 1/2 · 1 left"},
-      "ko": {"right": "✔ 정답", "wrong": "✘ 오답", "score": "점수 1/2 · 남은 문항 1"}}
+UI = {
+    "en": {"right": "✔ correct", "wrong": "✘ wrong", "score": "Score 1/2 · 1 left"},
+    "ko": {"right": "✔ 정답", "wrong": "✘ 오답", "score": "점수 1/2 · 남은 문항 1"},
+}
 
 
-def quiz_notebook(langs=("en", "ko"), n: int = 3, exam_n: int | None = None) -> nbformat.NotebookNode:
+def quiz_notebook(
+    langs=("en", "ko"), n: int = 3, exam_n: int | None = None
+) -> nbformat.NotebookNode:
     """One ``quiz('collectives', lang=..., n=n)`` cell per language, then (``exam_n``) a
     ``final_exam(n=exam_n)`` cell."""
-    cells = [nbformat.v4.new_code_cell("from course_lib.quiz import quiz\n"
-                                       f"quiz('collectives', lang={lang!r}, n={n})")
-             for lang in langs]
+    cells = [
+        nbformat.v4.new_code_cell(
+            f"from course_lib.quiz import quiz\nquiz('collectives', lang={lang!r}, n={n})"
+        )
+        for lang in langs
+    ]
     if exam_n is not None:
-        cells.append(nbformat.v4.new_code_cell("from course_lib.quiz import final_exam\n"
-                                               f"final_exam(n={exam_n})"))
+        cells.append(
+            nbformat.v4.new_code_cell(
+                f"from course_lib.quiz import final_exam\nfinal_exam(n={exam_n})"
+            )
+        )
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     return nb
 
 
@@ -325,8 +430,10 @@ def _output(cell: int) -> str:
 
 
 def _button(cell: int, statement: int, value: str) -> str:
-    return (f"Array.from({_output(cell)}.querySelectorAll('.widget-button'))"
-            f".filter(b => b.textContent.trim() === '{value}')[{statement}]")
+    return (
+        f"Array.from({_output(cell)}.querySelectorAll('.widget-button'))"
+        f".filter(b => b.textContent.trim() === '{value}')[{statement}]"
+    )
 
 
 def check_quiz(lab: Lab, notebook: str, langs, items, out_dir: Path | None = None) -> dict:
@@ -341,13 +448,28 @@ def check_quiz(lab: Lab, notebook: str, langs, items, out_dir: Path | None = Non
         wanted = [items[0]["answer"], "X" if items[1]["answer"] == "O" else "O"]
         found, shots = {}, {}
         for cell, lang in enumerate(langs):
-            _wait(f"the {lang} quiz widget's buttons in cell {cell}'s output area", lambda: page.js(
-                f"({_output(cell)} || document.body).querySelectorAll('.widget-button').length >= 6"), lab.timeout, 0.5)
+            _wait(
+                f"the {lang} quiz widget's buttons in cell {cell}'s output area",
+                lambda: page.js(
+                    f"({_output(cell)} || document.body).querySelectorAll('.widget-button').length >= 6"
+                ),
+                lab.timeout,
+                0.5,
+            )
             for statement, value in enumerate(wanted):
                 page.click(_button(cell, statement, value))
-                _wait(f"feedback {statement + 1} in cell {cell}", lambda: page.js(
-                    f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length >= {statement + 1}"), 60)
-            _wait(f"the {lang} score line", lambda: UI[lang]["score"] in page.js(f"{_output(cell)}.innerText"), 60)
+                _wait(
+                    f"feedback {statement + 1} in cell {cell}",
+                    lambda: page.js(
+                        f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length >= {statement + 1}"
+                    ),
+                    60,
+                )
+            _wait(
+                f"the {lang} score line",
+                lambda: UI[lang]["score"] in page.js(f"{_output(cell)}.innerText"),
+                60,
+            )
             found[lang] = page.js(f"{_output(cell)}.innerText")
             if out_dir is not None:
                 page.js(f"{_output(cell)}.scrollIntoView({{block: 'start'}})")
@@ -365,30 +487,47 @@ def check_quiz(lab: Lab, notebook: str, langs, items, out_dir: Path | None = Non
 def answer(page: DevTools, cell: int, statement: int, value: str, timeout: float = 60) -> str:
     """Click ``value`` (O/X) for ``statement`` (0-based) of the widget in ``cell``; return its output area's text
     once the verdict is there."""
-    _wait(f"the widget's buttons in cell {cell}", lambda: page.js(
-        f"{_output(cell)}.querySelectorAll('.widget-button').length >= {2 * (statement + 1)}"), timeout, 0.5)
+    _wait(
+        f"the widget's buttons in cell {cell}",
+        lambda: page.js(
+            f"{_output(cell)}.querySelectorAll('.widget-button').length >= {2 * (statement + 1)}"
+        ),
+        timeout,
+        0.5,
+    )
     before = page.js(f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length")
     page.click(_button(cell, statement, value))
-    _wait(f"the verdict in cell {cell}", lambda: page.js(
-        f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length > {before}"), timeout)
+    _wait(
+        f"the verdict in cell {cell}",
+        lambda: page.js(f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length > {before}"),
+        timeout,
+    )
     return page.js(f"{_output(cell)}.innerText")
 
 
 def statement(page: DevTools, cell: int, number: int) -> tuple[str, str]:
     """``(text, CSS font)`` of statement ``number`` (1-based) of the quiz in ``cell``'s output area."""
-    return tuple(page.js(f"""(() => {{
+    return tuple(
+        page.js(f"""(() => {{
         const e = Array.from({_output(cell)}.querySelectorAll('.widget-html-content'))
             .find(e => e.innerText.trim().startsWith('{number}.'));
         const s = getComputedStyle(e);
         return [e.innerText.trim().replace(/^{number}\\.\\s*/, ''),
                 `${{s.fontStyle}} ${{s.fontWeight}} ${{s.fontSize}} ${{s.fontFamily}}`];
-    }})()"""))
+    }})()""")
+    )
 
 
-def _probe_png(page: DevTools, font: str, text: str, size: tuple[int, int] | None = None) -> tuple[bytes, tuple]:
+def _probe_png(
+    page: DevTools, font: str, text: str, size: tuple[int, int] | None = None
+) -> tuple[bytes, tuple]:
     """Screenshot of ``text`` alone, black on white, in CSS font ``font`` (a fixed box over the page), in a box of
     ``size`` (width, height) or its natural size; returns the PNG and the size."""
-    fixed = f"width:{size[0]}px;height:{size[1]}px;box-sizing:border-box;overflow:hidden;" if size else ""
+    fixed = (
+        f"width:{size[0]}px;height:{size[1]}px;box-sizing:border-box;overflow:hidden;"
+        if size
+        else ""
+    )
     rect = page.js(f"""(async () => {{
         let d = document.getElementById('course-probe');
         if (!d) {{ d = document.createElement('div'); d.id = 'course-probe'; document.body.appendChild(d); }}
@@ -423,21 +562,34 @@ def korean_renders(page: DevTools, text: str, font: str) -> dict:
     other = HANGUL.sub(lambda m: chr(0xAC00 + (ord(m.group()) - 0xAC00 + 5000) % 11172), text)
     boxes = HANGUL.sub(TOFU, text)
     korean, size = _probe_png(page, font, text)
-    (shifted, _), (tofu, _) = (_probe_png(page, font, t, size) for t in (other, boxes))  # same box: comparable
+    (shifted, _), (tofu, _) = (
+        _probe_png(page, font, t, size) for t in (other, boxes)
+    )  # same box: comparable
     page.js("document.getElementById('course-probe')?.remove()")
-    return {"vs_boxes": _differ(korean, tofu), "vs_other_syllables": _differ(korean, shifted), "png": korean}
+    return {
+        "vs_boxes": _differ(korean, tofu),
+        "vs_other_syllables": _differ(korean, shifted),
+        "png": korean,
+    }
 
 
 def korean_renders_without_cjk_fonts(text: str, font: str = "16px sans-serif") -> dict:
     """The negative control: :func:`korean_renders` in a Chromium whose fontconfig sees only DejaVu (no CJK)."""
     work = Path(tempfile.mkdtemp(prefix="course_nocjk_"))
-    fonts = next((d for d in ("/usr/share/fonts/truetype/dejavu", "/usr/share/fonts/dejavu") if Path(d).is_dir()),
-                 None)
+    fonts = next(
+        (
+            d
+            for d in ("/usr/share/fonts/truetype/dejavu", "/usr/share/fonts/dejavu")
+            if Path(d).is_dir()
+        ),
+        None,
+    )
     if fonts is None:
         raise FileNotFoundError("no DejaVu font directory for the no-CJK control")
     (work / "fonts.conf").write_text(
         f"<?xml version='1.0'?><!DOCTYPE fontconfig SYSTEM 'fonts.dtd'><fontconfig><dir>{fonts}</dir>"
-        f"<cachedir>{work}/fc-cache</cachedir></fontconfig>")
+        f"<cachedir>{work}/fc-cache</cachedir></fontconfig>"
+    )
     env = dict(os.environ, FONTCONFIG_FILE=str(work / "fonts.conf"))
     procs: list = []
     try:
@@ -463,7 +615,12 @@ def main(out_dir: str = ".cache/test-artifacts/browser") -> int:
         found = check_quiz(lab, "quiz.ipynb", ("en", "ko"), load_bank("collectives")[:3], out)
         for lang in ("en", "ko"):
             print(f"--- {lang} output area ---\n{found[lang]}")
-    print("left alive:", lab.left_alive, "screenshots:", [str(p) for p in found["screenshots"].values()])
+    print(
+        "left alive:",
+        lab.left_alive,
+        "screenshots:",
+        [str(p) for p in found["screenshots"].values()],
+    )
     return 0
 
 

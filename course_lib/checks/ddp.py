@@ -5,6 +5,7 @@ with a plain ``dist.all_reduce`` (not counted by ``CommLog``), on this rank's ow
 :data:`results.REORDERED` (the same sums, perhaps in another order). These checkers look at
 gradients after ``backward()``, so their loops call it themselves (no optimizer step is checked).
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -51,8 +52,10 @@ def _compare_grads(model, want: dict, rank: int, what: str) -> list[str]:
             problems.append(f"rank {rank}, {what}: {name}.grad is None")
             continue
         if not REORDERED.ok(p.grad, want[name]):
-            problems.append(f"rank {rank}, {what}: {name}.grad differs from the average over ranks "
-                            f"by max |error| {max_abs_diff(p.grad, want[name]):.3g} ({REORDERED})")
+            problems.append(
+                f"rank {rank}, {what}: {name}.grad differs from the average over ranks "
+                f"by max |error| {max_abs_diff(p.grad, want[name]):.3g} ({REORDERED})"
+            )
     return problems
 
 
@@ -66,8 +69,10 @@ def check_allreduce_gradients(fn) -> list[str]:
         fn(model)
     problems = _compare_grads(model, want, rank, "after allreduce_gradients")
     if not log.count(op="all_reduce", tag="grad"):
-        problems.append(f"rank {rank}: CommLog saw no all-reduce tagged 'grad' — use "
-                        "comm.all_reduce(p.grad, tag='grad') so the bytes are counted")
+        problems.append(
+            f"rank {rank}: CommLog saw no all-reduce tagged 'grad' — use "
+            "comm.all_reduce(p.grad, tag='grad') so the bytes are counted"
+        )
     return problems
 
 
@@ -89,13 +94,17 @@ def check_bucketed_reducer(cls) -> list[str]:
             launched = log.count(op="all_reduce", tag="grad")
             reducer.finish()
         if launched != n_buckets:
-            problems.append(f"rank {rank}, step {step}: {launched} all-reduce(s) tagged 'grad' were launched "
-                            f"during backward, expected one per bucket = {n_buckets} (launch each bucket from "
-                            "the hook, as soon as it is complete)")
+            problems.append(
+                f"rank {rank}, step {step}: {launched} all-reduce(s) tagged 'grad' were launched "
+                f"during backward, expected one per bucket = {n_buckets} (launch each bucket from "
+                "the hook, as soon as it is complete)"
+            )
         sent = log.total("tensor_bytes", tag="grad")
         if sent != want_bytes:
-            problems.append(f"rank {rank}, step {step}: all-reduced {sent} bytes tagged 'grad', expected the "
-                            f"trainable parameters' {want_bytes} bytes (each gradient exactly once)")
+            problems.append(
+                f"rank {rank}, step {step}: all-reduced {sent} bytes tagged 'grad', expected the "
+                f"trainable parameters' {want_bytes} bytes (each gradient exactly once)"
+            )
         problems += _compare_grads(model, want, rank, f"step {step} after finish()")
         if problems:
             break

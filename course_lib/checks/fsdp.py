@@ -1,4 +1,5 @@
 """Chapter 04 checkers: FSDP2 units (``wrap_blocks``) and the DCP ``ShardedCheckpoint``."""
+
 from __future__ import annotations
 
 import os
@@ -32,35 +33,56 @@ def check_fsdp2_wrap_blocks(fn) -> list[str]:
         out = fn(model, init_device_mesh(dev.type, (world,)), reshard_after_forward=reshard)
         model = out if out is not None else model
         if not isinstance(model, FSDPModule):
-            return problems + [f"{where}: the root is not wrapped — call fully_shard(model, mesh=mesh, ...) "
-                               f"after the blocks"]
+            return problems + [
+                f"{where}: the root is not wrapped — call fully_shard(model, mesh=mesh, ...) "
+                f"after the blocks"
+            ]
         unwrapped = [i for i, b in enumerate(model.blocks) if not isinstance(b, FSDPModule)]
         if unwrapped:
-            return problems + [f"{where}: block(s) {unwrapped} are not wrapped — call fully_shard on every "
-                               f"block of model.blocks before the root"]
+            return problems + [
+                f"{where}: block(s) {unwrapped} are not wrapped — call fully_shard on every "
+                f"block of model.blocks before the root"
+            ]
         reference = GPT(config, seed=0).to(dev)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # plain SGD (no momentum): one step, exactly
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.1
+        )  # plain SGD (no momentum): one step, exactly
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         x, y = step_batch(0, config, 2 * world, dev)
         cc, _ = counted_step(model, opt, *shard_batch(x, y))
         train_step(reference, ref_opt, x, y)
-        fwd, bwd = cc.count(op="all_gather", tag="forward"), cc.count(op="all_gather", tag="backward")
+        fwd, bwd = (
+            cc.count(op="all_gather", tag="forward"),
+            cc.count(op="all_gather", tag="backward"),
+        )
         scatters = cc.count(op="reduce_scatter")
         want_bwd = units if reshard else 0
         if fwd != units:
-            problems.append(f"{where}: {fwd} all-gather(s) in forward, expected {units} (one per block and one "
-                            f"for the root)" + (" — one unit gathers the whole model at once: wrap each block "
-                                                "before the root" if fwd == 1 else ""))
+            problems.append(
+                f"{where}: {fwd} all-gather(s) in forward, expected {units} (one per block and one "
+                f"for the root)"
+                + (
+                    " — one unit gathers the whole model at once: wrap each block before the root"
+                    if fwd == 1
+                    else ""
+                )
+            )
         if bwd != want_bwd:
             why = "the forward freed the gathered weights" if reshard else "the forward kept them"
-            problems.append(f"{where}: {bwd} all-gather(s) in backward, expected {want_bwd} ({why}; pass "
-                            f"reshard_after_forward to every fully_shard call, the root's too)")
+            problems.append(
+                f"{where}: {bwd} all-gather(s) in backward, expected {want_bwd} ({why}; pass "
+                f"reshard_after_forward to every fully_shard call, the root's too)"
+            )
         if scatters != units:
-            problems.append(f"{where}: {scatters} reduce-scatter(s), expected {units} (one per unit)")
+            problems.append(
+                f"{where}: {scatters} reduce-scatter(s), expected {units} (one per unit)"
+            )
         full = full_state_dict(model)
         if not SGD.ok(full, reference.state_dict()):
-            problems.append(f"{where}: after one SGD step the weights differ from one device's (full batch) by "
-                            f"max |error| {state_diff(full, reference):.3g} (tolerance {SGD})")
+            problems.append(
+                f"{where}: after one SGD step the weights differ from one device's (full batch) by "
+                f"max |error| {state_diff(full, reference):.3g} (tolerance {SGD})"
+            )
         if problems:
             return problems
     return problems
@@ -92,22 +114,28 @@ def check_sharded_checkpoint(cls) -> list[str]:
         files = sorted(os.listdir(path)) if os.path.isdir(path) else []
         want = [".metadata"] + [f"__{r}_0.distcp" for r in range(world)]
         if files != want:
-            problems.append(f"rank {rank}: the checkpoint at path holds {files}, expected {want} — dcp.save(..., "
-                            f"checkpoint_id=path) on every rank writes one file per rank and .metadata")
+            problems.append(
+                f"rank {rank}: the checkpoint at path holds {files}, expected {want} — dcp.save(..., "
+                f"checkpoint_id=path) on every rank writes one file per rank and .metadata"
+            )
         fresh, fresh_opt = build(123)  # other weights, no optimizer state
         cls.load(fresh, fresh_opt, path)
         restored = full_training_state(fresh, fresh_opt)
         wrong = [k for k in saved if k not in restored or not torch.equal(restored[k], saved[k])]
         if wrong:
-            problems.append(f"rank {rank}: after load, {len(wrong)} of {len(saved)} tensors differ from the saved "
-                            f"ones, e.g. {wrong[0]} (load the optimizer state too, with set_state_dict)")
+            problems.append(
+                f"rank {rank}: after load, {len(wrong)} of {len(saved)} tensors differ from the saved "
+                f"ones, e.g. {wrong[0]} (load the optimizer state too, with set_state_dict)"
+            )
         train(model, opt, range(2, 4))
         train(fresh, fresh_opt, range(2, 4))
         a, b = full_state_dict(model), full_state_dict(fresh)
         err = max((a[k] - b[k]).abs().max().item() for k in a)
         if not EXACT.ok(b, a):
-            problems.append(f"rank {rank}: two steps after resuming, the weights differ from the uninterrupted "
-                            f"run by max |error| {err:.3g} (expected bit-for-bit equal)")
+            problems.append(
+                f"rank {rank}: two steps after resuming, the weights differ from the uninterrupted "
+                f"run by max |error| {err:.3g} (expected bit-for-bit equal)"
+            )
         dist.barrier()
     finally:
         if rank == 0:

@@ -7,6 +7,7 @@
    is ``reference_run`` for one SGD step on this rank: its ``.grad`` is the full-batch gradient.
    This stage's peak live micro-batches must be ≤ p − stage.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -30,10 +31,15 @@ def _first_difference(fn) -> list[str]:
             got = [Action(*a) for a in fn(q, m, stage)]
             want = one_f_one_b(q, m, stage)
             if got != want:
-                i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                i = next(
+                    (i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                    min(len(got), len(want)),
+                )
                 g = got[i] if i < len(got) else "(end of list)"
-                return [f"rank {rank}: p={q}, m={m}, stage={stage}: action {i} is {g!r}, 1F1B runs {want[i]!r} "
-                        f"there (got {got}, expected {want})"]
+                return [
+                    f"rank {rank}: p={q}, m={m}, stage={stage}: action {i} is {g!r}, 1F1B runs {want[i]!r} "
+                    f"there (got {got}, expected {want})"
+                ]
     return []
 
 
@@ -52,9 +58,13 @@ def check_one_f_one_b_schedule(fn) -> list[str]:
     for name, q in stages[rank].named_parameters():
         if not SGD.ok(q.grad, ref[name].grad):
             err = max_abs_diff(q.grad, ref[name].grad)
-            problems.append(f"rank {rank}: running your schedule, {name}.grad differs from one device by "
-                            f"{err:.3g} (beyond {SGD})")
+            problems.append(
+                f"rank {rank}: running your schedule, {name}.grad differs from one device by "
+                f"{err:.3g} (beyond {SGD})"
+            )
     if stats.peak_live_microbatches > p - rank:
-        problems.append(f"rank {rank}: {stats.peak_live_microbatches} micro-batches were alive at once, 1F1B keeps "
-                        f"at most p − stage = {p - rank}")
+        problems.append(
+            f"rank {rank}: {stats.peak_live_microbatches} micro-batches were alive at once, 1F1B keeps "
+            f"at most p − stage = {p - rank}"
+        )
     return problems

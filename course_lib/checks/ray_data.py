@@ -14,6 +14,7 @@
 
 Returns a list of failure strings (empty = passed).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -33,8 +34,14 @@ ROWS, FILES, BATCH = 128, 4, 16
 
 def train_loop(config: dict | None = None) -> None:
     """The trainer's ``train_loop_per_worker``: one epoch over the "train" shard with chapter 08's loop."""
-    E.data_loop({"variants": {"train": {"source": "train"}}, "batch_size": BATCH, "step_sleep": 0.0,
-                 **(config or {})})
+    E.data_loop(
+        {
+            "variants": {"train": {"source": "train"}},
+            "batch_size": BATCH,
+            "step_sleep": 0.0,
+            **(config or {}),
+        }
+    )
 
 
 def _compare_tokens(tokenize_batch) -> list[str]:
@@ -43,13 +50,17 @@ def _compare_tokens(tokenize_batch) -> list[str]:
     want = E.tokenize(batch)
     got = tokenize_batch(batch)
     if not isinstance(got, dict) or any(k not in got for k in ("id", "x", "y")):
-        return [f"tokenize_batch must return a dict with 'id', 'x' and 'y', got {type(got).__name__} "
-                f"{sorted(got) if isinstance(got, dict) else ''}"]
+        return [
+            f"tokenize_batch must return a dict with 'id', 'x' and 'y', got {type(got).__name__} "
+            f"{sorted(got) if isinstance(got, dict) else ''}"
+        ]
     for key in ("id", "x", "y"):
         g = np.asarray(got[key])
         if g.shape != want[key].shape or not np.array_equal(g, want[key]):
-            return [f"tokenize_batch: {key!r} is {g.tolist()} (shape {g.shape}), expected {want[key].tolist()} "
-                    f"for texts {texts.tolist()}"]
+            return [
+                f"tokenize_batch: {key!r} is {g.tolist()} (shape {g.shape}), expected {want[key].tolist()} "
+                f"for texts {texts.tolist()}"
+            ]
     return []
 
 
@@ -70,10 +81,14 @@ def check_ray_data_pipeline(fn) -> list[str]:
         seen = sorted(i for r in runs for batch in r["ids"] for i in batch)
         if seen != list(range(ROWS)):
             missing, repeated = sorted(set(range(ROWS)) - set(seen)), len(seen) - len(set(seen))
-            return [f"the workers saw {len(seen)} rows, expected each of the {ROWS} ids once (missing "
-                    f"{missing[:8]}{'…' if len(missing) > 8 else ''}, {repeated} repeated)"]
+            return [
+                f"the workers saw {len(seen)} rows, expected each of the {ROWS} ids once (missing "
+                f"{missing[:8]}{'…' if len(missing) > 8 else ''}, {repeated} repeated)"
+            ]
         if not any("MapBatches" in r["stats"] for r in runs):
-            return ["the dataset the workers read has no map_batches step (its stats show no MapBatches operator)"]
+            return [
+                "the dataset the workers read has no map_batches step (its stats show no MapBatches operator)"
+            ]
         want = E.reference_state(folder, [r["ids"] for r in runs])
     finally:
         if started:
@@ -83,6 +98,8 @@ def check_ray_data_pipeline(fn) -> list[str]:
     for name, ref in want.items():
         if not ADAMW.ok(got[name], ref):
             err = (got[name] - ref).abs().max().item()
-            return [f"after training on your dataset, {name} differs from one device trained on the correct "
-                    f"tokens of the same batches by {err:.3g}, beyond {ADAMW}"]
+            return [
+                f"after training on your dataset, {name} differs from one device trained on the correct "
+                f"tokens of the same batches by {err:.3g}, beyond {ADAMW}"
+            ]
     return []

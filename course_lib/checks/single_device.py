@@ -1,4 +1,5 @@
 """Chapter 01 checker: ``count_model_state_bytes`` == ``memory.model_state_bytes`` (unique storages)."""
+
 from __future__ import annotations
 
 import torch
@@ -25,5 +26,7 @@ def check_count_model_state_bytes(fn) -> list[str]:
         got = fn(model, opt)
         for key in ("params", "grads", "optimizer"):
             if got.get(key) != want[key]:
-                problems.append(f"tie_weights={tie}: {key} = {got.get(key)} bytes, expected {want[key]}")
+                problems.append(
+                    f"tie_weights={tie}: {key} = {got.get(key)} bytes, expected {want[key]}"
+                )
     return problems

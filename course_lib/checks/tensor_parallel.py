@@ -9,6 +9,7 @@ against one device before any update: only the order of fp32 additions may diffe
 the collectives (``CollectiveCounter``): column parallel communicates only in backward, row parallel
 only in forward — one all-reduce each.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,18 +22,26 @@ from ..results import SGD, max_abs_diff
 
 __all__ = ["check_column_parallel_linear", "check_row_parallel_linear"]
 
-CASES = [((4, 8), 12, True), ((2, 3, 8), 12, False), ((2, 5, 16), 8, True)]  # (x shape, out_features, bias)
+CASES = [
+    ((4, 8), 12, True),
+    ((2, 3, 8), 12, False),
+    ((2, 5, 16), 8, True),
+]  # (x shape, out_features, bias)
 
 
 def _close(name, got, want, rank, shape) -> list[str]:
     if got is None:
         return [f"rank {rank}, x{shape}: {name} is None (did backward return it?)"]
     if tuple(got.shape) != tuple(want.shape):
-        return [f"rank {rank}, x{shape}: {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"]
+        return [
+            f"rank {rank}, x{shape}: {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        ]
     if SGD.ok(got, want):
         return []
-    return [f"rank {rank}, x{shape}: {name} differs from the unsplit nn.Linear by {max_abs_diff(got, want):.3g} "
-            f"(beyond {SGD})"]
+    return [
+        f"rank {rank}, x{shape}: {name} differs from the unsplit nn.Linear by {max_abs_diff(got, want):.3g} "
+        f"(beyond {SGD})"
+    ]
 
 
 def _check(fn, kind: str) -> list[str]:
@@ -52,7 +61,9 @@ def _check(fn, kind: str) -> list[str]:
         w = full.weight.detach().chunk(t, dim)[rank].clone().requires_grad_(True)
         b = None
         if bias:
-            b = (full.bias.detach().chunk(t)[rank] if kind == "column" else full.bias.detach()).clone()
+            b = (
+                full.bias.detach().chunk(t)[rank] if kind == "column" else full.bias.detach()
+            ).clone()
             b.requires_grad_(True)
         xi = (x if kind == "column" else x.chunk(t, -1)[rank]).clone().requires_grad_(True)
         with CollectiveCounter(tag="forward") as cc:
@@ -69,11 +80,16 @@ def _check(fn, kind: str) -> list[str]:
         if bias:
             want_b = full.bias.grad.chunk(t)[rank] if kind == "column" else full.bias.grad
             problems += _close("bias.grad", b.grad, want_b, rank, shape)
-        counts = (cc.count(op="all_reduce", tag="forward"), cc.count(op="all_reduce", tag="backward"))
+        counts = (
+            cc.count(op="all_reduce", tag="forward"),
+            cc.count(op="all_reduce", tag="backward"),
+        )
         want_counts = (0, 1) if kind == "column" else (1, 0)
         if counts != want_counts:
-            problems.append(f"rank {rank}, x{shape}: {counts[0]} all-reduce(s) in forward and {counts[1]} in "
-                            f"backward; {kind} parallel needs {want_counts[0]} and {want_counts[1]}")
+            problems.append(
+                f"rank {rank}, x{shape}: {counts[0]} all-reduce(s) in forward and {counts[1]} in "
+                f"backward; {kind} parallel needs {want_counts[0]} and {want_counts[1]}"
+            )
         if problems:
             return problems
     return problems

@@ -4,6 +4,7 @@ Tolerances are the course's named ones (:mod:`course_lib.results`): ``Zero1Step`
 against one device (``ADAMW``); ``ShardedLinear`` computes one layer's output and gradients in
 another order of fp32 additions than ``nn.Linear`` (``REORDERED``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,29 +50,43 @@ def check_zero1_step(cls) -> list[str]:
         zero1.zero_grad()
         where = f"rank {rank}, step {step}"
         if log.count(op="all_reduce"):
-            problems.append(f"{where}: used all_reduce; ZeRO-1 replaces it by its two halves, "
-                            "comm.reduce_scatter(tag='grad') and comm.all_gather(tag='param')")
+            problems.append(
+                f"{where}: used all_reduce; ZeRO-1 replaces it by its two halves, "
+                "comm.reduce_scatter(tag='grad') and comm.all_gather(tag='param')"
+            )
         scattered = [r.numel for r in log.select(op="reduce_scatter", tag="grad")]
         if scattered != [padded]:
-            problems.append(f"{where}: expected one reduce_scatter tagged 'grad' of the whole flat gradient "
-                            f"({padded} elements); CommLog saw {scattered or 'none'}")
+            problems.append(
+                f"{where}: expected one reduce_scatter tagged 'grad' of the whole flat gradient "
+                f"({padded} elements); CommLog saw {scattered or 'none'}"
+            )
         gathered = [r.numel for r in log.select(op="all_gather", tag="param")]
         if gathered != [padded]:
-            problems.append(f"{where}: expected one all_gather tagged 'param' into flat_params ({padded} "
-                            f"elements); CommLog saw {gathered or 'none'}")
+            problems.append(
+                f"{where}: expected one all_gather tagged 'param' into flat_params ({padded} "
+                f"elements); CommLog saw {gathered or 'none'}"
+            )
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             ok, err = _close(p, q, ADAMW)
             if not ok:
-                problems.append(f"{where}: parameter {name} differs from single-device AdamW on the whole batch "
-                                f"by max |error| {err:.3g}, beyond {ADAMW} (did you divide the "
-                                "reduce-scattered sum by N?)")
+                problems.append(
+                    f"{where}: parameter {name} differs from single-device AdamW on the whole batch "
+                    f"by max |error| {err:.3g}, beyond {ADAMW} (did you divide the "
+                    "reduce-scattered sum by N?)"
+                )
         if problems:
             return problems
-    state = sum(t.numel() for st in zero1.optimizer.state.values() for t in st.values()
-                if torch.is_tensor(t) and t.dim() > 0)
+    state = sum(
+        t.numel()
+        for st in zero1.optimizer.state.values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     if state != 2 * shard:
-        problems.append(f"rank {rank}: the optimizer state holds {state} elements, expected 2 × {shard} "
-                        "(AdamW's two moments for this rank's shard only)")
+        problems.append(
+            f"rank {rank}: the optimizer state holds {state} elements, expected 2 × {shard} "
+            "(AdamW's two moments for this rank's shard only)"
+        )
     return problems
 
 
@@ -85,63 +100,90 @@ def check_sharded_linear(cls) -> list[str]:
     layer = cls(copy.deepcopy(full))
     size = -(-full.weight.numel() // world)  # S
     if layer.shard.numel() != size:
-        return [f"rank {rank}: shard has {layer.shard.numel()} elements, expected ceil(35 / {world}) = {size}"]
+        return [
+            f"rank {rank}: shard has {layer.shard.numel()} elements, expected ceil(35 / {world}) = {size}"
+        ]
     problems = []
     for step in range(2):  # twice: the freed storage must be refillable
         where = f"rank {rank}, step {step}"
         # every rank's input and loss weights (known everywhere, so each rank can build the reference);
         # drawn on the CPU, so the numbers are the same on any device
         gens = [torch.Generator().manual_seed(100 * step + q) for q in range(world)]
-        xs = [torch.randn(2, 3, in_f, generator=g).to(dev) for g in gens]  # a (batch, time, features) input
-        gs = [torch.randn(2, 3, out_f, generator=g).to(dev) for g in gens]  # loss = Σ y · g, so dL/dy = g
+        xs = [
+            torch.randn(2, 3, in_f, generator=g).to(dev) for g in gens
+        ]  # a (batch, time, features) input
+        gs = [
+            torch.randn(2, 3, out_f, generator=g).to(dev) for g in gens
+        ]  # loss = Σ y · g, so dL/dy = g
         x = xs[rank].clone().requires_grad_()
         layer.shard.grad = None
         with comm.CommLog() as log:
             y = layer(x)
         held = layer.full_weight.untyped_storage().size()
         if held:
-            problems.append(f"{where}: after forward full_weight still holds {held} bytes; free it "
-                            "(untyped_storage().resize_(0)) as soon as F.linear has run")
+            problems.append(
+                f"{where}: after forward full_weight still holds {held} bytes; free it "
+                "(untyped_storage().resize_(0)) as soon as F.linear has run"
+            )
         if log.count(op="all_gather", tag="param") != 1:
-            problems.append(f"{where}: forward issued {log.count(op='all_gather', tag='param')} all_gather(s) "
-                            "tagged 'param', expected exactly 1")
+            problems.append(
+                f"{where}: forward issued {log.count(op='all_gather', tag='param')} all_gather(s) "
+                "tagged 'param', expected exactly 1"
+            )
         x_ref = xs[rank].clone().requires_grad_()
         y_ref = full(x_ref)
         if y.shape != y_ref.shape:
-            return problems + [f"{where}: output has shape {tuple(y.shape)}, nn.Linear's {tuple(y_ref.shape)}"]
+            return problems + [
+                f"{where}: output has shape {tuple(y.shape)}, nn.Linear's {tuple(y_ref.shape)}"
+            ]
         ok, err = _close(y, y_ref, REORDERED)
         if not ok:
-            return problems + [f"{where}: output differs from nn.Linear's by max |error| "
-                               f"{err:.3g}, beyond {REORDERED}"]
+            return problems + [
+                f"{where}: output differs from nn.Linear's by max |error| "
+                f"{err:.3g}, beyond {REORDERED}"
+            ]
         with comm.CommLog() as log:
             (y * gs[rank]).sum().backward()
         held = layer.full_weight.untyped_storage().size()
         if held:
-            problems.append(f"{where}: after backward full_weight still holds {held} bytes; free it again")
-        counts = (log.count(op="all_gather", tag="param"), log.count(op="reduce_scatter", tag="grad"))
+            problems.append(
+                f"{where}: after backward full_weight still holds {held} bytes; free it again"
+            )
+        counts = (
+            log.count(op="all_gather", tag="param"),
+            log.count(op="reduce_scatter", tag="grad"),
+        )
         if counts != (1, 1):
-            problems.append(f"{where}: backward issued {counts[0]} all_gather(s) tagged 'param' and {counts[1]} "
-                            "reduce_scatter(s) tagged 'grad', expected 1 and 1 (re-gather W, scatter dL/dW)")
+            problems.append(
+                f"{where}: backward issued {counts[0]} all_gather(s) tagged 'param' and {counts[1]} "
+                "reduce_scatter(s) tagged 'grad', expected 1 and 1 (re-gather W, scatter dL/dW)"
+            )
         (y_ref * gs[rank]).sum().backward()
         if x.grad is None:
             problems.append(f"{where}: the input got no gradient (return grad_x from backward)")
         else:
             ok, err = _close(x.grad, x_ref.grad, REORDERED)
             if not ok:
-                problems.append(f"{where}: input gradient differs from nn.Linear's by max |error| "
-                                f"{err:.3g}, beyond {REORDERED}")
+                problems.append(
+                    f"{where}: input gradient differs from nn.Linear's by max |error| "
+                    f"{err:.3g}, beyond {REORDERED}"
+                )
         # the weight gradient data parallelism wants: the average over ranks of each rank's dL/dW
         want = sum(g.reshape(-1, out_f).T @ xq.reshape(-1, in_f) for g, xq in zip(gs, xs)) / world
         want = torch.cat([want.reshape(-1), torch.zeros(size * world - want.numel(), device=dev)])
-        want = want[rank * size:(rank + 1) * size]
+        want = want[rank * size : (rank + 1) * size]
         if layer.shard.grad is None:
-            problems.append(f"{where}: shard.grad is None after backward (return the reduce-scattered gradient "
-                            "as the shard's gradient)")
+            problems.append(
+                f"{where}: shard.grad is None after backward (return the reduce-scattered gradient "
+                "as the shard's gradient)"
+            )
         else:
             ok, err = _close(layer.shard.grad, want, REORDERED)
             if not ok:
-                problems.append(f"{where}: shard.grad differs from slice {rank} of the rank-averaged full weight "
-                                f"gradient by max |error| {err:.3g}, beyond {REORDERED}")
+                problems.append(
+                    f"{where}: shard.grad differs from slice {rank} of the rank-averaged full weight "
+                    f"gradient by max |error| {err:.3g}, beyond {REORDERED}"
+                )
         if problems:
             return problems
     return problems

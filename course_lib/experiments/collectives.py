@@ -7,6 +7,7 @@ Parent-side helpers: :func:`fit_alpha_beta` fits ``time = α + ring_factor · by
 the sweep's rows; :func:`measure_alpha_beta` spawns a short sweep and fits it (a few seconds),
 so any notebook can re-derive the cost model it predicts with. :func:`busbw_table` formats rows.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -20,8 +21,16 @@ import torch.distributed as dist
 from ..comm import ring_factor
 from ..launch import device, spawn
 
-__all__ = ["AlphaBeta", "bandwidth_benchmark", "busbw_table", "fit_alpha_beta", "measure_alpha_beta",
-           "toy_data_parallel_step", "OPS", "FIT_SIZES"]
+__all__ = [
+    "AlphaBeta",
+    "bandwidth_benchmark",
+    "busbw_table",
+    "fit_alpha_beta",
+    "measure_alpha_beta",
+    "toy_data_parallel_step",
+    "OPS",
+    "FIT_SIZES",
+]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 # 1 KiB … 16 MiB: ≤ 4 KiB is the latency regime, from 1 MiB on the bandwidth regime.
@@ -38,8 +47,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bandwidth_benchmark(sizes_bytes: Iterable[int] = (2**10, 2**14, 2**18, 2**20, 2**22), ops=("all_reduce",),
-                        iters: int = 3, warmup: int = 2, repeats: int = 5) -> list[dict]:
+def bandwidth_benchmark(
+    sizes_bytes: Iterable[int] = (2**10, 2**14, 2**18, 2**20, 2**22),
+    ops=("all_reduce",),
+    iters: int = 3,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> list[dict]:
     """Rank function: time each op over message sizes (fp32), nccl-tests style.
 
     Per (op, size): ``warmup`` untimed calls, then ``repeats`` timed repeats of ``iters`` calls
@@ -68,13 +82,17 @@ def bandwidth_benchmark(sizes_bytes: Iterable[int] = (2**10, 2**14, 2**18, 2**20
                 dist.recv(inbox, (rank - 1) % n)
                 req.wait()
 
-            calls = {"all_reduce": lambda: dist.all_reduce(full),
-                     "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
-                     "all_gather": lambda: dist.all_gather_single(full, part),
-                     "broadcast": lambda: dist.broadcast(full, src=0),
-                     "send_recv": send_recv}
+            calls = {
+                "all_reduce": lambda: dist.all_reduce(full),
+                "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
+                "all_gather": lambda: dist.all_gather_single(full, part),
+                "broadcast": lambda: dist.broadcast(full, src=0),
+                "send_recv": send_recv,
+            }
             if op not in calls:
-                raise ValueError(f"bandwidth_benchmark: unsupported op {op!r}; choose from {sorted(calls)}")
+                raise ValueError(
+                    f"bandwidth_benchmark: unsupported op {op!r}; choose from {sorted(calls)}"
+                )
             for _ in range(warmup):
                 calls[op]()
             times = []
@@ -92,19 +110,33 @@ def bandwidth_benchmark(sizes_bytes: Iterable[int] = (2**10, 2**14, 2**18, 2**20
             nbytes = numel * 4
             t = statistics.median(times)
             algbw = nbytes / t / 1e9
-            rows.append({"op": op, "bytes": nbytes, "world_size": n, "time_s": t, "time_lo_s": min(times),
-                         "time_hi_s": max(times), "times_s": times, "algbw_GBps": algbw,
-                         "busbw_GBps": algbw * _factor(op, n)})
+            rows.append(
+                {
+                    "op": op,
+                    "bytes": nbytes,
+                    "world_size": n,
+                    "time_s": t,
+                    "time_lo_s": min(times),
+                    "time_hi_s": max(times),
+                    "times_s": times,
+                    "algbw_GBps": algbw,
+                    "busbw_GBps": algbw * _factor(op, n),
+                }
+            )
     return rows
 
 
 def busbw_table(rows: list[dict]) -> str:
     """Format :func:`bandwidth_benchmark` rows as a fixed-width table (time = median, with min–max)."""
-    lines = [f"{'op':<15}{'bytes':>10}{'median (us)':>13}{'min–max (us)':>18}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
+    lines = [
+        f"{'op':<15}{'bytes':>10}{'median (us)':>13}{'min–max (us)':>18}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+    ]
     for r in rows:
         lo, hi = r.get("time_lo_s", r["time_s"]), r.get("time_hi_s", r["time_s"])
-        lines.append(f"{r['op']:<15}{r['bytes']:>10}{r['time_s'] * 1e6:>13.1f}"
-                     f"{f'{lo * 1e6:.0f}–{hi * 1e6:.0f}':>18}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}")
+        lines.append(
+            f"{r['op']:<15}{r['bytes']:>10}{r['time_s'] * 1e6:>13.1f}"
+            f"{f'{lo * 1e6:.0f}–{hi * 1e6:.0f}':>18}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -130,10 +162,14 @@ class AlphaBeta:
     def predict(self, op: str, nbytes: float, world_size: int | None = None) -> float:
         """Predicted seconds for one ``op`` call on a ``nbytes`` tensor over ``world_size`` ranks."""
         if op not in self.alpha_s:
-            raise ValueError(f"AlphaBeta.predict: no fit for op {op!r}; fitted ops: {sorted(self.alpha_s)}")
+            raise ValueError(
+                f"AlphaBeta.predict: no fit for op {op!r}; fitted ops: {sorted(self.alpha_s)}"
+            )
         n = self.world_size if world_size is None else world_size
         if n < 1 or nbytes < 0:
-            raise ValueError(f"AlphaBeta.predict: need world_size ≥ 1 and nbytes ≥ 0, got {n}, {nbytes}")
+            raise ValueError(
+                f"AlphaBeta.predict: need world_size ≥ 1 and nbytes ≥ 0, got {n}, {nbytes}"
+            )
         if n == 1:
             return 0.0
         return self.alpha_s[op] + _factor(op, n) * nbytes / self.beta_bytes_per_s[op]
@@ -142,12 +178,16 @@ class AlphaBeta:
         """α (µs) and β (GB/s) per op, as a fixed-width table."""
         lines = [f"{'op':<15}{'α (us)':>10}{'β (GB/s)':>11}{'points in β fit':>17}"]
         for op in self.alpha_s:
-            lines.append(f"{op:<15}{self.alpha_s[op] * 1e6:>10.1f}{self.beta_bytes_per_s[op] / 1e9:>11.3f}"
-                         f"{self.points.get(op, 0):>17}")
+            lines.append(
+                f"{op:<15}{self.alpha_s[op] * 1e6:>10.1f}{self.beta_bytes_per_s[op] / 1e9:>11.3f}"
+                f"{self.points.get(op, 0):>17}"
+            )
         return "\n".join(lines)
 
 
-def fit_alpha_beta(rows: list[dict], min_bytes: int = 2**20, latency_bytes: int = 2**12) -> AlphaBeta:
+def fit_alpha_beta(
+    rows: list[dict], min_bytes: int = 2**20, latency_bytes: int = 2**12
+) -> AlphaBeta:
     """Fit the α–β model per op to measured rows, as :func:`bandwidth_benchmark` returns them.
 
     Input: rows with at least ``op``, ``bytes`` and ``time_s`` (seconds per call, the median of
@@ -167,7 +207,9 @@ def fit_alpha_beta(rows: list[dict], min_bytes: int = 2**20, latency_bytes: int 
         raise ValueError("fit_alpha_beta: no rows; pass bandwidth_benchmark's rows")
     worlds = {r["world_size"] for r in rows}
     if len(worlds) != 1:
-        raise ValueError(f"fit_alpha_beta: rows from several world sizes {sorted(worlds)}; fit one at a time")
+        raise ValueError(
+            f"fit_alpha_beta: rows from several world sizes {sorted(worlds)}; fit one at a time"
+        )
     n = worlds.pop()
     if n < 2:
         raise ValueError("fit_alpha_beta: world_size 1 has no communication to fit")
@@ -177,34 +219,55 @@ def fit_alpha_beta(rows: list[dict], min_bytes: int = 2**20, latency_bytes: int 
         small = [r["time_s"] for r in mine if r["bytes"] <= latency_bytes] or [mine[0]["time_s"]]
         big = [r for r in mine if r["bytes"] >= min_bytes]
         if not big:
-            raise ValueError(f"fit_alpha_beta: op {op!r} has no row with bytes ≥ min_bytes={min_bytes}; "
-                             f"sweep larger messages (largest measured: {mine[-1]['bytes']})")
+            raise ValueError(
+                f"fit_alpha_beta: op {op!r} has no row with bytes ≥ min_bytes={min_bytes}; "
+                f"sweep larger messages (largest measured: {mine[-1]['bytes']})"
+            )
         a = min(small)
         xs = [_factor(op, n) * r["bytes"] for r in big]
         ys = [max(r["time_s"] - a, 1e-12) for r in big]
         ts = [r["time_s"] for r in big]
-        inv_beta = sum(x * y / t**2 for x, y, t in zip(xs, ys, ts)) / sum(x * x / t**2 for x, t in zip(xs, ts))
+        inv_beta = sum(x * y / t**2 for x, y, t in zip(xs, ys, ts)) / sum(
+            x * x / t**2 for x, t in zip(xs, ts)
+        )
         alpha[op], beta[op], points[op] = a, 1.0 / inv_beta, len(big)
     return AlphaBeta(alpha, beta, n, min_bytes, points)
 
 
-def measure_alpha_beta(world_size: int = 2, ops: Iterable[str] = OPS, sizes_bytes: Iterable[int] = FIT_SIZES,
-                       repeats: int = 5, iters: int = 2, warmup: int = 1,
-                       min_bytes: int = 2**20) -> tuple[AlphaBeta, list[dict]]:
+def measure_alpha_beta(
+    world_size: int = 2,
+    ops: Iterable[str] = OPS,
+    sizes_bytes: Iterable[int] = FIT_SIZES,
+    repeats: int = 5,
+    iters: int = 2,
+    warmup: int = 1,
+    min_bytes: int = 2**20,
+) -> tuple[AlphaBeta, list[dict]]:
     """Spawn a short sweep on ``world_size`` ranks and fit it: ``(fit, rows)``. A few seconds on 2 cores.
 
     >>> fit, rows = measure_alpha_beta()          # doctest: +SKIP
     >>> fit.predict("all_reduce", 12.6e6, 2)      # seconds for one 12.6 MB gradient all-reduce
     """
-    rows = spawn(bandwidth_benchmark, world_size, kwargs=dict(sizes_bytes=tuple(sizes_bytes), ops=tuple(ops),
-                                                              iters=iters, warmup=warmup, repeats=repeats))[0]
+    rows = spawn(
+        bandwidth_benchmark,
+        world_size,
+        kwargs=dict(
+            sizes_bytes=tuple(sizes_bytes),
+            ops=tuple(ops),
+            iters=iters,
+            warmup=warmup,
+            repeats=repeats,
+        ),
+    )[0]
     return fit_alpha_beta(rows, min_bytes=min_bytes), rows
 
 
 # --------------------------------------------------------------------------- "is distributed always faster?"
 
 
-def toy_data_parallel_step(d_model: int = 512, global_batch: int = 64, steps: int = 10, warmup: int = 2) -> dict:
+def toy_data_parallel_step(
+    d_model: int = 512, global_batch: int = 64, steps: int = 10, warmup: int = 2
+) -> dict:
     """Rank function: one data-parallel step of a ``d_model × d_model`` linear layer, timed.
 
     Each rank computes forward + backward on ``global_batch / N`` rows (compute shrinks
@@ -241,11 +304,19 @@ def toy_data_parallel_step(d_model: int = 512, global_batch: int = 64, steps: in
     times = torch.tensor([t_comp / steps, t_comm / steps], dtype=torch.float64, device=dev)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     comp, comm_t = times.tolist()
-    return {"world_size": n, "compute_s": comp, "comm_s": comm_t, "step_s": comp + comm_t,
-            "grad_bytes": 4 * d_model * d_model, "rows_per_rank": global_batch // n}
+    return {
+        "world_size": n,
+        "compute_s": comp,
+        "comm_s": comm_t,
+        "step_s": comp + comm_t,
+        "grad_bytes": 4 * d_model * d_model,
+        "rows_per_rank": global_batch // n,
+    }
 
 
-def scaling_race(cases: dict[str, tuple[int, int]], rounds: int = 5, steps: int = 3, warmup: int = 1) -> dict:
+def scaling_race(
+    cases: dict[str, tuple[int, int]], rounds: int = 5, steps: int = 3, warmup: int = 1
+) -> dict:
     """Rank function: 1 rank vs all N ranks on the same linear-layer step, interleaved in rounds.
 
     ``cases[name] = (d_model, global_batch)``. Each round runs, per case, the 1-rank step (rank 0
@@ -260,7 +331,9 @@ def scaling_race(cases: dict[str, tuple[int, int]], rounds: int = 5, steps: int 
     out = {}
     for name, (d_model, global_batch) in cases.items():
         if global_batch % n:
-            raise ValueError(f"scaling_race: case {name!r}: global_batch={global_batch} not divisible by {n}")
+            raise ValueError(
+                f"scaling_race: case {name!r}: global_batch={global_batch} not divisible by {n}"
+            )
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(d_model, d_model, generator=gen).to(dev).requires_grad_()
         x = torch.randn(global_batch, d_model, generator=gen).to(dev)
@@ -291,10 +364,19 @@ def scaling_race(cases: dict[str, tuple[int, int]], rounds: int = 5, steps: int 
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if r >= warmup:
                     samples[variant].append(t.tolist())
-        med = {v: {k: statistics.median(s[i] for s in samples[v]) for i, k in
-                   enumerate(("compute_s", "comm_s", "step_s"))} for v in samples}
-        out[name] = {**med, "ratio": [b[2] / a[2] for a, b in zip(samples["1"], samples["N"])],
-                     "world_size": n, "grad_bytes": 4 * d_model * d_model}
+        med = {
+            v: {
+                k: statistics.median(s[i] for s in samples[v])
+                for i, k in enumerate(("compute_s", "comm_s", "step_s"))
+            }
+            for v in samples
+        }
+        out[name] = {
+            **med,
+            "ratio": [b[2] / a[2] for a, b in zip(samples["1"], samples["N"])],
+            "world_size": n,
+            "grad_bytes": 4 * d_model * d_model,
+        }
     return out
 
 

@@ -17,6 +17,7 @@ Defined here:
 * **Differences** — :func:`max_abs_diff`, :func:`state_diff` (models or state dicts).
 * **Races** — :func:`race`: variants timed in interleaved rounds, each round the max over ranks.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -26,14 +27,38 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..configs import OPTIMIZERS, bench_config, make_optimizer, parallel_config, small_config, zero_config
+from ..configs import (
+    OPTIMIZERS,
+    bench_config,
+    make_optimizer,
+    parallel_config,
+    small_config,
+    zero_config,
+)
 from ..launch import device
 from ..results import Result
 from ..train import check_global_batch, reference_run, shard_batch, step_batch, train_step
 
-__all__ = ["small_config", "zero_config", "bench_config", "parallel_config", "OPTIMIZERS", "make_optimizer",
-           "check_global_batch", "step_batch", "shard_batch", "train_step", "reference_run", "mean_over_ranks",
-           "max_over_ranks", "max_abs_diff", "state_diff", "race", "median_times", "Result"]
+__all__ = [
+    "small_config",
+    "zero_config",
+    "bench_config",
+    "parallel_config",
+    "OPTIMIZERS",
+    "make_optimizer",
+    "check_global_batch",
+    "step_batch",
+    "shard_batch",
+    "train_step",
+    "reference_run",
+    "mean_over_ranks",
+    "max_over_ranks",
+    "max_abs_diff",
+    "state_diff",
+    "race",
+    "median_times",
+    "Result",
+]
 
 
 # =========================================================================== over ranks
@@ -68,8 +93,13 @@ def state_diff(model_or_state, reference) -> float:
 # =========================================================================== races
 
 
-def race(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int = 1, warmup: int = 1,
-         group=None) -> dict[str, list[float]]:
+def race(
+    steps: dict[str, Callable[[], None]],
+    rounds: int,
+    steps_per_round: int = 1,
+    warmup: int = 1,
+    group=None,
+) -> dict[str, list[float]]:
     """Time ``{name: one_step()}`` fairly; returns seconds per step for each name and round.
 
     * **interleaved rounds**: each round runs every variant once, in an order rotated by the
@@ -84,13 +114,15 @@ def race(steps: dict[str, Callable[[], None]], rounds: int, steps_per_round: int
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             dist.barrier(group=group)
             t0 = time.perf_counter()
             for _ in range(steps_per_round):
                 steps[name]()
-            times[name].append(max_over_ranks((time.perf_counter() - t0) / steps_per_round, group=group))
+            times[name].append(
+                max_over_ranks((time.perf_counter() - t0) / steps_per_round, group=group)
+            )
     return times
 
 

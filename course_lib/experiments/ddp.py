@@ -10,6 +10,7 @@ with the same data and optimizer, one :func:`common.train_step` at a time.
 :class:`DDPTimeline` is the instrument the timelines are drawn from: a :class:`ddp.DDPObserver`
 attached to our DDP from outside (``DDP(..., observer=DDPTimeline())``).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,27 +23,71 @@ import torch.distributed as dist
 
 from .. import comm
 from ..data import make_batch
-from ..ddp import DDP, DDPObserver, make_buckets, naive_allreduce_gradients, torch_ddp, trainable_parameters
+from ..ddp import (
+    DDP,
+    DDPObserver,
+    make_buckets,
+    naive_allreduce_gradients,
+    torch_ddp,
+    trainable_parameters,
+)
 from ..launch import device
 from ..models import GPT, GPTConfig
 from ..results import SGD, Measured, for_optimizer
-from .common import (Result, bench_config, check_global_batch, make_optimizer, race, shard_batch, small_config,
-                     step_batch, train_step)
+from .common import (
+    Result,
+    bench_config,
+    check_global_batch,
+    make_optimizer,
+    race,
+    shard_batch,
+    small_config,
+    step_batch,
+    train_step,
+)
 
-__all__ = ["bench_config", "VARIANTS", "RACE_VARIANTS", "EQUALITY_OPTIMIZERS", "EqualityResult",
-           "AccumulationResult", "TimelineResult", "DDPTimeline", "equality_with_single_device", "accumulation_with_no_sync",
-           "ddp_throughput", "bucket_size_sweep", "ddp_step_time", "ddp_timelines", "ddp_benchmark", "scaling",
-           "format_throughput"]
+__all__ = [
+    "bench_config",
+    "VARIANTS",
+    "RACE_VARIANTS",
+    "EQUALITY_OPTIMIZERS",
+    "EqualityResult",
+    "AccumulationResult",
+    "TimelineResult",
+    "DDPTimeline",
+    "equality_with_single_device",
+    "accumulation_with_no_sync",
+    "ddp_throughput",
+    "bucket_size_sweep",
+    "ddp_step_time",
+    "ddp_timelines",
+    "ddp_benchmark",
+    "scaling",
+    "format_throughput",
+]
 
 VARIANTS = ("naive", "own_per_param", "own_bucketed", "torch_ddp")
 # The race: what each of our DDP's options costs or saves, and gradient compression on both sides.
 # own_bucketed = our defaults, like torch's (copy in/out, no unused-parameter search).
-RACE_VARIANTS = ("naive", "own_per_param", "own_find_unused", "own_bucketed", "own_bucket_view", "torch_ddp",
-                 "torch_bucket_view", "own_fp16", "torch_fp16", "own_bf16")
+RACE_VARIANTS = (
+    "naive",
+    "own_per_param",
+    "own_find_unused",
+    "own_bucketed",
+    "own_bucket_view",
+    "torch_ddp",
+    "torch_bucket_view",
+    "own_fp16",
+    "torch_fp16",
+    "own_bf16",
+)
 
 # Chapter 02's equality runs: plain SGD with a big step (differences would show) and AdamW with
 # torch's default eps (this chapter's small model has no ~0 gradients that eps=1e-8 would amplify).
-EQUALITY_OPTIMIZERS = {"sgd": ("sgd", dict(lr=0.5, momentum=0.0)), "adamw": ("adamw", dict(lr=3e-3, eps=1e-8))}
+EQUALITY_OPTIMIZERS = {
+    "sgd": ("sgd", dict(lr=0.5, momentum=0.0)),
+    "adamw": ("adamw", dict(lr=3e-3, eps=1e-8)),
+}
 
 
 # --------------------------------------------------------------------------- equality with one device
@@ -88,15 +133,29 @@ class TimelineResult(Measured):
 
     def check_overlap(self) -> None:
         """Rows: the async variants launch during backward, the blocking ones after; buckets are fewer."""
-        for key, overlaps in (("overlapped", True), ("per_param", True), ("naive", False),
-                              ("blocking_bucketed", False)):
-            lead = _comm_lead(self.values[key])  # > 0: the first all-reduce began before backward ended
+        for key, overlaps in (
+            ("overlapped", True),
+            ("per_param", True),
+            ("naive", False),
+            ("blocking_bucketed", False),
+        ):
+            lead = _comm_lead(
+                self.values[key]
+            )  # > 0: the first all-reduce began before backward ended
             rule = "> 0 (launched during backward)" if overlaps else "≤ 0 (after backward)"
-            self.condition(f"{key}: backward end − first all-reduce launch (s)", lead,
-                           lead > 0 if overlaps else lead <= 0, rule)
+            self.condition(
+                f"{key}: backward end − first all-reduce launch (s)",
+                lead,
+                lead > 0 if overlaps else lead <= 0,
+                rule,
+            )
         n = {k: sum(e[0] == "comm" for e in self.values[k]) for k in ("overlapped", "per_param")}
-        self.condition("all-reduces per step, bucketed vs per parameter", f"{n['overlapped']} vs {n['per_param']}",
-                       n["overlapped"] < n["per_param"], "fewer with buckets")
+        self.condition(
+            "all-reduces per step, bucketed vs per parameter",
+            f"{n['overlapped']} vs {n['per_param']}",
+            n["overlapped"] < n["per_param"],
+            "fewer with buckets",
+        )
 
 
 def _comm_lead(events) -> float:
@@ -116,23 +175,37 @@ def _wrap(variant: str, model, bucket_cap_mb: float | None):
         return model, lambda: naive_allreduce_gradients(model)
     if variant == "own_per_param":
         return DDP(model, bucket_cap_mb=None), None
-    own = {"own_bucketed": {}, "own_find_unused": dict(find_unused_parameters=True),
-           "own_bucket_view": dict(gradient_as_bucket_view=True), "own_fp16": dict(comm_hook="fp16"),
-           "own_bf16": dict(comm_hook="bf16")}
+    own = {
+        "own_bucketed": {},
+        "own_find_unused": dict(find_unused_parameters=True),
+        "own_bucket_view": dict(gradient_as_bucket_view=True),
+        "own_fp16": dict(comm_hook="fp16"),
+        "own_bf16": dict(comm_hook="bf16"),
+    }
     if variant in own:
         return DDP(model, bucket_cap_mb=bucket_cap_mb, **own[variant]), None
     if variant in ("torch_ddp", "torch_bucket_view", "torch_fp16"):
-        wrapped = torch_ddp(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=variant == "torch_bucket_view")
+        wrapped = torch_ddp(
+            model,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=variant == "torch_bucket_view",
+        )
         if variant == "torch_fp16":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
             wrapped.register_comm_hook(None, fp16_compress_hook)
         return wrapped, None
     raise ValueError(f"unknown variant {variant!r}; choose from {RACE_VARIANTS}")
 
 
-def equality_with_single_device(variant: str = "own_bucketed", optimizer: str = "sgd", steps: int = 5,
-                                global_batch: int = 16, bucket_cap_mb: float = 0.03,
-                                config: GPTConfig | None = None) -> EqualityResult:
+def equality_with_single_device(
+    variant: str = "own_bucketed",
+    optimizer: str = "sgd",
+    steps: int = 5,
+    global_batch: int = 16,
+    bucket_cap_mb: float = 0.03,
+    config: GPTConfig | None = None,
+) -> EqualityResult:
     """Rank function: train data-parallel and, on the same rank, one device on the full batch; compare.
 
     Rank r starts from a *different* init (seed r) to show that wrapping broadcasts rank 0's
@@ -153,14 +226,22 @@ def equality_with_single_device(variant: str = "own_bucketed", optimizer: str = 
         train_step(wrapped, opt, *shard_batch(x, y), after_backward=after)
         train_step(reference, ref_opt, x, y)
     result = EqualityResult(variant, optimizer, steps, 0.0)
-    row = result.equal("params vs one device on the full batch", _params(model), _params(reference),
-                       for_optimizer(optimizer))
+    row = result.equal(
+        "params vs one device on the full batch",
+        _params(model),
+        _params(reference),
+        for_optimizer(optimizer),
+    )
     result.max_abs_diff = row.measured
     return result
 
 
-def accumulation_with_no_sync(micro_batches: int = 4, global_batch: int = 16, bucket_cap_mb: float = 0.03,
-                              config: GPTConfig | None = None) -> AccumulationResult:
+def accumulation_with_no_sync(
+    micro_batches: int = 4,
+    global_batch: int = 16,
+    bucket_cap_mb: float = 0.03,
+    config: GPTConfig | None = None,
+) -> AccumulationResult:
     """Rank function: gradient accumulation with ``no_sync`` vs one device on the whole batch.
 
     Each rank splits its share into ``micro_batches`` pieces; all but the last backward run
@@ -173,7 +254,10 @@ def accumulation_with_no_sync(micro_batches: int = 4, global_batch: int = 16, bu
     check_global_batch(global_batch, world, micro_batches)
     ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=bucket_cap_mb)
     reference = GPT(config, seed=0).to(dev)
-    opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt, ref_opt = (
+        torch.optim.SGD(ddp.parameters(), lr=0.5),
+        torch.optim.SGD(reference.parameters(), lr=0.5),
+    )
     x, y = step_batch(0, config, global_batch, dev)
     xl, yl = shard_batch(x, y)
     xs, ys = xl.chunk(micro_batches), yl.chunk(micro_batches)
@@ -187,10 +271,18 @@ def accumulation_with_no_sync(micro_batches: int = 4, global_batch: int = 16, bu
     opt.step()
     train_step(reference, ref_opt, x, y)
     result = AccumulationResult(micro_batches, log.count(tag="grad"), len(ddp.buckets), 0.0)
-    result.exact("one gradient all-reduce per bucket per step (not per micro-batch)", result.grad_allreduces,
-                 result.buckets, against="buckets")
-    row = result.equal("accumulated step vs one device on the whole batch", _params(ddp.module),
-                       _params(reference), SGD)
+    result.exact(
+        "one gradient all-reduce per bucket per step (not per micro-batch)",
+        result.grad_allreduces,
+        result.buckets,
+        against="buckets",
+    )
+    row = result.equal(
+        "accumulated step vs one device on the whole batch",
+        _params(ddp.module),
+        _params(reference),
+        SGD,
+    )
     result.max_abs_diff = row.measured
     return result
 
@@ -198,13 +290,17 @@ def accumulation_with_no_sync(micro_batches: int = 4, global_batch: int = 16, bu
 # --------------------------------------------------------------------------- races
 
 
-def _race_steps(entries: dict, config: GPTConfig, batch_size: int, optimizer_lr: float = 1e-3) -> dict:
+def _race_steps(
+    entries: dict, config: GPTConfig, batch_size: int, optimizer_lr: float = 1e-3
+) -> dict:
     """``{name: one_step()}`` for :func:`common.race`: each variant its own SGD, rank-local batches."""
     rank, dev = dist.get_rank(), device()
     counter = [0]
 
     def one_step(model, after_backward, opt):
-        x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=1000 * rank + counter[0] % 16)
+        x, y = make_batch(
+            batch_size, config.block_size, config.vocab_size, seed=1000 * rank + counter[0] % 16
+        )
         counter[0] += 1
         train_step(model, opt, x.to(dev), y.to(dev), after_backward=after_backward)
 
@@ -215,8 +311,15 @@ def _race_steps(entries: dict, config: GPTConfig, batch_size: int, optimizer_lr:
     return steps
 
 
-def ddp_throughput(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 4.0,
-                   variants=RACE_VARIANTS, rounds: int = 7, steps_per_round: int = 3, warmup: int = 2) -> dict:
+def ddp_throughput(
+    config: GPTConfig | None = None,
+    batch_size: int = 8,
+    bucket_cap_mb: float = 4.0,
+    variants=RACE_VARIANTS,
+    rounds: int = 7,
+    steps_per_round: int = 3,
+    warmup: int = 2,
+) -> dict:
     """Rank function: tokens/s of each variant of :data:`RACE_VARIANTS` (or the ones named).
 
     ``batch_size`` is per rank; tokens per step = world · batch_size · block_size. Both bucketed
@@ -228,16 +331,27 @@ def ddp_throughput(config: GPTConfig | None = None, batch_size: int = 8, bucket_
     entries = {v: _wrap(v, GPT(config, seed=0).to(dev), bucket_cap_mb) for v in variants}
     times = race(_race_steps(entries, config, batch_size), rounds, steps_per_round, warmup)
     tokens = world * batch_size * config.block_size
-    out = {"world_size": world, "batch_size_per_rank": batch_size, "tokens_per_step": tokens,
-           "bucket_cap_mb": bucket_cap_mb, "params": GPT(config).num_params()}
+    out = {
+        "world_size": world,
+        "batch_size_per_rank": batch_size,
+        "tokens_per_step": tokens,
+        "bucket_cap_mb": bucket_cap_mb,
+        "params": GPT(config).num_params(),
+    }
     for v, ts in times.items():
         med = statistics.median(ts)
         out[v] = {"step_s": med, "tokens_per_s": tokens / med, "step_s_rounds": ts}
     return out
 
 
-def bucket_size_sweep(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0), config: GPTConfig | None = None,
-                      batch_size: int = 8, rounds: int = 3, steps_per_round: int = 3, warmup: int = 1) -> list[dict]:
+def bucket_size_sweep(
+    bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0),
+    config: GPTConfig | None = None,
+    batch_size: int = 8,
+    rounds: int = 3,
+    steps_per_round: int = 3,
+    warmup: int = 1,
+) -> list[dict]:
     """Rank function: own DDP step time for each ``bucket_cap_mb`` (None = one all-reduce per parameter).
 
     Returns rows ``{"bucket_cap_mb", "n_buckets", "step_s", "tokens_per_s"}`` (max over ranks,
@@ -253,12 +367,24 @@ def bucket_size_sweep(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0), config
         n_buckets[str(cap)] = len(ddp.buckets)
     times = race(_race_steps(entries, config, batch_size), rounds, steps_per_round, warmup)
     tokens = world * batch_size * config.block_size
-    return [{"bucket_cap_mb": cap, "n_buckets": n_buckets[str(cap)], "step_s": statistics.median(times[str(cap)]),
-             "tokens_per_s": tokens / statistics.median(times[str(cap)])} for cap in bucket_sizes_mb]
+    return [
+        {
+            "bucket_cap_mb": cap,
+            "n_buckets": n_buckets[str(cap)],
+            "step_s": statistics.median(times[str(cap)]),
+            "tokens_per_s": tokens / statistics.median(times[str(cap)]),
+        }
+        for cap in bucket_sizes_mb
+    ]
 
 
-def ddp_step_time(config: GPTConfig | None = None, global_batch: int = 8, bucket_cap_mb: float | None = 4.0,
-                  steps: int = 6, warmup: int = 2) -> dict:
+def ddp_step_time(
+    config: GPTConfig | None = None,
+    global_batch: int = 8,
+    bucket_cap_mb: float | None = 4.0,
+    steps: int = 6,
+    warmup: int = 2,
+) -> dict:
     """Rank function: seconds per training step of own DDP with a *fixed global batch* (strong scaling).
 
     Each of N ranks gets ``global_batch / N`` sequences: more ranks → less compute each, but the
@@ -271,7 +397,11 @@ def ddp_step_time(config: GPTConfig | None = None, global_batch: int = 8, bucket
     local = global_batch // world
     ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=bucket_cap_mb)
     plain = GPT(config, seed=0).to(dev)
-    result = {"world_size": world, "global_batch": global_batch, "tokens_per_step": global_batch * config.block_size}
+    result = {
+        "world_size": world,
+        "global_batch": global_batch,
+        "tokens_per_step": global_batch * config.block_size,
+    }
     for key, model in (("step_s", ddp), ("compute_s", plain)):
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         for i in range(warmup + steps):
@@ -280,7 +410,9 @@ def ddp_step_time(config: GPTConfig | None = None, global_batch: int = 8, bucket
                 t0 = time.perf_counter()
             x, y = make_batch(local, config.block_size, config.vocab_size, seed=100 * rank + i)
             train_step(model, opt, x.to(dev), y.to(dev))
-        elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64, device=dev)
+        elapsed = torch.tensor(
+            [(time.perf_counter() - t0) / steps], dtype=torch.float64, device=dev
+        )
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         result[key] = elapsed.item()
     result["tokens_per_s"] = result["tokens_per_step"] / result["step_s"]
@@ -290,7 +422,9 @@ def ddp_step_time(config: GPTConfig | None = None, global_batch: int = 8, bucket
 def _blocking_bucketed(model, bucket_cap_mb: float, events: list) -> None:
     """After backward: one *blocking* all-reduce per bucket (flatten, reduce, copy back): bucketing, no overlap."""
     world = dist.get_world_size()
-    for i, bucket in enumerate(make_buckets([p for _, p in trainable_parameters(model)], bucket_cap_mb * 2**20)):
+    for i, bucket in enumerate(
+        make_buckets([p for _, p in trainable_parameters(model)], bucket_cap_mb * 2**20)
+    ):
         t0 = time.perf_counter()
         flat = torch.cat([p.grad.reshape(-1) for p in bucket]).div_(world)
         comm.all_reduce(flat, tag="grad")
@@ -350,12 +484,15 @@ class _Clock:
 
     def __init__(self, model):
         self.t: dict[str, float] = {}
-        model.register_forward_pre_hook(lambda *_: self.t.__setitem__("forward", time.perf_counter()))
+        model.register_forward_pre_hook(
+            lambda *_: self.t.__setitem__("forward", time.perf_counter())
+        )
         model.register_forward_hook(lambda *_: self.t.__setitem__("backward", time.perf_counter()))
 
 
-def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 2.0,
-                  steps: int = 3) -> TimelineResult:
+def ddp_timelines(
+    config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 2.0, steps: int = 3
+) -> TimelineResult:
     """Rank function: one step's compute/communication timeline for the four ways to average gradients.
 
     Overlap and bucketing, each alone and together: ``"naive"`` (per parameter, blocking, after
@@ -371,7 +508,10 @@ def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_c
     x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=rank)
     x, y = x.to(dev), y.to(dev)
     out = {}
-    for key in ("naive", "blocking_bucketed"):  # backward first, then communicate, one blocking call at a time
+    for key in (
+        "naive",
+        "blocking_bucketed",
+    ):  # backward first, then communicate, one blocking call at a time
         model = GPT(config, seed=0).to(dev)
         opt, clock = torch.optim.SGD(model.parameters(), lr=1e-3), _Clock(model)
         for _ in range(steps):
@@ -384,8 +524,10 @@ def ddp_timelines(config: GPTConfig | None = None, batch_size: int = 8, bucket_c
                 else:
                     _blocking_bucketed(model, bucket_cap_mb, events)
                 t = clock.t
-                events[:0] = [("compute", "forward", t["forward"], t["backward"]),
-                              ("compute", "backward", t["backward"], t_backward_end)]
+                events[:0] = [
+                    ("compute", "forward", t["forward"], t["backward"]),
+                    ("compute", "backward", t["backward"], t_backward_end),
+                ]
 
             dist.barrier()
             train_step(model, opt, x, y, after_backward=communicate)
@@ -417,7 +559,9 @@ def ddp_benchmark(world_size: int = 2, timeout: float = 600, **kwargs) -> dict:
     res = spawn(ddp_throughput, world_size, kwargs=kwargs, timeout=timeout)[0]
     variants = [v for v in RACE_VARIANTS if v in res]
     if "torch_ddp" in res:
-        res["ratios_vs_torch"] = {v: res[v]["tokens_per_s"] / res["torch_ddp"]["tokens_per_s"] for v in variants}
+        res["ratios_vs_torch"] = {
+            v: res[v]["tokens_per_s"] / res["torch_ddp"]["tokens_per_s"] for v in variants
+        }
     return res
 
 
@@ -435,11 +579,15 @@ def scaling(world_sizes=None, timeout: float = 600, **kwargs) -> list[dict]:
 
 
 def format_throughput(res: dict) -> str:
-    lines = [f"world {res['world_size']}, {res['params'] / 1e6:.2f}M params, {res['tokens_per_step']} tokens/step, "
-             f"bucket_cap_mb={res['bucket_cap_mb']}",
-             f"{'variant':<16}{'step (ms)':>11}{'tokens/s':>11}{'vs torch':>10}"]
+    lines = [
+        f"world {res['world_size']}, {res['params'] / 1e6:.2f}M params, {res['tokens_per_step']} tokens/step, "
+        f"bucket_cap_mb={res['bucket_cap_mb']}",
+        f"{'variant':<16}{'step (ms)':>11}{'tokens/s':>11}{'vs torch':>10}",
+    ]
     for v in RACE_VARIANTS:
         if v in res:
             ratio = res.get("ratios_vs_torch", {}).get(v, float("nan"))
-            lines.append(f"{v:<16}{res[v]['step_s'] * 1e3:>11.1f}{res[v]['tokens_per_s']:>11.0f}{ratio:>10.2f}")
+            lines.append(
+                f"{v:<16}{res[v]['step_s'] * 1e3:>11.1f}{res[v]['tokens_per_s']:>11.0f}{ratio:>10.2f}"
+            )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ time of the gradient all-reduce, to compare with the α–β prediction). Parent
 :func:`predict_gradient_allreduce` fits α–β (``collectives.measure_alpha_beta``) and predicts.
 Both notebook-facing results are :class:`results.Measured`: read like the dicts they were, with rows.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -22,9 +23,21 @@ from ..models import GPT, GPTConfig
 from ..results import Measured
 from .common import bench_config, make_optimizer, shard_batch, small_config, step_batch, train_step
 
-__all__ = ["COMPRESSION_VARIANTS", "compression_accuracy", "gradient_allreduce_time", "predict_gradient_allreduce"]
+__all__ = [
+    "COMPRESSION_VARIANTS",
+    "compression_accuracy",
+    "gradient_allreduce_time",
+    "predict_gradient_allreduce",
+]
 
-COMPRESSION_VARIANTS = ("own_fp32", "own_fp16", "own_bf16", "torch_fp32", "torch_fp16", "torch_powersgd")
+COMPRESSION_VARIANTS = (
+    "own_fp32",
+    "own_fp16",
+    "own_bf16",
+    "torch_fp32",
+    "torch_fp16",
+    "torch_powersgd",
+)
 
 
 def _wrap(variant: str, model, bucket_cap_mb: float):
@@ -36,8 +49,12 @@ def _wrap(variant: str, model, bucket_cap_mb: float):
     wrapped = torch_ddp(model, bucket_cap_mb=bucket_cap_mb)
     if variant == "torch_fp16":
         wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif variant == "torch_powersgd":  # rank-1 low-rank approximation of each gradient matrix, after 2 plain steps
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    elif (
+        variant == "torch_powersgd"
+    ):  # rank-1 low-rank approximation of each gradient matrix, after 2 plain steps
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
         wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif variant != "torch_fp32":
         raise ValueError(f"unknown variant {variant!r}; choose from {COMPRESSION_VARIANTS}")
@@ -58,8 +75,13 @@ def _try_torch_bf16_hook(config: GPTConfig, bucket_cap_mb: float) -> str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def compression_accuracy(steps: int = 40, global_batch: int = 16, bucket_cap_mb: float = 25.0,
-                         variants=COMPRESSION_VARIANTS, config: GPTConfig | None = None) -> Measured:
+def compression_accuracy(
+    steps: int = 40,
+    global_batch: int = 16,
+    bucket_cap_mb: float = 25.0,
+    variants=COMPRESSION_VARIANTS,
+    config: GPTConfig | None = None,
+) -> Measured:
     """Rank function: train each variant ``steps`` AdamW steps from the same init on the same data.
 
     Returns :class:`Measured` reading as ``{"loss": {variant: loss on a held-out batch after
@@ -85,20 +107,35 @@ def compression_accuracy(steps: int = 40, global_batch: int = 16, bucket_cap_mb:
                 grad_bytes[variant] = log.total("tensor_bytes", tag="grad")
         with torch.no_grad():
             loss[variant] = model(x_eval, y_eval)[1].item()
-    result = Measured(values={"loss": loss, "grad_bytes_per_step": grad_bytes, "steps": steps,
-                                  "torch_bf16_hook": _try_torch_bf16_hook(config, bucket_cap_mb)})
+    result = Measured(
+        values={
+            "loss": loss,
+            "grad_bytes_per_step": grad_bytes,
+            "steps": steps,
+            "torch_bf16_hook": _try_torch_bf16_hook(config, bucket_cap_mb),
+        }
+    )
     for low in ("own_fp16", "own_bf16"):
         if low in grad_bytes and "own_fp32" in grad_bytes:
-            result.exact(f"{low}: gradient bytes per step", grad_bytes[low], grad_bytes["own_fp32"] // 2,
-                         against="formula: half of own_fp32's")
-    for low, ref in (("own_fp16", "own_fp32"), ("own_bf16", "own_fp32"), ("torch_fp16", "torch_fp32")):
+            result.exact(
+                f"{low}: gradient bytes per step",
+                grad_bytes[low],
+                grad_bytes["own_fp32"] // 2,
+                against="formula: half of own_fp32's",
+            )
+    for low, ref in (
+        ("own_fp16", "own_fp32"),
+        ("own_bf16", "own_fp32"),
+        ("torch_fp16", "torch_fp32"),
+    ):
         if low in loss and ref in loss:
             result.within(f"{low}: held-out loss", loss[low], loss[ref], 0.01, against=ref)
     return result
 
 
-def gradient_allreduce_time(config: GPTConfig | None = None, bucket_cap_mb: float = 25.0, repeats: int = 7,
-                            warmup: int = 2) -> dict:
+def gradient_allreduce_time(
+    config: GPTConfig | None = None, bucket_cap_mb: float = 25.0, repeats: int = 7, warmup: int = 2
+) -> dict:
     """Rank function: seconds for the gradient all-reduce of ``config``'s model alone, bucket by bucket.
 
     Real gradients (one SGD step's) packed into DDP's buckets, then the buckets all-reduced back to
@@ -109,8 +146,10 @@ def gradient_allreduce_time(config: GPTConfig | None = None, bucket_cap_mb: floa
     dev = device()
     model = GPT(config, seed=0).to(dev)
     train_step(model, make_optimizer("sgd", model.parameters()), *step_batch(0, config, 8, dev))
-    flats = [torch.cat([p.grad.reshape(-1) for p in b])
-             for b in make_buckets([p for _, p in trainable_parameters(model)], bucket_cap_mb * 2**20)]
+    flats = [
+        torch.cat([p.grad.reshape(-1) for p in b])
+        for b in make_buckets([p for _, p in trainable_parameters(model)], bucket_cap_mb * 2**20)
+    ]
     rounds = []
     for i in range(warmup + repeats):
         dist.barrier()
@@ -121,12 +160,16 @@ def gradient_allreduce_time(config: GPTConfig | None = None, bucket_cap_mb: floa
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if i >= warmup:
             rounds.append(t.item())
-    return {"bucket_bytes": [f.numel() * f.element_size() for f in flats], "measured_s": statistics.median(rounds),
-            "rounds_s": rounds}
+    return {
+        "bucket_bytes": [f.numel() * f.element_size() for f in flats],
+        "measured_s": statistics.median(rounds),
+        "rounds_s": rounds,
+    }
 
 
-def predict_gradient_allreduce(world_size: int = 2, bucket_cap_mb: float = 25.0,
-                               config: GPTConfig | None = None) -> Measured:
+def predict_gradient_allreduce(
+    world_size: int = 2, bucket_cap_mb: float = 25.0, config: GPTConfig | None = None
+) -> Measured:
     """Parent side: fit α–β to a short all-reduce sweep, predict the gradient all-reduce, then measure it.
 
     Returns :class:`Measured` reading as ``{"alpha_s", "beta_bytes_per_s", "bucket_bytes",
@@ -139,14 +182,33 @@ def predict_gradient_allreduce(world_size: int = 2, bucket_cap_mb: float = 25.0,
 
     fit, _ = measure_alpha_beta(world_size, ops=("all_reduce",))
     config = config or bench_config()
-    sizes = [sum(p.numel() * p.element_size() for p in b)
-             for b in make_buckets([p for _, p in trainable_parameters(GPT(config))], bucket_cap_mb * 2**20)]
+    sizes = [
+        sum(p.numel() * p.element_size() for p in b)
+        for b in make_buckets(
+            [p for _, p in trainable_parameters(GPT(config))], bucket_cap_mb * 2**20
+        )
+    ]
     predicted = sum(fit.predict("all_reduce", b, world_size) for b in sizes)
-    got = spawn(gradient_allreduce_time, world_size, kwargs=dict(config=config, bucket_cap_mb=bucket_cap_mb))[0]
+    got = spawn(
+        gradient_allreduce_time, world_size, kwargs=dict(config=config, bucket_cap_mb=bucket_cap_mb)
+    )[0]
     ratio = got["measured_s"] / predicted
-    result = Measured(values={"alpha_s": fit.alpha_s["all_reduce"], "bucket_bytes": sizes,
-                                  "beta_bytes_per_s": fit.beta_bytes_per_s["all_reduce"],
-                                  "predicted_s": predicted, "measured_s": got["measured_s"], "ratio": ratio})
-    result.condition("gradient all-reduce: measured / predicted", ratio, 0.5 <= ratio <= 2, "within 0.5–2×",
-                     reference=1.0, against="α–β prediction")
+    result = Measured(
+        values={
+            "alpha_s": fit.alpha_s["all_reduce"],
+            "bucket_bytes": sizes,
+            "beta_bytes_per_s": fit.beta_bytes_per_s["all_reduce"],
+            "predicted_s": predicted,
+            "measured_s": got["measured_s"],
+            "ratio": ratio,
+        }
+    )
+    result.condition(
+        "gradient all-reduce: measured / predicted",
+        ratio,
+        0.5 <= ratio <= 2,
+        "within 0.5–2×",
+        reference=1.0,
+        against="α–β prediction",
+    )
     return result

@@ -17,6 +17,7 @@ Every run returns full tensors (``full_state``, CPU) where equality with one dev
 so the test process can judge it against its own reference. Instruments (counters, the memory
 tracker, the issue timeline) come from :mod:`course_lib.fsdp_meters`.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -32,11 +33,30 @@ from ..fsdp_meters import IssueTimeline, counted_step, memory_tracker, phased_st
 from ..launch import device
 from ..models import GPT, GPTConfig
 from ..results import ADAMW, SGD
-from .common import (Result, check_global_batch, make_optimizer, median_times, race, reference_run, shard_batch,
-                     state_diff, step_batch, train_step, zero_config)
+from .common import (
+    Result,
+    check_global_batch,
+    make_optimizer,
+    median_times,
+    race,
+    reference_run,
+    shard_batch,
+    state_diff,
+    step_batch,
+    train_step,
+    zero_config,
+)
 
-__all__ = ["features_config", "cpu_state", "timed_in_every_round", "reshard_memory_and_traffic",
-           "accumulation_without_sync", "hsdp", "reshard_to_smaller_mesh", "prefetch_timeline"]
+__all__ = [
+    "features_config",
+    "cpu_state",
+    "timed_in_every_round",
+    "reshard_memory_and_traffic",
+    "accumulation_without_sync",
+    "hsdp",
+    "reshard_to_smaller_mesh",
+    "prefetch_timeline",
+]
 
 
 def features_config(**overrides) -> GPTConfig:
@@ -62,7 +82,9 @@ def _per_group(cc: CollectiveCounter) -> dict:
     """``{group: {op: {"calls", "tensor_bytes", "group_size"}}}`` over a counter's records."""
     out: dict = {}
     for r in cc.records:
-        row = out.setdefault(r.group, {}).setdefault(r.op, {"calls": 0, "tensor_bytes": 0, "group_size": r.world_size})
+        row = out.setdefault(r.group, {}).setdefault(
+            r.op, {"calls": 0, "tensor_bytes": 0, "group_size": r.world_size}
+        )
         row["calls"] += 1
         row["tensor_bytes"] += r.tensor_bytes
     return out
@@ -83,28 +105,58 @@ class ReshardResult(Result):
     peak: dict  # {mode: peak total bytes over the step (FSDPMemTracker)}
     peak_breakdown: dict  # {mode: {category: bytes at that peak}}
     peak_gathered: dict  # {mode: most unsharded-parameter bytes at once}
-    trace: dict = field(repr=False, default_factory=dict)  # {mode: [(phase, total, unsharded)] per op}
+    trace: dict = field(
+        repr=False, default_factory=dict
+    )  # {mode: [(phase, total, unsharded)] per op}
 
     def add_rows(self) -> "ReshardResult":
         ring = (self.world_size - 1) / self.world_size
         full = 4 * self.psi_pad
         block, bound = self.block_param_bytes, self.root_param_bytes + 2 * self.block_param_bytes
-        self.exact("reshard=True sends 3·(N−1)/N·4Ψ_pad per step", self.sent["True"], 3 * ring * full,
-                   against="formula 3·(N−1)/N·4Ψ_pad")
-        self.exact("reshard=False sends 2·(N−1)/N·4Ψ_pad per step (no backward all-gather)",
-                   self.sent["False"], 2 * ring * full, against="formula 2·(N−1)/N·4Ψ_pad")
+        self.exact(
+            "reshard=True sends 3·(N−1)/N·4Ψ_pad per step",
+            self.sent["True"],
+            3 * ring * full,
+            against="formula 3·(N−1)/N·4Ψ_pad",
+        )
+        self.exact(
+            "reshard=False sends 2·(N−1)/N·4Ψ_pad per step (no backward all-gather)",
+            self.sent["False"],
+            2 * ring * full,
+            against="formula 2·(N−1)/N·4Ψ_pad",
+        )
         extra = self.peak["False"] - self.peak["True"]
-        self.condition("False's peak exceeds True's by at least one block's gathered parameters", extra,
-                       extra >= block, "≥", reference=block, against="one block, 4Ψ_pad(block)")
+        self.condition(
+            "False's peak exceeds True's by at least one block's gathered parameters",
+            extra,
+            extra >= block,
+            "≥",
+            reference=block,
+            against="one block, 4Ψ_pad(block)",
+        )
         gathered = self.peak_gathered
-        self.condition("False holds every unit gathered at once (the whole model)", gathered["False"],
-                       gathered["False"] >= full, "≥", reference=full, against="the model, 4Ψ_pad")
-        self.condition("True never holds more than the root + 2 blocks gathered", gathered["True"],
-                       gathered["True"] <= bound, "≤", reference=bound, against="root + 2 blocks")
+        self.condition(
+            "False holds every unit gathered at once (the whole model)",
+            gathered["False"],
+            gathered["False"] >= full,
+            "≥",
+            reference=full,
+            against="the model, 4Ψ_pad",
+        )
+        self.condition(
+            "True never holds more than the root + 2 blocks gathered",
+            gathered["True"],
+            gathered["True"] <= bound,
+            "≤",
+            reference=bound,
+            against="root + 2 blocks",
+        )
         return self
 
 
-def reshard_memory_and_traffic(config: GPTConfig | None = None, global_batch: int = 8) -> ReshardResult:
+def reshard_memory_and_traffic(
+    config: GPTConfig | None = None, global_batch: int = 8
+) -> ReshardResult:
     """Rank function: one AdamW step each with ``reshard_after_forward`` True and False, counted and tracked.
 
     After a warm-up step (FSDP2's lazy init, AdamW's state), one step under
@@ -123,9 +175,13 @@ def reshard_memory_and_traffic(config: GPTConfig | None = None, global_batch: in
         opt = make_optimizer("adamw", model.parameters())
         train_step(model, opt, x, y)
         cc, _ = counted_step(model, opt, x, y)
-        sent[key] = cc.total("ring_bytes", op="all_gather") + cc.total("ring_bytes", op="reduce_scatter")
-        colls[key] = {op: {t: cc.count(op=op, tag=t) for t in ("forward", "backward")}
-                      for op in ("all_gather", "reduce_scatter")}
+        sent[key] = cc.total("ring_bytes", op="all_gather") + cc.total(
+            "ring_bytes", op="reduce_scatter"
+        )
+        colls[key] = {
+            op: {t: cc.count(op=op, tag=t) for t in ("forward", "backward")}
+            for op in ("all_gather", "reduce_scatter")
+        }
         opt.zero_grad(set_to_none=True)
         tracker = memory_tracker(model, opt)
         tracker.track_inputs((x, y))
@@ -139,8 +195,19 @@ def reshard_memory_and_traffic(config: GPTConfig | None = None, global_batch: in
         trace[key] = tracker.trace
         block_bytes = 4 * padded_numel(model.blocks[0], n)
     root = 4 * padded_numel(model, n) - len(model.blocks) * block_bytes
-    return ReshardResult(n, len(model.blocks) + 1, padded_numel(model, n), block_bytes, root, sent, colls, peak,
-                         breakdown, gathered, trace).add_rows()
+    return ReshardResult(
+        n,
+        len(model.blocks) + 1,
+        padded_numel(model, n),
+        block_bytes,
+        root,
+        sent,
+        colls,
+        peak,
+        breakdown,
+        gathered,
+        trace,
+    ).add_rows()
 
 
 # =========================================================================== gradient accumulation
@@ -159,19 +226,33 @@ class AccumulationResult(Result):
     def add_rows(self, reference: dict) -> "AccumulationResult":
         """``reference``: one device's state dict after the same steps on the big batches."""
         rs, m, u = self.reduce_scatters, self.micro_batches, self.units
-        self.exact("syncing every micro-batch reduce-scatters M·units times per step", rs["sync_each"], m * u,
-                   against="formula M·units")
-        self.exact("set_requires_gradient_sync(False) reduce-scatters once per unit per step", rs["no_sync"], u,
-                   against="formula units")
+        self.exact(
+            "syncing every micro-batch reduce-scatters M·units times per step",
+            rs["sync_each"],
+            m * u,
+            against="formula M·units",
+        )
+        self.exact(
+            "set_requires_gradient_sync(False) reduce-scatters once per unit per step",
+            rs["no_sync"],
+            u,
+            against="formula units",
+        )
         got = {f"{v}/{k}": t for v, sd in self.full_state.items() for k, t in sd.items()}
         want = {f"{v}/{k}": reference[k] for v in self.full_state for k in reference}
-        self.equal("both equal one device on the big batch (max |Δ| ≤ 1e-6, SGD)", got, want, SGD,
-                   against="one device (big batch)")
+        self.equal(
+            "both equal one device on the big batch (max |Δ| ≤ 1e-6, SGD)",
+            got,
+            want,
+            SGD,
+            against="one device (big batch)",
+        )
         return self
 
 
-def accumulation_without_sync(micro_batches: int = 4, steps: int = 3, global_batch: int = 16,
-                              config: GPTConfig | None = None) -> AccumulationResult:
+def accumulation_without_sync(
+    micro_batches: int = 4, steps: int = 3, global_batch: int = 16, config: GPTConfig | None = None
+) -> AccumulationResult:
     """Rank function: M micro-batches per step, gradients synced each time vs only on the last one.
 
     ``set_requires_gradient_sync(False)`` (FSDP1's ``no_sync``) makes each unit accumulate its
@@ -227,21 +308,44 @@ class HSDPResult(Result):
         """``reference``: one device's state dict after the same steps on the full batches."""
         g, u = self.per_group, self.units
         ag = g.get("shard", {}).get("all_gather", {})
-        self.condition("all-gathers run on the shard dimension (groups of 2), one per unit per pass",
-                       (ag.get("calls"), ag.get("group_size")), (ag.get("calls"), ag.get("group_size")) == (2 * u, 2),
-                       "(calls, group size) exact", reference=(2 * u, 2), against="2 per unit, shard groups")
-        self.exact("reduce-scatters run on the shard dimension, one per unit",
-                   g.get("shard", {}).get("reduce_scatter", {}).get("calls"), u, against="one per unit")
+        self.condition(
+            "all-gathers run on the shard dimension (groups of 2), one per unit per pass",
+            (ag.get("calls"), ag.get("group_size")),
+            (ag.get("calls"), ag.get("group_size")) == (2 * u, 2),
+            "(calls, group size) exact",
+            reference=(2 * u, 2),
+            against="2 per unit, shard groups",
+        )
+        self.exact(
+            "reduce-scatters run on the shard dimension, one per unit",
+            g.get("shard", {}).get("reduce_scatter", {}).get("calls"),
+            u,
+            against="one per unit",
+        )
         ar = g.get("replicate", {}).get("all_reduce", {})
-        self.condition("all-reduces run on the replicate dimension, one per unit",
-                       (ar.get("calls"), ar.get("group_size")), (ar.get("calls"), ar.get("group_size")) == (u, 2),
-                       "(calls, group size) exact", reference=(u, 2), against="one per unit, replicate groups")
+        self.condition(
+            "all-reduces run on the replicate dimension, one per unit",
+            (ar.get("calls"), ar.get("group_size")),
+            (ar.get("calls"), ar.get("group_size")) == (u, 2),
+            "(calls, group size) exact",
+            reference=(u, 2),
+            against="one per unit, replicate groups",
+        )
         kinds = sorted(f"{dim}:{op}" for dim, ops in g.items() for op in ops)
         only = set(g) == {"shard", "replicate"} and set(g["replicate"]) == {"all_reduce"}
-        self.condition("nothing else is communicated", kinds, only,
-                       "groups: shard, replicate; on replicate only all_reduce")
-        self.equal("HSDP equals one device (AdamW, allclose 1e-5)", self.full_state, reference, ADAMW,
-                   against="one device (full batch)")
+        self.condition(
+            "nothing else is communicated",
+            kinds,
+            only,
+            "groups: shard, replicate; on replicate only all_reduce",
+        )
+        self.equal(
+            "HSDP equals one device (AdamW, allclose 1e-5)",
+            self.full_state,
+            reference,
+            ADAMW,
+            against="one device (full batch)",
+        )
         return self
 
 
@@ -266,14 +370,27 @@ def hsdp(steps: int = 4, global_batch: int = 8, config: GPTConfig | None = None)
     opt = make_optimizer("adamw", model.parameters())
     local = []
     for step in range(steps - 1):
-        local.append(train_step(model, opt, *shard_batch(*step_batch(step, config, global_batch, dev))))
-    cc, loss = counted_step(model, opt, *shard_batch(*step_batch(steps - 1, config, global_batch, dev)))
+        local.append(
+            train_step(model, opt, *shard_batch(*step_batch(step, config, global_batch, dev)))
+        )
+    cc, loss = counted_step(
+        model, opt, *shard_batch(*step_batch(steps - 1, config, global_batch, dev))
+    )
     local.append(loss)
     reference, _, _ = reference_run(config, steps, global_batch, "adamw", dev=dev)
     full, ref = full_state_dict(model), reference.state_dict()
     shapes = {k: tuple(p.to_local().shape) for k, p in model.named_parameters()}
-    result = HSDPResult(n, (2, 2), len(model.blocks) + 1, _per_group(cc), state_diff(full, reference),
-                        ADAMW.ok(full, ref), local, cpu_state(full), shapes)
+    result = HSDPResult(
+        n,
+        (2, 2),
+        len(model.blocks) + 1,
+        _per_group(cc),
+        state_diff(full, reference),
+        ADAMW.ok(full, ref),
+        local,
+        cpu_state(full),
+        shapes,
+    )
     return result.add_rows(ref)
 
 
@@ -283,25 +400,41 @@ class ReshardToIntResult(Result):
     reshard_after_forward: int
     units: int
     all_gathers: dict  # {phase: {group size: calls}}
-    local_numel_after_forward: int  # elements of block 0's registered parameters between forward and backward
+    local_numel_after_forward: (
+        int  # elements of block 0's registered parameters between forward and backward
+    )
     local_numel_sharded: int
     full_numel: int
 
     def add_rows(self) -> "ReshardToIntResult":
         u, k, n = self.units, self.reshard_after_forward, self.world_size
-        self.exact(f"forward all-gathers span all {n} ranks", self.all_gathers.get("forward"), {n: u},
-                   against="{group size: calls}, one per unit")
-        self.exact(f"backward all-gathers span only {k} ranks (the smaller mesh)", self.all_gathers.get("backward"),
-                   {k: u}, against="{group size: calls}, one per unit")
+        self.exact(
+            f"forward all-gathers span all {n} ranks",
+            self.all_gathers.get("forward"),
+            {n: u},
+            against="{group size: calls}, one per unit",
+        )
+        self.exact(
+            f"backward all-gathers span only {k} ranks (the smaller mesh)",
+            self.all_gathers.get("backward"),
+            {k: u},
+            against="{group size: calls}, one per unit",
+        )
         held = self.local_numel_after_forward
-        self.condition(f"between forward and backward a rank holds 1/{k} of a block, not 1/{n} nor all of it",
-                       held, self.local_numel_sharded < held < self.full_numel, "between",
-                       reference=(self.local_numel_sharded, self.full_numel), against="(1/N, all) elements")
+        self.condition(
+            f"between forward and backward a rank holds 1/{k} of a block, not 1/{n} nor all of it",
+            held,
+            self.local_numel_sharded < held < self.full_numel,
+            "between",
+            reference=(self.local_numel_sharded, self.full_numel),
+            against="(1/N, all) elements",
+        )
         return self
 
 
-def reshard_to_smaller_mesh(reshard_after_forward: int = 2, global_batch: int = 8,
-                            config: GPTConfig | None = None) -> ReshardToIntResult:
+def reshard_to_smaller_mesh(
+    reshard_after_forward: int = 2, global_batch: int = 8, config: GPTConfig | None = None
+) -> ReshardToIntResult:
     """Rank function (world 4): ``reshard_after_forward=2`` — after forward, keep 1/2 of each unit, not 1/4.
 
     The middle ground between True (re-gather from 1/N) and False (keep everything): after a
@@ -314,16 +447,22 @@ def reshard_to_smaller_mesh(reshard_after_forward: int = 2, global_batch: int = 
     config = config or features_config()
     n, dev = dist.get_world_size(), device()
     check_global_batch(global_batch, n)
-    model = _units(GPT(config, seed=0).to(dev), init_device_mesh(dev.type, (n,)),
-                   reshard_after_forward=reshard_after_forward)
+    model = _units(
+        GPT(config, seed=0).to(dev),
+        init_device_mesh(dev.type, (n,)),
+        reshard_after_forward=reshard_after_forward,
+    )
     opt = make_optimizer("adamw", model.parameters())
     x, y = shard_batch(*step_batch(0, config, global_batch, dev))
     train_step(model, opt, x, y)
     sharded = sum(p.to_local().numel() for p in model.blocks[0].parameters())
     held = []  # block 0's registered elements once the forward is done (before backward)
     block0 = model.blocks[0].parameters
-    hook = model.register_forward_hook(lambda m, a, o: held.append(
-        sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in block0())))
+    hook = model.register_forward_hook(
+        lambda m, a, o: held.append(
+            sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in block0())
+        )
+    )
     cc, _ = counted_step(model, opt, x, y)
     hook.remove()
     after = held[0]
@@ -331,8 +470,15 @@ def reshard_to_smaller_mesh(reshard_after_forward: int = 2, global_batch: int = 
     for r in cc.select(op="all_gather"):
         phase = gathers.setdefault(r.tag, {})
         phase[r.world_size] = phase.get(r.world_size, 0) + 1
-    return ReshardToIntResult(n, reshard_after_forward, len(model.blocks) + 1, gathers, after, sharded,
-                              sum(p.numel() for p in model.blocks[0].parameters())).add_rows()
+    return ReshardToIntResult(
+        n,
+        reshard_after_forward,
+        len(model.blocks) + 1,
+        gathers,
+        after,
+        sharded,
+        sum(p.numel() for p in model.blocks[0].parameters()),
+    ).add_rows()
 
 
 # =========================================================================== prefetch
@@ -342,29 +488,45 @@ def reshard_to_smaller_mesh(reshard_after_forward: int = 2, global_batch: int = 
 class PrefetchResult(Result):
     world_size: int
     n_layer: int
-    gathers_issued_at_block_start: dict  # {variant: [forward all-gathers issued when block i starts]}
+    gathers_issued_at_block_start: (
+        dict  # {variant: [forward all-gathers issued when block i starts]}
+    )
     events: dict  # {variant: [(kind, label, start_s, end_s)]}: "F"/"B" compute per block, "AG"/"RS" issue spans
     step_s: dict  # {variant: median step seconds (interleaved rounds, max over ranks)}
     step_s_rounds: dict
 
     def add_rows(self) -> "PrefetchResult":
         L, g = self.n_layer, self.gathers_issued_at_block_start
-        self.exact("without a plan, block i's all-gather is issued when block i starts (root + i+1 issued)",
-                   g["implicit"], [i + 2 for i in range(L)], against="root + i+1, per block")
-        self.exact("with set_modules_to_forward_prefetch, block i+1's is already issued when block i starts",
-                   g["explicit"], [min(i + 3, L + 1) for i in range(L)], against="root + i+2, per block")
-        self.condition("both step times were measured (no speed-up asserted: on CPU gloo the all-gather runs in "
-                       "the caller's time)", {v: len(r) for v, r in self.step_s_rounds.items()},
-                       timed_in_every_round(self.step_s, self.step_s_rounds),
-                       "every variant timed in every round (> 0 s); step = median of its rounds")
+        self.exact(
+            "without a plan, block i's all-gather is issued when block i starts (root + i+1 issued)",
+            g["implicit"],
+            [i + 2 for i in range(L)],
+            against="root + i+1, per block",
+        )
+        self.exact(
+            "with set_modules_to_forward_prefetch, block i+1's is already issued when block i starts",
+            g["explicit"],
+            [min(i + 3, L + 1) for i in range(L)],
+            against="root + i+2, per block",
+        )
+        self.condition(
+            "both step times were measured (no speed-up asserted: on CPU gloo the all-gather runs in "
+            "the caller's time)",
+            {v: len(r) for v, r in self.step_s_rounds.items()},
+            timed_in_every_round(self.step_s, self.step_s_rounds),
+            "every variant timed in every round (> 0 s); step = median of its rounds",
+        )
         return self
 
 
 def timed_in_every_round(step_s: dict, rounds: dict) -> bool:
     """Each variant was timed in the same number of rounds, every time > 0, and reports their median."""
     counts = {len(r) for r in rounds.values()}
-    return len(counts) == 1 and min(counts) > 0 and all(
-        min(r) > 0 and step_s[v] == statistics.median(r) for v, r in rounds.items())
+    return (
+        len(counts) == 1
+        and min(counts) > 0
+        and all(min(r) > 0 and step_s[v] == statistics.median(r) for v, r in rounds.items())
+    )
 
 
 def _block_spans(model, timeline: IssueTimeline):
@@ -373,9 +535,12 @@ def _block_spans(model, timeline: IssueTimeline):
     now = timeline.now
     handles = []
     for i, block in enumerate(model.blocks):
+
         def pre(m, args, i=i):
             if torch.is_grad_enabled() and args[0].requires_grad:
-                args[0].register_hook(lambda g, i=i: events.append(("B", str(i), open_.pop(("B", i)), now())))
+                args[0].register_hook(
+                    lambda g, i=i: events.append(("B", str(i), open_.pop(("B", i)), now()))
+                )
             at_start.append(timeline.issued("all_gather"))
             open_[("F", i)] = now()
 
@@ -388,7 +553,9 @@ def _block_spans(model, timeline: IssueTimeline):
     return at_start, handles
 
 
-def prefetch_timeline(config: GPTConfig | None = None, global_batch: int = 8, rounds: int = 3) -> PrefetchResult:
+def prefetch_timeline(
+    config: GPTConfig | None = None, global_batch: int = 8, rounds: int = 3
+) -> PrefetchResult:
     """Rank function: FSDP2 with and without an explicit prefetch plan (:func:`fsdp.set_prefetch`).
 
     Explicit plan: each block all-gathers the next one in forward (``set_modules_to_forward_prefetch``)
@@ -408,8 +575,11 @@ def prefetch_timeline(config: GPTConfig | None = None, global_batch: int = 8, ro
         model = fsdp2_wrap(GPT(config, seed=0).to(dev))
         if variant == "explicit":
             b = list(model.blocks)
-            set_prefetch(model, forward={model: [b[0]], **{b[i]: [b[i + 1]] for i in range(len(b) - 1)}},
-                         backward={b[i]: [b[i - 1]] for i in range(1, len(b))})
+            set_prefetch(
+                model,
+                forward={model: [b[0]], **{b[i]: [b[i + 1]] for i in range(len(b) - 1)}},
+                backward={b[i]: [b[i - 1]] for i in range(1, len(b))},
+            )
         models[variant], opts[variant] = model, make_optimizer("adamw", model.parameters())
         train_step(model, opts[variant], x, y)  # lazy init, optimizer state
         dist.barrier()
@@ -419,5 +589,9 @@ def prefetch_timeline(config: GPTConfig | None = None, global_batch: int = 8, ro
         for h in handles:
             h.remove()
         events[variant], at_start[variant] = sorted(timeline.events, key=lambda e: e[2]), starts
-    times = race({v: (lambda v=v: train_step(models[v], opts[v], x, y)) for v in models}, rounds=rounds)
-    return PrefetchResult(n, config.n_layer, at_start, events, median_times(times), times).add_rows()
+    times = race(
+        {v: (lambda v=v: train_step(models[v], opts[v], x, y)) for v in models}, rounds=rounds
+    )
+    return PrefetchResult(
+        n, config.n_layer, at_start, events, median_times(times), times
+    ).add_rows()

@@ -14,6 +14,7 @@ Rank functions (run with ``launch.spawn``; each returns a :class:`common.Result`
 saved-tensor hooks, which shadow ours, so it would read ≈0. A dispatch-mode tracker sees every
 allocation regardless.)
 """
+
 from __future__ import annotations
 
 import math
@@ -24,19 +25,42 @@ import torch
 import torch.distributed as dist
 
 from ..formulas import checkpointed_block_activation_bytes
-from ..fsdp import fsdp2_wrap, full_state_dict, full_training_state, load_sharded_checkpoint, save_sharded_checkpoint
+from ..fsdp import (
+    fsdp2_wrap,
+    full_state_dict,
+    full_training_state,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from ..fsdp_meters import tracker_bytes
 from ..launch import device
 from ..memory import model_state_bytes
 from ..models import GPT, GPTConfig
 from ..results import EXACT, SGD
-from .common import (Result, check_global_batch, make_optimizer, median_times, race, reference_run, shard_batch,
-                     state_diff, step_batch, train_step)
+from .common import (
+    Result,
+    check_global_batch,
+    make_optimizer,
+    median_times,
+    race,
+    reference_run,
+    shard_batch,
+    state_diff,
+    step_batch,
+    train_step,
+)
 from .fsdp import digest
 from .fsdp_features import cpu_state, features_config, timed_in_every_round
 
-__all__ = ["clip_grad_norm", "activation_checkpointing", "meta_device_init", "checkpoint_save", "checkpoint_load",
-           "eval_batch", "flat_vs_per_parameter"]
+__all__ = [
+    "clip_grad_norm",
+    "activation_checkpointing",
+    "meta_device_init",
+    "checkpoint_save",
+    "checkpoint_load",
+    "eval_batch",
+    "flat_vs_per_parameter",
+]
 
 
 # =========================================================================== clipping
@@ -54,20 +78,40 @@ class ClipResult(Result):
 
     def add_rows(self, reference: dict) -> "ClipResult":
         """``reference``: one device's state dict after the same clipped steps."""
-        self.condition("clip_grad_norm_ returns the global norm (a DTensor, reduced over ranks)", self.norm_type,
-                       self.norm_type == "DTensor", "a DTensor")
-        self.condition("every step clipped (norm > max_norm)", min(self.norms),
-                       all(v > self.max_norm for v in self.norms), ">", reference=self.max_norm,
-                       against="max_norm")
-        self.equal("norms equal one device's (rel 1e-5)", self.norms, self.reference_norms, SGD,
-                   against="one device's clip_grad_norm_")
-        self.equal("weights equal one device's (max |Δ| ≤ 1e-6, SGD)", self.full_state, reference, SGD,
-                   against="one device (full batch)")
+        self.condition(
+            "clip_grad_norm_ returns the global norm (a DTensor, reduced over ranks)",
+            self.norm_type,
+            self.norm_type == "DTensor",
+            "a DTensor",
+        )
+        self.condition(
+            "every step clipped (norm > max_norm)",
+            min(self.norms),
+            all(v > self.max_norm for v in self.norms),
+            ">",
+            reference=self.max_norm,
+            against="max_norm",
+        )
+        self.equal(
+            "norms equal one device's (rel 1e-5)",
+            self.norms,
+            self.reference_norms,
+            SGD,
+            against="one device's clip_grad_norm_",
+        )
+        self.equal(
+            "weights equal one device's (max |Δ| ≤ 1e-6, SGD)",
+            self.full_state,
+            reference,
+            SGD,
+            against="one device (full batch)",
+        )
         return self
 
 
-def clip_grad_norm(steps: int = 3, max_norm: float = 0.05, global_batch: int = 8,
-                   config: GPTConfig | None = None) -> ClipResult:
+def clip_grad_norm(
+    steps: int = 3, max_norm: float = 0.05, global_batch: int = 8, config: GPTConfig | None = None
+) -> ClipResult:
     """Rank function: ``torch.nn.utils.clip_grad_norm_`` on FSDP2's sharded DTensor gradients.
 
     Each rank holds 1/N of every gradient; the norm is reduced over ranks inside DTensor (each
@@ -85,10 +129,19 @@ def clip_grad_norm(steps: int = 3, max_norm: float = 0.05, global_batch: int = 8
         norms.append((total.full_tensor() if hasattr(total, "full_tensor") else total).item())
 
     for step in range(steps):
-        train_step(model, opt, *shard_batch(*step_batch(step, config, global_batch, dev)), after_backward=clip)
-    reference, _, ref_norms = reference_run(config, steps, global_batch, "sgd", max_norm=max_norm, dev=dev)
+        train_step(
+            model,
+            opt,
+            *shard_batch(*step_batch(step, config, global_batch, dev)),
+            after_backward=clip,
+        )
+    reference, _, ref_norms = reference_run(
+        config, steps, global_batch, "sgd", max_norm=max_norm, dev=dev
+    )
     full = full_state_dict(model)
-    result = ClipResult(n, max_norm, norms, kind[0], ref_norms, state_diff(full, reference), cpu_state(full))
+    result = ClipResult(
+        n, max_norm, norms, kind[0], ref_norms, state_diff(full, reference), cpu_state(full)
+    )
     return result.add_rows(reference.state_dict())
 
 
@@ -100,7 +153,9 @@ class CheckpointingResult(Result):
     world_size: int
     n_layer: int
     local_batch: int
-    block_stack_activation_bytes: dict  # {"none"/"per_block": Activation bytes the blocks add in forward}
+    block_stack_activation_bytes: (
+        dict  # {"none"/"per_block": Activation bytes the blocks add in forward}
+    )
     activation_after_forward: dict  # {variant: all Activation bytes after the forward}
     peak: dict  # {variant: peak total bytes over forward + backward}
     formula_bytes: int  # formulas.checkpointed_block_activation_bytes: L block inputs
@@ -116,23 +171,48 @@ class CheckpointingResult(Result):
 
     def add_rows(self) -> "CheckpointingResult":
         got, peak = self.block_stack_activation_bytes, self.peak
-        self.within("with checkpointing the blocks keep only their inputs (formula, within 5 %)", got["per_block"],
-                    self.formula_bytes, 0.05, against="formula L·b·s·h·4")
-        self.condition("checkpointing keeps fewer activation bytes than no checkpointing", got["per_block"],
-                       got["per_block"] < got["none"], "<", reference=got["none"], against="no checkpointing")
-        self.condition("and lowers the step's peak", peak["per_block"], peak["per_block"] < peak["none"], "<",
-                       reference=peak["none"], against="no checkpointing")
-        self.condition("the step times were measured (the cost is reported, not asserted: timings flip on a busy "
-                       "machine)", {v: len(r) for v, r in self.step_s_rounds.items()},
-                       timed_in_every_round(self.step_s, self.step_s_rounds),
-                       "every variant timed in every round (> 0 s); step = median of its rounds")
-        self.condition("gradients are bit-identical with and without checkpointing", self.same_gradients,
-                       self.same_gradients, "torch.equal, every gradient")
+        self.within(
+            "with checkpointing the blocks keep only their inputs (formula, within 5 %)",
+            got["per_block"],
+            self.formula_bytes,
+            0.05,
+            against="formula L·b·s·h·4",
+        )
+        self.condition(
+            "checkpointing keeps fewer activation bytes than no checkpointing",
+            got["per_block"],
+            got["per_block"] < got["none"],
+            "<",
+            reference=got["none"],
+            against="no checkpointing",
+        )
+        self.condition(
+            "and lowers the step's peak",
+            peak["per_block"],
+            peak["per_block"] < peak["none"],
+            "<",
+            reference=peak["none"],
+            against="no checkpointing",
+        )
+        self.condition(
+            "the step times were measured (the cost is reported, not asserted: timings flip on a busy "
+            "machine)",
+            {v: len(r) for v, r in self.step_s_rounds.items()},
+            timed_in_every_round(self.step_s, self.step_s_rounds),
+            "every variant timed in every round (> 0 s); step = median of its rounds",
+        )
+        self.condition(
+            "gradients are bit-identical with and without checkpointing",
+            self.same_gradients,
+            self.same_gradients,
+            "torch.equal, every gradient",
+        )
         return self
 
 
-def activation_checkpointing(config: GPTConfig | None = None, global_batch: int = 8,
-                             rounds: int = 3) -> CheckpointingResult:
+def activation_checkpointing(
+    config: GPTConfig | None = None, global_batch: int = 8, rounds: int = 3
+) -> CheckpointingResult:
     """Rank function: FSDP2 with and without ``checkpoint_wrapper`` on every block (non-reentrant).
 
     ZeRO shards model states, not activations. Checkpointing a block saves only its input for
@@ -160,9 +240,13 @@ def activation_checkpointing(config: GPTConfig | None = None, global_batch: int 
         train_step(model, opt, x, y)
         opt.zero_grad(set_to_none=True)
         tracker, marks = FSDPMemTracker(model, opt), {}
-        mark = lambda key: marks.__setitem__(key, tracker_bytes(tracker.get_tracker_snapshot(), dev).get("Activation", 0))  # noqa: E731
-        handles = [model.blocks[0].register_forward_pre_hook(lambda m, a: mark("before")),
-                   model.blocks[-1].register_forward_hook(lambda m, a, o: mark("after"))]
+        mark = lambda key: marks.__setitem__(
+            key, tracker_bytes(tracker.get_tracker_snapshot(), dev).get("Activation", 0)
+        )  # noqa: E731
+        handles = [
+            model.blocks[0].register_forward_pre_hook(lambda m, a: mark("before")),
+            model.blocks[-1].register_forward_hook(lambda m, a, o: mark("after")),
+        ]
         tracker.track_inputs((x, y))
         with tracker:
             _, loss = model(x, y)
@@ -183,10 +267,22 @@ def activation_checkpointing(config: GPTConfig | None = None, global_batch: int 
     rounds_s = race({**steps, "forward": forward_only}, rounds=rounds)
     times = median_times(rounds_s)
     same = all(torch.equal(a, b) for a, b in zip(grads["none"], grads["per_block"]))
-    formula = checkpointed_block_activation_bytes(config.n_layer, x.shape[0], x.shape[1], config.d_model)
-    return CheckpointingResult(n, config.n_layer, x.shape[0], stack, after, peak, formula,
-                               {v: times[v] for v in models}, times["forward"], same,
-                               {v: rounds_s[v] for v in models}).add_rows()
+    formula = checkpointed_block_activation_bytes(
+        config.n_layer, x.shape[0], x.shape[1], config.d_model
+    )
+    return CheckpointingResult(
+        n,
+        config.n_layer,
+        x.shape[0],
+        stack,
+        after,
+        peak,
+        formula,
+        {v: times[v] for v in models},
+        times["forward"],
+        same,
+        {v: rounds_s[v] for v in models},
+    ).add_rows()
 
 
 # =========================================================================== meta-device initialisation
@@ -207,16 +303,43 @@ class MetaInitResult(Result):
     def add_rows(self, reference: dict) -> "MetaInitResult":
         """``reference``: the one-device init's state dict (``GPT(seed=0)``)."""
         full, peak, shards = self.full_model_bytes, self.construction_peak, self.shard_bytes
-        self.condition("parameters stay on the meta device until to_empty", self.meta_before_to_empty,
-                       self.meta_before_to_empty, "every parameter is_meta")
-        self.condition("constructing allocates only this rank's shards (< full model)", peak, peak < full, "<",
-                       reference=full, against="4Ψ, the full model")
-        self.condition("the construction peak is this rank's shards (≤ 1.2 × shard bytes), not the model", peak,
-                       peak <= 1.2 * shards, "≤ 1.2 ×", reference=shards, against="this rank's shard bytes")
-        self.condition("after loading a rank holds only its shards", shards, shards < full, "<", reference=full,
-                       against="4Ψ, the full model")
-        self.equal("the broadcast weights equal the one-device init exactly", self.full_state, reference, EXACT,
-                   against="GPT(seed=0) on one device")
+        self.condition(
+            "parameters stay on the meta device until to_empty",
+            self.meta_before_to_empty,
+            self.meta_before_to_empty,
+            "every parameter is_meta",
+        )
+        self.condition(
+            "constructing allocates only this rank's shards (< full model)",
+            peak,
+            peak < full,
+            "<",
+            reference=full,
+            against="4Ψ, the full model",
+        )
+        self.condition(
+            "the construction peak is this rank's shards (≤ 1.2 × shard bytes), not the model",
+            peak,
+            peak <= 1.2 * shards,
+            "≤ 1.2 ×",
+            reference=shards,
+            against="this rank's shard bytes",
+        )
+        self.condition(
+            "after loading a rank holds only its shards",
+            shards,
+            shards < full,
+            "<",
+            reference=full,
+            against="4Ψ, the full model",
+        )
+        self.equal(
+            "the broadcast weights equal the one-device init exactly",
+            self.full_state,
+            reference,
+            EXACT,
+            against="GPT(seed=0) on one device",
+        )
         return self
 
 
@@ -248,13 +371,21 @@ def meta_device_init(config: GPTConfig | None = None) -> MetaInitResult:
     source = reference.state_dict() if rank == 0 else {}
     tracker = MemTracker()
     with tracker:
-        set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True,
-                                                                     broadcast_from_rank0=True))
+        set_model_state_dict(
+            model, source, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
     full = full_state_dict(model)
-    result = MetaInitResult(n, rank, 4 * reference.num_params(), construction,
-                            tracker_bytes(tracker.get_tracker_snapshot("peak"), dev).get("Total", 0),
-                            model_state_bytes(model)["params"], on_meta, state_diff(full, reference),
-                            cpu_state(full))
+    result = MetaInitResult(
+        n,
+        rank,
+        4 * reference.num_params(),
+        construction,
+        tracker_bytes(tracker.get_tracker_snapshot("peak"), dev).get("Total", 0),
+        model_state_bytes(model)["params"],
+        on_meta,
+        state_diff(full, reference),
+        cpu_state(full),
+    )
     return result.add_rows(reference.state_dict())
 
 
@@ -277,13 +408,18 @@ class CheckpointResult(Result):
 
     def add_rows(self) -> "CheckpointResult":
         kinds = {k.split(".")[0] for k in self.digest}
-        self.condition("the checkpoint holds model and optimizer state", sorted(kinds),
-                       kinds == {"model", "optim"}, "model.* and optim.* tensors")
+        self.condition(
+            "the checkpoint holds model and optimizer state",
+            sorted(kinds),
+            kinds == {"model", "optim"},
+            "model.* and optim.* tensors",
+        )
         return self
 
 
-def checkpoint_save(tmp_dir: str, steps: int = 2, global_batch: int = 8,
-                    config: GPTConfig | None = None) -> CheckpointResult:
+def checkpoint_save(
+    tmp_dir: str, steps: int = 2, global_batch: int = 8, config: GPTConfig | None = None
+) -> CheckpointResult:
     """Rank function: train ``steps`` AdamW steps, save a sharded DCP checkpoint, export a full state dict.
 
     ``fsdp.save_sharded_checkpoint``: every rank writes its own shards. For one-device inference
@@ -302,15 +438,22 @@ def checkpoint_save(tmp_dir: str, steps: int = 2, global_batch: int = 8,
         train_step(model, opt, *shard_batch(*step_batch(step, config, global_batch, dev)))
     path = os.path.join(os.fspath(tmp_dir), f"dcp_w{n}")
     save_sharded_checkpoint(model, opt, path)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     inference = None
     if rank == 0:
         inference = os.path.join(os.fspath(tmp_dir), f"model_w{n}.pt")
         torch.save(full, inference)
     dist.barrier()  # every file complete before anyone reads
-    return CheckpointResult(n, path, digest(full_training_state(model, opt)), _logits(model, config, dev),
-                            {k: tuple(p.to_local().shape) for k, p in model.named_parameters()},
-                            inference).add_rows()
+    return CheckpointResult(
+        n,
+        path,
+        digest(full_training_state(model, opt)),
+        _logits(model, config, dev),
+        {k: tuple(p.to_local().shape) for k, p in model.named_parameters()},
+        inference,
+    ).add_rows()
 
 
 def _logits(model, config, dev) -> torch.Tensor:
@@ -331,9 +474,13 @@ def checkpoint_load(path: str, config: GPTConfig | None = None) -> CheckpointRes
     model = fsdp2_wrap(GPT(config, seed=123).to(dev))
     opt = make_optimizer("adamw", model.parameters())
     load_sharded_checkpoint(model, opt, path)
-    return CheckpointResult(dist.get_world_size(), path, digest(full_training_state(model, opt)),
-                            _logits(model, config, dev),
-                            {k: tuple(p.to_local().shape) for k, p in model.named_parameters()}).add_rows()
+    return CheckpointResult(
+        dist.get_world_size(),
+        path,
+        digest(full_training_state(model, opt)),
+        _logits(model, config, dev),
+        {k: tuple(p.to_local().shape) for k, p in model.named_parameters()},
+    ).add_rows()
 
 
 # =========================================================================== why FSDP2: FSDP1's FlatParameter
@@ -343,20 +490,38 @@ def checkpoint_load(path: str, config: GPTConfig | None = None) -> CheckpointRes
 class FlatVsPerParameterResult(Result):
     world_size: int
     fsdp1_flat_params: dict  # {unit: (local FlatParameter shape, numel incl. padding, parameters flattened into it)}
-    fsdp1_param_shapes: dict  # {parameter: shape the optimizer sees} — 1-D views into the flat shard
+    fsdp1_param_shapes: (
+        dict  # {parameter: shape the optimizer sees} — 1-D views into the flat shard
+    )
     fsdp2_param_shapes: dict  # {parameter: (global shape, local shape)} — DTensor Shard(0)
-    cpu_offload_error: str  # what CPUOffloadPolicy says on a machine without an accelerator ("" if it worked)
+    cpu_offload_error: (
+        str  # what CPUOffloadPolicy says on a machine without an accelerator ("" if it worked)
+    )
 
     def add_rows(self) -> "FlatVsPerParameterResult":
         flat = [s for s, _, _ in self.fsdp1_flat_params.values()]
-        self.condition("FSDP1 keeps one 1-D FlatParameter per unit", flat, all(len(s) == 1 for s in flat),
-                       "every unit's shard 1-D")
+        self.condition(
+            "FSDP1 keeps one 1-D FlatParameter per unit",
+            flat,
+            all(len(s) == 1 for s in flat),
+            "every unit's shard 1-D",
+        )
         shapes = self.fsdp2_param_shapes
         own = [n for n, (g, loc) in shapes.items() if len(g) == len(loc) and g[1:] == loc[1:]]
-        self.condition("FSDP2 keeps every parameter with its own shape (dim 0 sharded)",
-                       f"{len(own)} of {len(shapes)}", len(own) == len(shapes), "all parameters")
-        cut = [n for n, (numel,) in self.fsdp1_param_shapes.items() if numel % math.prod(shapes[n][0][1:])]
-        self.condition("FSDP1's shard cuts some weight in the middle of a row", cut, bool(cut), "at least one")
+        self.condition(
+            "FSDP2 keeps every parameter with its own shape (dim 0 sharded)",
+            f"{len(own)} of {len(shapes)}",
+            len(own) == len(shapes),
+            "all parameters",
+        )
+        cut = [
+            n
+            for n, (numel,) in self.fsdp1_param_shapes.items()
+            if numel % math.prod(shapes[n][0][1:])
+        ]
+        self.condition(
+            "FSDP1's shard cuts some weight in the middle of a row", cut, bool(cut), "at least one"
+        )
         return self
 
 
@@ -377,20 +542,33 @@ def flat_vs_per_parameter(config: GPTConfig | None = None) -> FlatVsPerParameter
 
     config = config or features_config(n_layer=2)
     dev = device()
-    fsdp1 = FullyShardedDataParallel(GPT(config, seed=0).to(dev), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                                     device_id=dev, use_orig_params=True)
+    fsdp1 = FullyShardedDataParallel(
+        GPT(config, seed=0).to(dev),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        device_id=dev,
+        use_orig_params=True,
+    )
     flat = {}
     for name, m in fsdp1.named_modules():
         if isinstance(m, FullyShardedDataParallel) and m._handle is not None:
             fp = m._handle.flat_param
             flat[name.replace("_fsdp_wrapped_module.", "") or "<root>"] = (
-                tuple(fp.shape), fp.numel(), [n.replace("_fsdp_wrapped_module.", "") for n in fp._fqns])
-    fsdp1_shapes = {n.replace("_fsdp_wrapped_module.", ""): tuple(p.shape) for n, p in fsdp1.named_parameters()}
+                tuple(fp.shape),
+                fp.numel(),
+                [n.replace("_fsdp_wrapped_module.", "") for n in fp._fqns],
+            )
+    fsdp1_shapes = {
+        n.replace("_fsdp_wrapped_module.", ""): tuple(p.shape) for n, p in fsdp1.named_parameters()
+    }
     fsdp2 = fsdp2_wrap(GPT(config, seed=0).to(dev))
-    fsdp2_shapes = {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in fsdp2.named_parameters()}
+    fsdp2_shapes = {
+        n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in fsdp2.named_parameters()
+    }
     error = ""
     try:
         fully_shard(GPT(config, seed=0).to(dev), offload_policy=CPUOffloadPolicy())
     except Exception as exc:  # noqa: BLE001 - shown in the notebook
         error = f"{type(exc).__name__}: {exc}"
-    return FlatVsPerParameterResult(dist.get_world_size(), flat, fsdp1_shapes, fsdp2_shapes, error).add_rows()
+    return FlatVsPerParameterResult(
+        dist.get_world_size(), flat, fsdp1_shapes, fsdp2_shapes, error
+    ).add_rows()

@@ -31,6 +31,7 @@ raises → :class:`HorovodRunError` naming the rank, with its traceback; a run p
 returns. The comparison runs every framework on CPU with gloo (Horovod here is built without CUDA),
 so all four do the same arithmetic.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -54,16 +55,44 @@ from ..ddp import DDP, torch_ddp
 from ..launch import device, spawn, write_atomic
 from ..models import GPT, GPTConfig
 from ..results import EXACT, Row, Tolerance, for_optimizer
-from .common import (OPTIMIZERS, Result, check_global_batch, make_optimizer, max_abs_diff, mean_over_ranks,
-                     shard_batch, small_config, step_batch, train_step)
+from .common import (
+    OPTIMIZERS,
+    Result,
+    check_global_batch,
+    make_optimizer,
+    max_abs_diff,
+    mean_over_ranks,
+    shard_batch,
+    small_config,
+    step_batch,
+    train_step,
+)
 
-__all__ = ["HOROVOD_VERSION", "BUILD_HINT", "FRAMEWORKS", "API_COLUMNS", "API_TABLE", "HorovodNotAvailable",
-           "HorovodRunError", "HorovodTimeout", "FrameworkComparison", "horovod_available", "horovodrun_path",
-           "run_horovod", "ddp_rank", "one_device", "compare_frameworks", "api_table_markdown", "ray_on_horovod"]
+__all__ = [
+    "HOROVOD_VERSION",
+    "BUILD_HINT",
+    "FRAMEWORKS",
+    "API_COLUMNS",
+    "API_TABLE",
+    "HorovodNotAvailable",
+    "HorovodRunError",
+    "HorovodTimeout",
+    "FrameworkComparison",
+    "horovod_available",
+    "horovodrun_path",
+    "run_horovod",
+    "ddp_rank",
+    "one_device",
+    "compare_frameworks",
+    "api_table_markdown",
+    "ray_on_horovod",
+]
 
 HOROVOD_VERSION = "0.28.1"
-BUILD_HINT = ("Horovod is not installed in this venv. Build it once per machine with `make horovod` "
-              "(≈7 min on 2 cores; the wheel is cached in ~/.cache/course_lib/wheels, later installs take seconds).")
+BUILD_HINT = (
+    "Horovod is not installed in this venv. Build it once per machine with `make horovod` "
+    "(≈7 min on 2 cores; the wheel is cached in ~/.cache/course_lib/wheels, later installs take seconds)."
+)
 FRAMEWORKS = ("horovod", "course DDP", "torch DDP", "one device")
 
 
@@ -74,8 +103,15 @@ class HorovodNotAvailable(RuntimeError):
 class HorovodRunError(RuntimeError):
     """A Horovod worker raised or died, or ``horovodrun`` failed; ``.rank`` (None: the launcher), ``.log_tail``."""
 
-    def __init__(self, rank, what: str, remote_traceback: str = "", log_tail: str = "", run_dir: str = ""):
-        self.rank, self.remote_traceback, self.log_tail, self.run_dir = rank, remote_traceback, log_tail, run_dir
+    def __init__(
+        self, rank, what: str, remote_traceback: str = "", log_tail: str = "", run_dir: str = ""
+    ):
+        self.rank, self.remote_traceback, self.log_tail, self.run_dir = (
+            rank,
+            remote_traceback,
+            log_tail,
+            run_dir,
+        )
         who = "horovodrun" if rank is None else f"Horovod worker rank {rank}"
         text = f"{who}: {what}"
         if remote_traceback:
@@ -90,9 +126,11 @@ class HorovodTimeout(TimeoutError):
 
     def __init__(self, timeout: float, log_tail: str, run_dir: str):
         self.log_tail, self.run_dir = log_tail, run_dir
-        super().__init__(f"horovodrun did not finish within timeout={timeout:g}s; it and its workers were killed "
-                         f"(a worker waiting in an all-reduce that another never joins waits until then)"
-                         + (f"\n--- horovodrun output (tail) ---\n{log_tail}" if log_tail.strip() else ""))
+        super().__init__(
+            f"horovodrun did not finish within timeout={timeout:g}s; it and its workers were killed "
+            f"(a worker waiting in an all-reduce that another never joins waits until then)"
+            + (f"\n--- horovodrun output (tail) ---\n{log_tail}" if log_tail.strip() else "")
+        )
 
 
 # =========================================================================== is it here?
@@ -112,11 +150,20 @@ def horovod_available() -> bool:
 # =========================================================================== the Horovod worker
 
 
-def _horovod_train(hvd, config: GPTConfig, steps: int, global_batch: int, optimizer: str,
-                   fail_rank: int | None, hang_rank: int | None) -> dict:
+def _horovod_train(
+    hvd,
+    config: GPTConfig,
+    steps: int,
+    global_batch: int,
+    optimizer: str,
+    fail_rank: int | None,
+    hang_rank: int | None,
+) -> dict:
     """What each ``horovodrun`` worker runs: the textbook Horovod recipe on the course's model and data."""
     rank, world, dev = hvd.rank(), hvd.size(), device()
-    model = GPT(config, seed=rank).to(dev)  # a different start on every rank: the broadcast must fix it
+    model = GPT(config, seed=rank).to(
+        dev
+    )  # a different start on every rank: the broadcast must fix it
     opt = make_optimizer(optimizer, model.parameters())
     # Horovod's three lines: average gradients by all-reduce inside step(), start from rank 0's weights
     # and from rank 0's optimizer state.
@@ -126,16 +173,27 @@ def _horovod_train(hvd, config: GPTConfig, steps: int, global_batch: int, optimi
     losses = []
     for step in range(steps):
         if step == 1 and rank == fail_rank:
-            raise RuntimeError(f"rank {rank} failed on purpose at step {step} (fail_rank={fail_rank})")
+            raise RuntimeError(
+                f"rank {rank} failed on purpose at step {step} (fail_rank={fail_rank})"
+            )
         if step == 1 and rank == hang_rank:
-            time.sleep(3600)  # never joins the all-reduce: the others wait, the parent's timeout ends it
-        x, y = shard_batch(*step_batch(step, config, global_batch, dev), rank=rank, world_size=world)
+            time.sleep(
+                3600
+            )  # never joins the all-reduce: the others wait, the parent's timeout ends it
+        x, y = shard_batch(
+            *step_batch(step, config, global_batch, dev), rank=rank, world_size=world
+        )
         opt.zero_grad()  # Horovod's zero_grad takes no set_to_none (torch's default, True, applies)
         _, loss = model(x, y)
         loss.backward()  # hooks start one async all-reduce per gradient as it is ready
         opt.step()  # waits for them (the average over ranks), then the wrapped optimizer's step
-        losses.append(hvd.allreduce(loss.detach().reshape(1), op=hvd.Average, name=f"loss.{step}").item())
-    return {"state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, "losses": losses}
+        losses.append(
+            hvd.allreduce(loss.detach().reshape(1), op=hvd.Average, name=f"loss.{step}").item()
+        )
+    return {
+        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "losses": losses,
+    }
 
 
 def _worker_main(run_dir: str) -> None:
@@ -158,8 +216,10 @@ def _worker_main(run_dir: str) -> None:
         hvd.join()  # every rank finished before anyone leaves
         write_atomic(os.path.join(run_dir, f"rank{rank}.ok"), out)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        write_atomic(os.path.join(run_dir, f"rank{rank}.err"),
-                     pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc())))
+        write_atomic(
+            os.path.join(run_dir, f"rank{rank}.err"),
+            pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc())),
+        )
         os._exit(1)
 
 
@@ -219,9 +279,17 @@ def _check_inputs(steps: int, global_batch: int, world_size: int, optimizer: str
     check_global_batch(global_batch, world_size)  # every rank takes an equal 1/N of each batch
 
 
-def run_horovod(steps: int = 5, global_batch: int = 16, optimizer: str = "sgd", world_size: int = 2, *,
-                config: GPTConfig | None = None, timeout: float = 180.0, fail_rank: int | None = None,
-                hang_rank: int | None = None) -> dict:
+def run_horovod(
+    steps: int = 5,
+    global_batch: int = 16,
+    optimizer: str = "sgd",
+    world_size: int = 2,
+    *,
+    config: GPTConfig | None = None,
+    timeout: float = 180.0,
+    fail_rank: int | None = None,
+    hang_rank: int | None = None,
+) -> dict:
     """``horovodrun -np world_size --gloo`` on this module; returns ``{"states": [...], "losses": [...]}``.
 
     ``fail_rank`` / ``hang_rank`` make that rank raise / stop at step 1, to see the failure handling.
@@ -232,36 +300,79 @@ def run_horovod(steps: int = 5, global_batch: int = 16, optimizer: str = "sgd", 
         raise HorovodNotAvailable(BUILD_HINT)
     run_dir = tempfile.mkdtemp(prefix="course_lib_hvd_")
     with open(os.path.join(run_dir, "job.pkl"), "wb") as f:
-        pickle.dump(dict(config=config or small_config(), steps=steps, global_batch=global_batch,
-                         optimizer=optimizer, fail_rank=fail_rank, hang_rank=hang_rank), f)
-    worker = f"{shlex.quote(sys.executable)} -m course_lib.experiments.horovod {shlex.quote(run_dir)}"
+        pickle.dump(
+            dict(
+                config=config or small_config(),
+                steps=steps,
+                global_batch=global_batch,
+                optimizer=optimizer,
+                fail_rank=fail_rank,
+                hang_rank=hang_rank,
+            ),
+            f,
+        )
+    worker = (
+        f"{shlex.quote(sys.executable)} -m course_lib.experiments.horovod {shlex.quote(run_dir)}"
+    )
     # All on loopback: -H localhost:N, the lo interface for gloo, no ssh, no cache file in ~/.horovod.
-    cmd = [launcher, "-np", str(world_size), "-H", f"localhost:{world_size}", "--gloo", "--network-interfaces",
-           "lo", "--start-timeout", str(int(max(30, timeout))), "--disable-cache", *shlex.split(worker)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               COURSE_LIB_CALLER_PID=str(os.getpid()),
-               PYTHONPATH=os.pathsep.join([p or os.getcwd() for p in sys.path]))
+    cmd = [
+        launcher,
+        "-np",
+        str(world_size),
+        "-H",
+        f"localhost:{world_size}",
+        "--gloo",
+        "--network-interfaces",
+        "lo",
+        "--start-timeout",
+        str(int(max(30, timeout))),
+        "--disable-cache",
+        *shlex.split(worker),
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        COURSE_LIB_CALLER_PID=str(os.getpid()),
+        PYTHONPATH=os.pathsep.join([p or os.getcwd() for p in sys.path]),
+    )
     log_path = os.path.join(run_dir, "horovodrun.log")
     proc = None
     try:
         with open(log_path, "wb") as log:  # workers never print into the notebook
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise HorovodTimeout(timeout, _tail(log_path), run_dir) from None
-        errors = sorted((os.stat(p).st_mtime_ns, r, p) for r in range(world_size)
-                        if os.path.exists(p := os.path.join(run_dir, f"rank{r}.err")))
+        errors = sorted(
+            (os.stat(p).st_mtime_ns, r, p)
+            for r in range(world_size)
+            if os.path.exists(p := os.path.join(run_dir, f"rank{r}.err"))
+        )
         if errors:  # the earliest exception caused the rest
             _, r, path = errors[0]
             with open(path, "rb") as f:
                 name, msg, tb = pickle.load(f)
             raise HorovodRunError(r, f"raised {name}: {msg}", tb, _tail(log_path), run_dir)
-        missing = [r for r in range(world_size) if not os.path.exists(os.path.join(run_dir, f"rank{r}.ok"))]
+        missing = [
+            r for r in range(world_size) if not os.path.exists(os.path.join(run_dir, f"rank{r}.ok"))
+        ]
         if rc != 0 or missing:
-            raise HorovodRunError(None, f"exited with code {rc}; no result from rank(s) {missing}",
-                                  log_tail=_tail(log_path), run_dir=run_dir)
+            raise HorovodRunError(
+                None,
+                f"exited with code {rc}; no result from rank(s) {missing}",
+                log_tail=_tail(log_path),
+                run_dir=run_dir,
+            )
         results = []
         for r in range(world_size):
             with open(os.path.join(run_dir, f"rank{r}.ok"), "rb") as f:
@@ -276,18 +387,29 @@ def run_horovod(steps: int = 5, global_batch: int = 16, optimizer: str = "sgd", 
 def ddp_rank(kind: str, config: GPTConfig, steps: int, global_batch: int, optimizer: str) -> dict:
     """Rank function (``launch.spawn``): the same recipe with ``kind`` = ``"course"`` or ``"torch"`` DDP."""
     rank, dev = dist.get_rank(), device()
-    model = GPT(config, seed=rank).to(dev)  # wrapping broadcasts rank 0's weights, as hvd.broadcast_parameters
+    model = GPT(config, seed=rank).to(
+        dev
+    )  # wrapping broadcasts rank 0's weights, as hvd.broadcast_parameters
     wrapped = {"course": DDP, "torch": torch_ddp}[kind](model)
     opt = make_optimizer(optimizer, model.parameters())
     losses = []
     for step in range(steps):
         x, y = shard_batch(*step_batch(step, config, global_batch, dev))
         losses.append(mean_over_ranks(train_step(wrapped, opt, x, y)))
-    return {"state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, "losses": losses}
+    return {
+        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "losses": losses,
+    }
 
 
-def one_device(config: GPTConfig, steps: int, global_batch: int, optimizer: str, *,
-               horovod_init_step: bool = False) -> tuple[dict, list[float]]:
+def one_device(
+    config: GPTConfig,
+    steps: int,
+    global_batch: int,
+    optimizer: str,
+    *,
+    horovod_init_step: bool = False,
+) -> tuple[dict, list[float]]:
     """One device on the full batches (``common.reference_run``'s loop): ``(state_dict, losses)``.
 
     ``horovod_init_step=True`` first does what ``hvd.broadcast_optimizer_state`` does to a fresh
@@ -302,7 +424,10 @@ def one_device(config: GPTConfig, steps: int, global_batch: int, optimizer: str,
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         opt.step()
-    losses = [train_step(model, opt, *step_batch(step, config, global_batch, dev)) for step in range(steps)]
+    losses = [
+        train_step(model, opt, *step_batch(step, config, global_batch, dev))
+        for step in range(steps)
+    ]
     return model.state_dict(), losses
 
 
@@ -324,9 +449,13 @@ class FrameworkComparison(Result):
     global_batch: int
     optimizer: str
     diffs: dict = field(default_factory=dict)  # "a vs b" -> max|Δparam|
-    rank_spread: dict = field(default_factory=dict)  # framework -> max|Δ| between its ranks' final params
+    rank_spread: dict = field(
+        default_factory=dict
+    )  # framework -> max|Δ| between its ranks' final params
     losses: dict = field(default_factory=dict)  # framework -> global-batch loss per step
-    seconds: dict = field(default_factory=dict)  # framework -> wall time with start-up (timing: varies)
+    seconds: dict = field(
+        default_factory=dict
+    )  # framework -> wall time with start-up (timing: varies)
     init_step_effect: float = 0.0  # max|Δ| one device vs one device after a zero-gradient step
     states: dict = field(default_factory=dict, repr=False)  # framework -> rank 0's final state_dict
 
@@ -348,18 +477,44 @@ class FrameworkComparison(Result):
             a, b = pair.split(" vs ", 1)
             same = tol.ok(self.states[a], self.states[b])
             if moved and a == "horovod" and b != INIT_STEP:
-                rows.append(Row(f"{pair}: max|Δparam| > {tol.atol:.0e} (the zero-gradient step moved "
-                                f"{self.optimizer})", d, None, b, f"outside {tol}", not same))
+                rows.append(
+                    Row(
+                        f"{pair}: max|Δparam| > {tol.atol:.0e} (the zero-gradient step moved "
+                        f"{self.optimizer})",
+                        d,
+                        None,
+                        b,
+                        f"outside {tol}",
+                        not same,
+                    )
+                )
             else:
-                rows.append(Row(f"{pair}: max|Δparam| ≤ {tol.atol:.0e}", d, None, b, str(tol), same))
+                rows.append(
+                    Row(f"{pair}: max|Δparam| ≤ {tol.atol:.0e}", d, None, b, str(tol), same)
+                )
         spread = max(self.rank_spread.values(), default=0.0)
-        rows.append(Row("every run's ranks end with identical parameters", spread, None, "rank 0 of each run",
-                        str(EXACT), all(s == 0.0 for s in self.rank_spread.values())))
+        rows.append(
+            Row(
+                "every run's ranks end with identical parameters",
+                spread,
+                None,
+                "rank 0 of each run",
+                str(EXACT),
+                all(s == 0.0 for s in self.rank_spread.values()),
+            )
+        )
         return list(self.checked) + rows
 
 
-def compare_frameworks(steps: int = 5, global_batch: int = 16, optimizer: str = "sgd", world_size: int = 2, *,
-                       config: GPTConfig | None = None, timeout: float = 240.0) -> FrameworkComparison:
+def compare_frameworks(
+    steps: int = 5,
+    global_batch: int = 16,
+    optimizer: str = "sgd",
+    world_size: int = 2,
+    *,
+    config: GPTConfig | None = None,
+    timeout: float = 240.0,
+) -> FrameworkComparison:
     """Train the tiny GPT with Horovod, the course's DDP, torch DDP and one device; compare final weights."""
     _check_inputs(steps, global_batch, world_size, optimizer)
     if not horovod_available():
@@ -372,19 +527,31 @@ def compare_frameworks(steps: int = 5, global_batch: int = 16, optimizer: str = 
     states["horovod"], out.losses["horovod"] = hvd["states"], hvd["losses"]
     for kind in ("course", "torch"):
         t0 = time.perf_counter()
-        ranks = spawn(ddp_rank, world_size, args=(kind, config, steps, global_batch, optimizer), backend="gloo",
-                      timeout=timeout)
+        ranks = spawn(
+            ddp_rank,
+            world_size,
+            args=(kind, config, steps, global_batch, optimizer),
+            backend="gloo",
+            timeout=timeout,
+        )
         out.seconds[f"{kind} DDP"] = time.perf_counter() - t0
-        states[f"{kind} DDP"], out.losses[f"{kind} DDP"] = [r["state"] for r in ranks], ranks[0]["losses"]
+        states[f"{kind} DDP"], out.losses[f"{kind} DDP"] = (
+            [r["state"] for r in ranks],
+            ranks[0]["losses"],
+        )
     for name, init in (("one device", False), (INIT_STEP, True)):
         t0 = time.perf_counter()
-        state, out.losses[name] = one_device(config, steps, global_batch, optimizer, horovod_init_step=init)
+        state, out.losses[name] = one_device(
+            config, steps, global_batch, optimizer, horovod_init_step=init
+        )
         out.seconds[name], states[name] = time.perf_counter() - t0, [state]
     for name, per_rank in states.items():
-        out.rank_spread[name] = max((max_abs_diff(s, per_rank[0]) for s in per_rank[1:]), default=0.0)
+        out.rank_spread[name] = max(
+            (max_abs_diff(s, per_rank[0]) for s in per_rank[1:]), default=0.0
+        )
         out.states[name] = per_rank[0]
     for i, a in enumerate(FRAMEWORKS):
-        for b in FRAMEWORKS[i + 1:]:
+        for b in FRAMEWORKS[i + 1 :]:
             out.diffs[f"{a} vs {b}"] = max_abs_diff(states[a][0], states[b][0])
     out.diffs[f"horovod vs {INIT_STEP}"] = max_abs_diff(states["horovod"][0], states[INIT_STEP][0])
     out.init_step_effect = max_abs_diff(states["one device"][0], states[INIT_STEP][0])
@@ -395,46 +562,123 @@ def compare_frameworks(steps: int = 5, global_batch: int = 16, optimizer: str = 
 
 API_COLUMNS = ("task", "Horovod", "course_lib", "torch", "DeepSpeed")
 API_TABLE = [
-    ("start N processes", "horovodrun -np 2 --gloo python train.py", "launch.spawn(fn, world_size=2)",
-     "torchrun --nproc-per-node 2 train.py", "deepspeed --num_gpus 2 train.py"),
-    ("join the group", "hvd.init()", "(spawn initialises it)", "dist.init_process_group('gloo')",
-     "deepspeed.init_distributed()"),
-    ("who am I", "hvd.rank(), hvd.size(), hvd.local_rank()", "dist.get_rank(), launch.device()",
-     "dist.get_rank(), dist.get_world_size()", "engine.global_rank, engine.world_size"),
-    ("same start weights", "hvd.broadcast_parameters(model.state_dict(), root_rank=0)",
-     "DDP(model) broadcasts rank 0's", "DistributedDataParallel(model) broadcasts rank 0's",
-     "deepspeed.initialize(model=..., config=...) broadcasts"),
-    ("same optimizer state", "hvd.broadcast_optimizer_state(opt, root_rank=0)",
-     "(fresh optimizer on equal weights)", "(fresh optimizer on equal weights)", "(inside the engine)"),
-    ("average gradients", "hvd.DistributedOptimizer(opt, named_parameters=...): all-reduce in step()",
-     "DDP(model, bucket_cap_mb=25): hooks + buckets during backward",
-     "DistributedDataParallel(model, bucket_cap_mb=25)", "engine.backward(loss); engine.step()"),
-    ("fuse small tensors", "tensor fusion: HOROVOD_FUSION_THRESHOLD", "bucket_cap_mb", "bucket_cap_mb",
-     "reduce_bucket_size / allgather_bucket_size"),
-    ("accumulate k micro-batches", "DistributedOptimizer(..., backward_passes_per_step=k)", "with ddp.no_sync():",
-     "with ddp.no_sync():", "gradient_accumulation_steps: k"),
-    ("compress gradients", "compression=hvd.Compression.fp16", "DDP(..., comm_hook='fp16')",
-     "register_comm_hook(None, fp16_compress_hook)", "communication_data_type: 'fp16'"),
-    ("shard optimizer state (ZeRO-1)", "— (data parallel only)", "zero.ZeroOptimizer(params, AdamW, stage=1)",
-     "ZeroRedundancyOptimizer(params, AdamW)", "zero_optimization: {stage: 1}"),
-    ("+ shard gradients (ZeRO-2)", "—", "zero.ZeroOptimizer(params, AdamW, stage=2)",
-     "fully_shard(model, reshard_after_forward=False)", "zero_optimization: {stage: 2}"),
-    ("+ shard parameters (ZeRO-3)", "—", "zero3.Zero3(model)", "fully_shard(model) (FSDP2)",
-     "zero_optimization: {stage: 3}"),
-    ("offload to CPU", "—", "— (not built in the course)", "fully_shard(..., offload_policy=CPUOffloadPolicy())",
-     "offload_optimizer: {device: cpu} (stage 1-3); offload_param: {device: cpu} (stage 3)"),
-    ("split the model (PP / TP)", "— (no model parallelism)", "pipeline.py, tensor_parallel.py",
-     "torch.distributed.pipelining, DTensor parallelize_module", "PipelineModule; TP via Megatron-DeepSpeed"),
-    ("status", "retired: last release 0.28.1, June 2023", "this course", "maintained (PyTorch)",
-     "maintained (Microsoft)"),
+    (
+        "start N processes",
+        "horovodrun -np 2 --gloo python train.py",
+        "launch.spawn(fn, world_size=2)",
+        "torchrun --nproc-per-node 2 train.py",
+        "deepspeed --num_gpus 2 train.py",
+    ),
+    (
+        "join the group",
+        "hvd.init()",
+        "(spawn initialises it)",
+        "dist.init_process_group('gloo')",
+        "deepspeed.init_distributed()",
+    ),
+    (
+        "who am I",
+        "hvd.rank(), hvd.size(), hvd.local_rank()",
+        "dist.get_rank(), launch.device()",
+        "dist.get_rank(), dist.get_world_size()",
+        "engine.global_rank, engine.world_size",
+    ),
+    (
+        "same start weights",
+        "hvd.broadcast_parameters(model.state_dict(), root_rank=0)",
+        "DDP(model) broadcasts rank 0's",
+        "DistributedDataParallel(model) broadcasts rank 0's",
+        "deepspeed.initialize(model=..., config=...) broadcasts",
+    ),
+    (
+        "same optimizer state",
+        "hvd.broadcast_optimizer_state(opt, root_rank=0)",
+        "(fresh optimizer on equal weights)",
+        "(fresh optimizer on equal weights)",
+        "(inside the engine)",
+    ),
+    (
+        "average gradients",
+        "hvd.DistributedOptimizer(opt, named_parameters=...): all-reduce in step()",
+        "DDP(model, bucket_cap_mb=25): hooks + buckets during backward",
+        "DistributedDataParallel(model, bucket_cap_mb=25)",
+        "engine.backward(loss); engine.step()",
+    ),
+    (
+        "fuse small tensors",
+        "tensor fusion: HOROVOD_FUSION_THRESHOLD",
+        "bucket_cap_mb",
+        "bucket_cap_mb",
+        "reduce_bucket_size / allgather_bucket_size",
+    ),
+    (
+        "accumulate k micro-batches",
+        "DistributedOptimizer(..., backward_passes_per_step=k)",
+        "with ddp.no_sync():",
+        "with ddp.no_sync():",
+        "gradient_accumulation_steps: k",
+    ),
+    (
+        "compress gradients",
+        "compression=hvd.Compression.fp16",
+        "DDP(..., comm_hook='fp16')",
+        "register_comm_hook(None, fp16_compress_hook)",
+        "communication_data_type: 'fp16'",
+    ),
+    (
+        "shard optimizer state (ZeRO-1)",
+        "— (data parallel only)",
+        "zero.ZeroOptimizer(params, AdamW, stage=1)",
+        "ZeroRedundancyOptimizer(params, AdamW)",
+        "zero_optimization: {stage: 1}",
+    ),
+    (
+        "+ shard gradients (ZeRO-2)",
+        "—",
+        "zero.ZeroOptimizer(params, AdamW, stage=2)",
+        "fully_shard(model, reshard_after_forward=False)",
+        "zero_optimization: {stage: 2}",
+    ),
+    (
+        "+ shard parameters (ZeRO-3)",
+        "—",
+        "zero3.Zero3(model)",
+        "fully_shard(model) (FSDP2)",
+        "zero_optimization: {stage: 3}",
+    ),
+    (
+        "offload to CPU",
+        "—",
+        "— (not built in the course)",
+        "fully_shard(..., offload_policy=CPUOffloadPolicy())",
+        "offload_optimizer: {device: cpu} (stage 1-3); offload_param: {device: cpu} (stage 3)",
+    ),
+    (
+        "split the model (PP / TP)",
+        "— (no model parallelism)",
+        "pipeline.py, tensor_parallel.py",
+        "torch.distributed.pipelining, DTensor parallelize_module",
+        "PipelineModule; TP via Megatron-DeepSpeed",
+    ),
+    (
+        "status",
+        "retired: last release 0.28.1, June 2023",
+        "this course",
+        "maintained (PyTorch)",
+        "maintained (Microsoft)",
+    ),
 ]
 
 
 def api_table_markdown() -> str:
     """:data:`API_TABLE` as a Markdown table (``display(Markdown(api_table_markdown()))``)."""
+
     def row(cells):
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-    return "\n".join([row(API_COLUMNS), row(["---"] * len(API_COLUMNS)), *(row(r) for r in API_TABLE)])
+
+    return "\n".join(
+        [row(API_COLUMNS), row(["---"] * len(API_COLUMNS)), *(row(r) for r in API_TABLE)]
+    )
 
 
 def ray_on_horovod() -> str:

@@ -17,6 +17,7 @@ Rank functions (run them with ``launch.spawn``), each returning a
 Parent-side: :func:`merge_states`. Timelines and memory are measured by the runner's observers
 (:func:`~course_lib.pipeline.measured_step`), p2p bytes by :class:`~course_lib.comm.CommLog`.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,14 +33,38 @@ from .. import comm
 from ..formulas import pipeline_bubble, pipeline_p2p_bytes
 from ..launch import device
 from ..models import GPT, GPTConfig
-from ..pipeline import (PipelineRunner, bubble_fractions, gpt_loss, make_schedules, measured_step,
-                        peak_live_microbatches, split_gpt, split_layers, split_microbatches)
+from ..pipeline import (
+    PipelineRunner,
+    bubble_fractions,
+    gpt_loss,
+    make_schedules,
+    measured_step,
+    peak_live_microbatches,
+    split_gpt,
+    split_layers,
+    split_microbatches,
+)
 from ..results import EXACT, Result, Row, for_optimizer, max_abs_diff
 from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch
 
-__all__ = ["parallel_config", "StageResult", "pipeline_training", "merge_states", "SleepLayer", "BubbleResult",
-           "measure_bubbles", "sleep_bubbles", "TimelineResult", "gpt_timelines", "PPDPResult", "pp_dp_training",
-           "TorchPipeliningResult", "torch_pipelining_grads", "ZeroBubbleResult", "zero_bubble_order"]
+__all__ = [
+    "parallel_config",
+    "StageResult",
+    "pipeline_training",
+    "merge_states",
+    "SleepLayer",
+    "BubbleResult",
+    "measure_bubbles",
+    "sleep_bubbles",
+    "TimelineResult",
+    "gpt_timelines",
+    "PPDPResult",
+    "pp_dp_training",
+    "TorchPipeliningResult",
+    "torch_pipelining_grads",
+    "ZeroBubbleResult",
+    "zero_bubble_order",
+]
 
 
 def _stage_chunks(config: GPTConfig, p: int, v: int, rank: int, dev) -> list[nn.Module]:
@@ -51,8 +76,15 @@ def _stage_chunks(config: GPTConfig, p: int, v: int, rank: int, dev) -> list[nn.
 def _runner(config, schedule, p, m, v, stage, micro, chunks, ranks=None):
     kwargs = {"num_chunks": v} if schedule == "interleaved" else {}
     scheds = make_schedules(schedule, p, m, **kwargs)
-    return PipelineRunner(chunks, stage, scheds, m, activation_shape=(micro, config.block_size, config.d_model),
-                          ranks=ranks, device=device())
+    return PipelineRunner(
+        chunks,
+        stage,
+        scheds,
+        m,
+        activation_shape=(micro, config.block_size, config.d_model),
+        ranks=ranks,
+        device=device(),
+    )
 
 
 def _state(chunks) -> dict:
@@ -77,8 +109,15 @@ class StageResult(Result):
     losses: list  # per step, the mean over micro-batches (last stage only; else None)
 
 
-def pipeline_training(schedule: str = "1f1b", optimizer: str = "sgd", steps: int = 10, num_microbatches: int = 4,
-                      global_batch: int = 16, config: GPTConfig | None = None, num_chunks: int = 1) -> StageResult:
+def pipeline_training(
+    schedule: str = "1f1b",
+    optimizer: str = "sgd",
+    steps: int = 10,
+    num_microbatches: int = 4,
+    global_batch: int = 16,
+    config: GPTConfig | None = None,
+    num_chunks: int = 1,
+) -> StageResult:
     """Rank function: train the GPT as a pipeline of ``world`` stages; return this rank's stage weights.
 
     Every rank builds the same full model (seed 0), keeps its stage(s), and runs ``steps``
@@ -90,7 +129,9 @@ def pipeline_training(schedule: str = "1f1b", optimizer: str = "sgd", steps: int
     p, rank, dev, v = dist.get_world_size(), dist.get_rank(), device(), num_chunks
     chunks = _stage_chunks(config, p, v, rank, dev)
     micro = global_batch // num_microbatches
-    split_microbatches(torch.empty(global_batch), num_microbatches)  # a clear error before any rank waits
+    split_microbatches(
+        torch.empty(global_batch), num_microbatches
+    )  # a clear error before any rank waits
     runner = _runner(config, schedule, p, num_microbatches, v, rank, micro, chunks)
     opt = make_optimizer(optimizer, runner.params)
     losses = []
@@ -101,9 +142,15 @@ def pipeline_training(schedule: str = "1f1b", optimizer: str = "sgd", steps: int
         opt.step()
         losses.append(sum(mb_losses) / num_microbatches if mb_losses else None)
     state = _state(chunks)
-    res = StageResult(rank, state, losses, title=f"{schedule}, p={p}, m={num_microbatches}, stage {rank}")
-    res.equal(f"stage {rank}'s weights after {steps} {optimizer} steps", state,
-              _one_device(config, steps, global_batch, optimizer, state), for_optimizer(optimizer))
+    res = StageResult(
+        rank, state, losses, title=f"{schedule}, p={p}, m={num_microbatches}, stage {rank}"
+    )
+    res.equal(
+        f"stage {rank}'s weights after {steps} {optimizer} steps",
+        state,
+        _one_device(config, steps, global_batch, optimizer, state),
+        for_optimizer(optimizer),
+    )
     return res
 
 
@@ -145,7 +192,9 @@ class SleepLayer(nn.Module):
         self.t_f, self.t_b = t_f, t_b
         self.linear = nn.Linear(width, width, bias=False)
         with torch.no_grad():
-            self.linear.weight.copy_(torch.randn(width, width, generator=torch.Generator().manual_seed(seed)) * 0.1)
+            self.linear.weight.copy_(
+                torch.randn(width, width, generator=torch.Generator().manual_seed(seed)) * 0.1
+            )
 
     def forward(self, x):
         return _Sleep.apply(self.linear(x), self.t_f, self.t_b)
@@ -162,8 +211,12 @@ class BubbleResult(Result):
     p: int
     t_f: float
     t_b: float
-    rows: list = field(default_factory=list)  # {"schedule", "m", "per_rank", "formula", "peak_live"}
-    timelines: dict = field(default_factory=dict)  # "schedule/m" -> per-rank events, seconds from step start
+    rows: list = field(
+        default_factory=list
+    )  # {"schedule", "m", "per_rank", "formula", "peak_live"}
+    timelines: dict = field(
+        default_factory=dict
+    )  # "schedule/m" -> per-rank events, seconds from step start
     margin: float = 0.05
 
     def checks(self) -> list[Row]:
@@ -171,9 +224,17 @@ class BubbleResult(Result):
         for r in self.rows:
             formula = "(p−1)/(v·m+p−1)" if r["schedule"] == "interleaved" else "(p−1)/(m+p−1)"
             worst = max(r["per_rank"], key=lambda b: abs(b - r["formula"]))
-            out.append(Row(f"{r['schedule']}, p={self.p}, m={r['m']}: every rank's bubble within {self.margin} of "
-                           f"{formula} = {r['formula']:.3f}", worst, r["formula"], f"formula {formula}",
-                           f"±{self.margin} (absolute)", abs(worst - r["formula"]) <= self.margin))
+            out.append(
+                Row(
+                    f"{r['schedule']}, p={self.p}, m={r['m']}: every rank's bubble within {self.margin} of "
+                    f"{formula} = {r['formula']:.3f}",
+                    worst,
+                    r["formula"],
+                    f"formula {formula}",
+                    f"±{self.margin} (absolute)",
+                    abs(worst - r["formula"]) <= self.margin,
+                )
+            )
         return out
 
 
@@ -192,12 +253,22 @@ def _timed_step(runner, chunks, x, y):
 def _from_start(gathered) -> list:
     """Every rank's events as tuples, in seconds from the step's earliest start."""
     t0 = min(e.start for tl in gathered for e in tl)
-    return [[(e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0) for e in tl] for tl in gathered]
+    return [
+        [(e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0) for e in tl] for tl in gathered
+    ]
 
 
-def measure_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f: float = 0.02, t_b: float = 0.04,
-                    steps: int = 3, warmup: int = 1, width: int = 8, micro_batch: int = 2,
-                    num_chunks: int = 2) -> BubbleResult:
+def measure_bubbles(
+    schedules=("gpipe", "1f1b"),
+    microbatches=(1, 2, 4, 8),
+    t_f: float = 0.02,
+    t_b: float = 0.04,
+    steps: int = 3,
+    warmup: int = 1,
+    width: int = 8,
+    micro_batch: int = 2,
+    num_chunks: int = 2,
+) -> BubbleResult:
     """Rank function: every stage one :class:`SleepLayer` (``t_f`` forward, ``t_b`` backward); measure bubbles.
 
     For each schedule and ``m``: ``warmup`` + ``steps`` pipeline steps, each after a barrier; per step
@@ -209,22 +280,43 @@ def measure_bubbles(schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8), t_f:
     loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
     res = BubbleResult(p=p, t_f=t_f, t_b=t_b)
     for name in schedules:
-        v = num_chunks if name == "interleaved" else 1  # a rank's v chunks share its t_F, t_B: each costs 1/v
-        layers = split_layers([SleepLayer(width, t_f / v, t_b / v, seed=k) for k in range(p * v)], p * v)
+        v = (
+            num_chunks if name == "interleaved" else 1
+        )  # a rank's v chunks share its t_F, t_B: each costs 1/v
+        layers = split_layers(
+            [SleepLayer(width, t_f / v, t_b / v, seed=k) for k in range(p * v)], p * v
+        )
         chunks = [layers[c * p + rank].to(dev) for c in range(v)]
         for m in microbatches:
             kwargs = {"num_chunks": v} if v > 1 else {}
-            runner = PipelineRunner(chunks, rank, make_schedules(name, p, m, **kwargs), m,
-                                    activation_shape=(micro_batch, width), loss_fn=loss_fn, device=dev)
-            x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(dev)
+            runner = PipelineRunner(
+                chunks,
+                rank,
+                make_schedules(name, p, m, **kwargs),
+                m,
+                activation_shape=(micro_batch, width),
+                loss_fn=loss_fn,
+                device=dev,
+            )
+            x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(
+                dev
+            )
             per_step = []
             for i in range(warmup + steps):
                 stats, log, gathered = _timed_step(runner, chunks, x, x)
                 if i >= warmup:
                     per_step.append(bubble_fractions(gathered))
             per_rank = [statistics.median(s[r] for s in per_step) for r in range(p)]
-            res.rows.append({"schedule": name, "m": m, "per_rank": per_rank, "formula": pipeline_bubble(p, m, v),
-                             "peak_live": stats.peak_live_microbatches, "messages_sent": log.count(op="send")})
+            res.rows.append(
+                {
+                    "schedule": name,
+                    "m": m,
+                    "per_rank": per_rank,
+                    "formula": pipeline_bubble(p, m, v),
+                    "peak_live": stats.peak_live_microbatches,
+                    "messages_sent": log.count(op="send"),
+                }
+            )
             res.timelines[f"{name}/{m}"] = _from_start(gathered)
     return res
 
@@ -258,21 +350,42 @@ class TimelineResult(Result):
     def checks(self) -> list[Row]:
         rows = Result()
         for name, s in self.schedules.items():
-            rows.exact(f"{name}: peak live micro-batches on stage {self.rank}", s["peak_live"],
-                       s["predicted_peak_live"], "the schedule's order")
-            rows.exact(f"{name}: bytes stage {self.rank} sends per step", s["sent_bytes"],
-                       pipeline_p2p_bytes(self.p, self.m, self.activation_bytes, stage=self.rank),
-                       "formula pipeline_p2p_bytes")
+            rows.exact(
+                f"{name}: peak live micro-batches on stage {self.rank}",
+                s["peak_live"],
+                s["predicted_peak_live"],
+                "the schedule's order",
+            )
+            rows.exact(
+                f"{name}: bytes stage {self.rank} sends per step",
+                s["sent_bytes"],
+                pipeline_p2p_bytes(self.p, self.m, self.activation_bytes, stage=self.rank),
+                "formula pipeline_p2p_bytes",
+            )
         if "gpipe" in self.schedules and "1f1b" in self.schedules:
             g, o = self.schedules["gpipe"], self.schedules["1f1b"]
-            ratio, live = g["peak_live_bytes"] / o["peak_live_bytes"], g["peak_live"] / o["peak_live"]
-            rows.condition("peak live activation bytes GPipe / 1F1B", ratio, ratio >= 0.8 * live,
-                           "≥ 0.8 × the live micro-batches' ratio", reference=live, against="live micro-batches")
+            ratio, live = (
+                g["peak_live_bytes"] / o["peak_live_bytes"],
+                g["peak_live"] / o["peak_live"],
+            )
+            rows.condition(
+                "peak live activation bytes GPipe / 1F1B",
+                ratio,
+                ratio >= 0.8 * live,
+                "≥ 0.8 × the live micro-batches' ratio",
+                reference=live,
+                against="live micro-batches",
+            )
         return [*self.checked, *rows.checked]
 
 
-def gpt_timelines(schedules=("gpipe", "1f1b"), num_microbatches: int = 8, global_batch: int = 32, steps: int = 3,
-                  config: GPTConfig | None = None) -> TimelineResult:
+def gpt_timelines(
+    schedules=("gpipe", "1f1b"),
+    num_microbatches: int = 8,
+    global_batch: int = 32,
+    steps: int = 3,
+    config: GPTConfig | None = None,
+) -> TimelineResult:
     """Rank function: the GPT pipeline's real timelines, bubbles, live micro-batches / bytes and p2p bytes.
 
     For each schedule: ``steps`` steps (the first a warm-up), after a barrier each. Per schedule:
@@ -298,9 +411,11 @@ def gpt_timelines(schedules=("gpipe", "1f1b"), num_microbatches: int = 8, global
         res.schedules[name] = {
             "events": _from_start(gathered),
             "bubble": [statistics.median(b[r] for b in bubbles) for r in range(p)],
-            "peak_live": stats.peak_live_microbatches, "peak_live_bytes": stats.peak_live_bytes,
+            "peak_live": stats.peak_live_microbatches,
+            "peak_live_bytes": stats.peak_live_bytes,
             "predicted_peak_live": peak_live_microbatches(runner.schedules[rank]),
-            "sent_bytes": log.total("tensor_bytes", op="send"), "sends": log.count(op="send"),
+            "sent_bytes": log.total("tensor_bytes", op="send"),
+            "sends": log.count(op="send"),
             "recv_bytes": log.total("tensor_bytes", op="recv"),
         }
     return res
@@ -319,8 +434,15 @@ class PPDPResult(StageResult):
     groups: list  # the process groups its all-reduces ran in
 
 
-def pp_dp_training(num_stages: int = 2, schedule: str = "1f1b", optimizer: str = "sgd", steps: int = 5,
-                   num_microbatches: int = 2, global_batch: int = 16, config: GPTConfig | None = None) -> PPDPResult:
+def pp_dp_training(
+    num_stages: int = 2,
+    schedule: str = "1f1b",
+    optimizer: str = "sgd",
+    steps: int = 5,
+    num_microbatches: int = 2,
+    global_batch: int = 16,
+    config: GPTConfig | None = None,
+) -> PPDPResult:
     """Rank function: ``world / num_stages`` pipeline replicas × ``num_stages`` stages (rank = replica·p + stage).
 
     Replica ``d`` trains on its ``1/dp`` of each global batch; after the pipeline step each stage's
@@ -331,19 +453,34 @@ def pp_dp_training(num_stages: int = 2, schedule: str = "1f1b", optimizer: str =
     config = config or parallel_config()
     world, rank, dev, p = dist.get_world_size(), dist.get_rank(), device(), num_stages
     if world % p:
-        raise ValueError(f"world_size={world} is not divisible by num_stages={p} (ranks = replicas × stages)")
+        raise ValueError(
+            f"world_size={world} is not divisible by num_stages={p} (ranks = replicas × stages)"
+        )
     dp = world // p
     replica, stage = divmod(rank, p)
-    dp_groups = [dist.new_group([d * p + s for d in range(dp)]) for s in range(p)]  # every rank creates every group
+    dp_groups = [
+        dist.new_group([d * p + s for d in range(dp)]) for s in range(p)
+    ]  # every rank creates every group
     chunks = _stage_chunks(config, p, 1, stage, dev)
     micro = global_batch // dp // num_microbatches
-    runner = _runner(config, schedule, p, num_microbatches, 1, stage, micro, chunks,
-                     ranks=[replica * p + s for s in range(p)])
+    runner = _runner(
+        config,
+        schedule,
+        p,
+        num_microbatches,
+        1,
+        stage,
+        micro,
+        chunks,
+        ranks=[replica * p + s for s in range(p)],
+    )
     opt = make_optimizer(optimizer, runner.params)
     losses = []
     with comm.CommLog() as log:
         for step in range(steps):
-            x, y = shard_batch(*step_batch(step, config, global_batch, dev), rank=replica, world_size=dp)
+            x, y = shard_batch(
+                *step_batch(step, config, global_batch, dev), rank=replica, world_size=dp
+            )
             opt.zero_grad(set_to_none=True)
             mb_losses = runner.step(x, y)
             for q in runner.params:
@@ -352,14 +489,34 @@ def pp_dp_training(num_stages: int = 2, schedule: str = "1f1b", optimizer: str =
             opt.step()
             losses.append(sum(mb_losses) / num_microbatches if mb_losses else None)
     state = _state(chunks)
-    res = PPDPResult(rank, state, losses, replica, stage, log.count(op="all_reduce", tag="grad"),
-                     sorted({r.group for r in log.records if r.op == "all_reduce"}),
-                     title=f"PP × DP: replica {replica}, stage {stage}")
-    res.equal(f"replica {replica}, stage {stage}: weights after {steps} {optimizer} steps", state,
-              _one_device(config, steps, global_batch, optimizer, state), for_optimizer(optimizer))
-    res.exact("gradient all-reduces", res.grad_allreduces, steps * len(runner.params), "one per parameter and step")
-    res.condition("process groups of those all-reduces", len(res.groups), len(res.groups) == 1,
-                  "exactly 1: this stage's data-parallel group")
+    res = PPDPResult(
+        rank,
+        state,
+        losses,
+        replica,
+        stage,
+        log.count(op="all_reduce", tag="grad"),
+        sorted({r.group for r in log.records if r.op == "all_reduce"}),
+        title=f"PP × DP: replica {replica}, stage {stage}",
+    )
+    res.equal(
+        f"replica {replica}, stage {stage}: weights after {steps} {optimizer} steps",
+        state,
+        _one_device(config, steps, global_batch, optimizer, state),
+        for_optimizer(optimizer),
+    )
+    res.exact(
+        "gradient all-reduces",
+        res.grad_allreduces,
+        steps * len(runner.params),
+        "one per parameter and step",
+    )
+    res.condition(
+        "process groups of those all-reduces",
+        len(res.groups),
+        len(res.groups) == 1,
+        "exactly 1: this stage's data-parallel group",
+    )
     return res
 
 
@@ -380,8 +537,13 @@ def _grads(chunks) -> dict:
     return {f"{k}.{n}": q.grad for k, c in enumerate(chunks) for n, q in c.named_parameters()}
 
 
-def torch_pipelining_grads(schedule: str = "1f1b", num_microbatches: int = 4, global_batch: int = 16,
-                           config: GPTConfig | None = None, num_chunks: int = 2) -> TorchPipeliningResult:
+def torch_pipelining_grads(
+    schedule: str = "1f1b",
+    num_microbatches: int = 4,
+    global_batch: int = 16,
+    config: GPTConfig | None = None,
+    num_chunks: int = 2,
+) -> TorchPipeliningResult:
     """Rank function: one step of torch's schedule and of ours on identical stages; compare gradients.
 
     ``schedule`` "gpipe" → ``ScheduleGPipe``, "1f1b" → ``Schedule1F1B``, "interleaved" →
@@ -389,7 +551,12 @@ def torch_pipelining_grads(schedule: str = "1f1b", num_microbatches: int = 4, gl
     The row: torch's gradients on this rank against our runner's (the same operations in the same
     order: bit for bit).
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     config = config or parallel_config()
     p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
@@ -399,9 +566,14 @@ def torch_pipelining_grads(schedule: str = "1f1b", num_microbatches: int = 4, gl
     ours = _stage_chunks(config, p, v, rank, dev)
     _runner(config, schedule, p, m, v, rank, micro, ours).step(x, y)
     theirs = _stage_chunks(config, p, v, rank, dev)
-    stages = [PipelineStage(c, stage_index=k * p + rank, num_stages=p * v, device=dev) for k, c in enumerate(theirs)]
+    stages = [
+        PipelineStage(c, stage_index=k * p + rank, num_stages=p * v, device=dev)
+        for k, c in enumerate(theirs)
+    ]
     if schedule == "interleaved":
-        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=gpt_loss, scale_grads=True)
+        sched = ScheduleInterleaved1F1B(
+            stages, n_microbatches=m, loss_fn=gpt_loss, scale_grads=True
+        )
     else:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         sched = cls(stages[0], n_microbatches=m, loss_fn=gpt_loss, scale_grads=True)
@@ -416,9 +588,20 @@ def torch_pipelining_grads(schedule: str = "1f1b", num_microbatches: int = 4, gl
         sched.step(**kwargs)
     got, want = _grads(theirs), _grads(ours)
     loss = statistics.fmean(t.item() for t in losses) if losses else None
-    res = TorchPipeliningResult(rank, type(sched).__name__, max_abs_diff(got, want), loss,
-                                title=f"{type(sched).__name__} vs ours, rank {rank}")
-    res.equal(f"rank {rank}: {type(sched).__name__}'s gradients", got, want, EXACT, against="our PipelineRunner")
+    res = TorchPipeliningResult(
+        rank,
+        type(sched).__name__,
+        max_abs_diff(got, want),
+        loss,
+        title=f"{type(sched).__name__} vs ours, rank {rank}",
+    )
+    res.equal(
+        f"rank {rank}: {type(sched).__name__}'s gradients",
+        got,
+        want,
+        EXACT,
+        against="our PipelineRunner",
+    )
     return res
 
 
@@ -448,7 +631,9 @@ def _ran_once(actions: list, stages, m: int) -> bool:
     return True
 
 
-def zero_bubble_order(num_microbatches: int = 4, config: GPTConfig | None = None) -> ZeroBubbleResult:
+def zero_bubble_order(
+    num_microbatches: int = 4, config: GPTConfig | None = None
+) -> ZeroBubbleResult:
     """Rank function: torch's ``ScheduleInterleavedZeroBubble`` (2 stages per rank), one real step, its action order.
 
     Backward is split into ``I`` (gradient of the input, sent upstream at once) and ``W`` (gradient
@@ -462,7 +647,10 @@ def zero_bubble_order(num_microbatches: int = 4, config: GPTConfig | None = None
     p, rank, dev, v = dist.get_world_size(), dist.get_rank(), device(), 2
     x, y = step_batch(0, config, 4 * num_microbatches, dev)
     chunks = _stage_chunks(config, p, v, rank, dev)
-    stages = [PipelineStage(c, stage_index=k * p + rank, num_stages=p * v, device=dev) for k, c in enumerate(chunks)]
+    stages = [
+        PipelineStage(c, stage_index=k * p + rank, num_stages=p * v, device=dev)
+        for k, c in enumerate(chunks)
+    ]
     sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=num_microbatches, loss_fn=gpt_loss)
     losses: list = []
     kwargs = dict(target=y, losses=losses) if (p * v - 1) % p == rank else {}
@@ -470,11 +658,16 @@ def zero_bubble_order(num_microbatches: int = 4, config: GPTConfig | None = None
         sched.step(x, **kwargs)
     else:
         sched.step(**kwargs)
-    order = {r: [None if a is None else str(a) for a in acts] for r, acts in sched.pipeline_order.items()}
+    order = {
+        r: [None if a is None else str(a) for a in acts] for r, acts in sched.pipeline_order.items()
+    }
     loss = statistics.fmean(t.item() for t in losses) if losses else None
     res = ZeroBubbleResult(rank, order, loss, title=f"ScheduleInterleavedZeroBubble, rank {rank}")
     mine = [a for a in order[rank] if a is not None]
-    res.condition(f"rank {rank}: every micro-batch's F, I and W once per stage", len(mine),
-                  _ran_once(mine, [k * p + rank for k in range(v)], num_microbatches),
-                  f"{v} stages × {num_microbatches} micro-batches × (F + I + W)")
+    res.condition(
+        f"rank {rank}: every micro-batch's F, I and W once per stage",
+        len(mine),
+        _ran_once(mine, [k * p + rank for k in range(v)], num_microbatches),
+        f"{v} stages × {num_microbatches} micro-batches × (F + I + W)",
+    )
     return res

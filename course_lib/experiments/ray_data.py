@@ -21,6 +21,7 @@ pipelines, equal to one device).
 The loop is Ray Train's (``train_loop_per_worker`` over dataset shards); each step inside it, and the one-device
 reference, is ``course_lib.train.train_step``.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,17 +38,37 @@ from ..results import ADAMW, EXACT
 from .common import Result, make_optimizer, small_config, train_step
 from .ray_train import rank_results
 
-__all__ = ["write_corpus", "read_corpus", "tokenize", "Tokenizer", "build_dataset", "build_actor_dataset",
-           "FileBatches", "data_loop", "fit", "overlap_run", "summarize", "timelines", "reference_state",
-           "overlap_result", "format_summary", "benchmark", "VARIANTS"]
+__all__ = [
+    "write_corpus",
+    "read_corpus",
+    "tokenize",
+    "Tokenizer",
+    "build_dataset",
+    "build_actor_dataset",
+    "FileBatches",
+    "data_loop",
+    "fit",
+    "overlap_run",
+    "summarize",
+    "timelines",
+    "reference_state",
+    "overlap_result",
+    "format_summary",
+    "benchmark",
+    "VARIANTS",
+]
 
-VOCAB = {f"w{i:02d}": i for i in range(small_config().vocab_size)}   # the "tokenizer": word -> token id
+VOCAB = {
+    f"w{i:02d}": i for i in range(small_config().vocab_size)
+}  # the "tokenizer": word -> token id
 
 
 # =========================================================================== data
 
 
-def write_corpus(folder: str, rows: int = 512, files: int = 16, seed: int = 0, bad_id: int | None = None) -> dict:
+def write_corpus(
+    folder: str, rows: int = 512, files: int = 16, seed: int = 0, bad_id: int | None = None
+) -> dict:
     """Write ``rows`` sequences as text into ``files`` Parquet files (ids in file order); returns a summary.
 
     Columns: ``id`` (int64), ``text`` (T+1 words), ``score`` (a float feature for the StandardScaler demo).
@@ -59,7 +80,9 @@ def write_corpus(folder: str, rows: int = 512, files: int = 16, seed: int = 0, b
     if rows < 1 or files < 1 or rows % files:
         raise ValueError(f"rows={rows} must be a positive multiple of files={files}")
     config = small_config()
-    seqs = counter_sequences(rows, config.block_size + 1, config.vocab_size, torch.Generator().manual_seed(seed))
+    seqs = counter_sequences(
+        rows, config.block_size + 1, config.vocab_size, torch.Generator().manual_seed(seed)
+    )
     texts = [" ".join(f"w{t:02d}" for t in s) for s in seqs.tolist()]
     if bad_id is not None:
         texts[bad_id] = "w?? " + texts[bad_id].split(" ", 1)[1]
@@ -68,7 +91,9 @@ def write_corpus(folder: str, rows: int = 512, files: int = 16, seed: int = 0, b
     per = rows // files
     for f in range(files):
         sl = slice(f * per, (f + 1) * per)
-        table = pa.table({"id": np.arange(rows, dtype=np.int64)[sl], "text": texts[sl], "score": score[sl]})
+        table = pa.table(
+            {"id": np.arange(rows, dtype=np.int64)[sl], "text": texts[sl], "score": score[sl]}
+        )
         pq.write_table(table, os.path.join(folder, f"part-{f:03d}.parquet"))
     return {"folder": folder, "rows": rows, "files": files, "rows_per_file": per}
 
@@ -105,7 +130,7 @@ class Tokenizer:
     """
 
     def __init__(self, cost_ms: float = 0.0, load_s: float = 0.2):
-        time.sleep(load_s)                      # e.g. reading a vocabulary / model file from disk
+        time.sleep(load_s)  # e.g. reading a vocabulary / model file from disk
         self.vocab, self.cost_ms, self.calls = dict(VOCAB), cost_ms, 0
 
     def __call__(self, batch: dict) -> dict:
@@ -130,6 +155,8 @@ def read_corpus(folder: str):
     return ray.data.from_arrow([pq.read_table(os.path.join(folder, f)) for f in files])
 
 
+# Notebook 08 prints this function's source: it stays as written.
+# fmt: off
 def build_dataset(folder, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: float = 0.5):
     """``read_corpus(folder).map_batches(tokenize, ...)`` with the course's batch-naming wrapper. Lazy.
 
@@ -138,16 +165,23 @@ def build_dataset(folder, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: 
     base = read_corpus(folder) if isinstance(folder, str) else folder
     return base.map_batches(fn, batch_size=batch_size, num_cpus=num_cpus, fn_kwargs={"cost_ms": cost_ms},
                             udf_modifying_row_count=False)
+# fmt: on
 
 
-def build_actor_dataset(folder: str, actors: int = 2, cost_ms: float = 4.0, batch_size: int = 16,
-                        num_cpus: float = 0.5):
+def build_actor_dataset(
+    folder: str, actors: int = 2, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: float = 0.5
+):
     """The same step on an actor pool: ``map_batches(Tokenizer, compute=ActorPoolStrategy(size=actors))``."""
     import ray.data
 
     return read_corpus(folder).map_batches(
-        Tokenizer, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=num_cpus, batch_size=batch_size,
-        fn_constructor_kwargs={"cost_ms": cost_ms}, udf_modifying_row_count=False)
+        Tokenizer,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_cpus=num_cpus,
+        batch_size=batch_size,
+        fn_constructor_kwargs={"cost_ms": cost_ms},
+        udf_modifying_row_count=False,
+    )
 
 
 class FileBatches(Dataset):
@@ -169,7 +203,9 @@ class FileBatches(Dataset):
 
     def __getitem__(self, k: int) -> dict:
         lo = (k * self.world + self.rank) * self.b
-        out = tokenize({"id": self.ids[lo:lo + self.b], "text": self.texts[lo:lo + self.b]}, self.cost_ms)
+        out = tokenize(
+            {"id": self.ids[lo : lo + self.b], "text": self.texts[lo : lo + self.b]}, self.cost_ms
+        )
         return {key: torch.from_numpy(v) for key, v in out.items()}
 
 
@@ -179,10 +215,16 @@ class FileBatches(Dataset):
 # What overlap_run races, in this order, in one fit: name -> variant settings. Two epochs each, the second
 # timed: the first starts the pipeline's processes (seconds on a busy laptop, once per run).
 VARIANTS = {
-    "serial": {"source": "serial", "epochs": 2},         # materialize() first (in the driver), then train
-    "streaming": {"source": "streaming", "epochs": 2},   # Ray Data streams into the loop (prefetch_batches=1)
+    "serial": {"source": "serial", "epochs": 2},  # materialize() first (in the driver), then train
+    "streaming": {
+        "source": "streaming",
+        "epochs": 2,
+    },  # Ray Data streams into the loop (prefetch_batches=1)
     "no_prefetch": {"source": "no_prefetch", "prefetch": 0, "epochs": 2},
-    "dataloader": {"source": "loader", "epochs": 2},     # torch DataLoader(num_workers=1), same tokenisation
+    "dataloader": {
+        "source": "loader",
+        "epochs": 2,
+    },  # torch DataLoader(num_workers=1), same tokenisation
 }
 
 
@@ -192,9 +234,17 @@ def _batches(v: dict, cfg: dict, rank: int, world: int, epoch: int, shard):
         return DataLoader(data, batch_size=None, num_workers=1)
     kwargs = {}
     if v.get("shuffle_buffer"):
-        kwargs = {"local_shuffle_buffer_size": v["shuffle_buffer"], "local_shuffle_seed": v["seed"] + epoch}
-    return shard.iter_torch_batches(batch_size=cfg["batch_size"], prefetch_batches=v.get("prefetch", 1),
-                                    dtypes=torch.long, drop_last=cfg.get("drop_last", False), **kwargs)
+        kwargs = {
+            "local_shuffle_buffer_size": v["shuffle_buffer"],
+            "local_shuffle_seed": v["seed"] + epoch,
+        }
+    return shard.iter_torch_batches(
+        batch_size=cfg["batch_size"],
+        prefetch_batches=v.get("prefetch", 1),
+        dtypes=torch.long,
+        drop_last=cfg.get("drop_last", False),
+        **kwargs,
+    )
 
 
 def data_loop(cfg: dict) -> None:
@@ -220,22 +270,32 @@ def data_loop(cfg: dict) -> None:
         model = prepare_model(GPT(small_config(), seed=0))
         opt = make_optimizer("adamw", model.parameters())
         if world > 1:
-            dist.barrier()                                   # every variant starts together on all workers
+            dist.barrier()  # every variant starts together on all workers
         shard = None if v["source"] == "loader" else ray.train.get_dataset_shard(v["source"])
         steps, ids, t0 = [], [], time.perf_counter()
         for epoch in range(v.get("epochs", 1)):
             for wait, batch in ray_data.timed(_batches(v, cfg, rank, world, epoch, shard)):
                 ready = time.perf_counter()
-                train_step(model, opt, batch["x"].to(dev), batch["y"].to(dev))   # a real (tiny) step ...
-                time.sleep(cfg["step_sleep"])                # ... + the rest of an accelerator step
+                train_step(
+                    model, opt, batch["x"].to(dev), batch["y"].to(dev)
+                )  # a real (tiny) step ...
+                time.sleep(cfg["step_sleep"])  # ... + the rest of an accelerator step
                 steps.append((epoch, ready - wait - t0, ready - t0, time.perf_counter() - t0))
                 ids.append(batch["id"].tolist())
         module = model.module if hasattr(model, "module") else model
-        out["runs"][name] = {"steps": steps, "ids": ids, "loop_s": time.perf_counter() - t0,
-                             "state": {k: t.detach().cpu() for k, t in module.state_dict().items()}
-                             if rank == 0 else None, "stats": shard.stats() if shard is not None else ""}
-    out["rows"] = {name: sum(len(b["id"]) for b in ray.train.get_dataset_shard(name).iter_batches())
-                   for name in cfg.get("count", ())}         # e.g. an unsplit validation set: all of it
+        out["runs"][name] = {
+            "steps": steps,
+            "ids": ids,
+            "loop_s": time.perf_counter() - t0,
+            "state": {k: t.detach().cpu() for k, t in module.state_dict().items()}
+            if rank == 0
+            else None,
+            "stats": shard.stats() if shard is not None else "",
+        }
+    out["rows"] = {
+        name: sum(len(b["id"]) for b in ray.train.get_dataset_shard(name).iter_batches())
+        for name in cfg.get("count", ())
+    }  # e.g. an unsplit validation set: all of it
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
@@ -245,8 +305,14 @@ def data_loop(cfg: dict) -> None:
 # =========================================================================== parent side
 
 
-def fit(datasets: dict, cfg: dict, num_workers: int = 2, datasets_to_split="all", loop=data_loop,
-        rows: dict | None = None) -> list[dict]:
+def fit(
+    datasets: dict,
+    cfg: dict,
+    num_workers: int = 2,
+    datasets_to_split="all",
+    loop=data_loop,
+    rows: dict | None = None,
+) -> list[dict]:
     """Check, then run one ``TorchTrainer`` fit; returns each worker's results (index = rank).
 
     Before any worker starts: the workers must fit in the cluster (``ray_train.check_resources``) and every
@@ -257,23 +323,36 @@ def fit(datasets: dict, cfg: dict, num_workers: int = 2, datasets_to_split="all"
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    per_worker = {"CPU": 0.5}                        # leave CPUs for Ray Data's tasks (2-CPU caveat)
+    per_worker = {"CPU": 0.5}  # leave CPUs for Ray Data's tasks (2-CPU caveat)
     use_gpu = ray_train.auto_use_gpu(num_workers)
     ray_train.check_resources(num_workers, per_worker, use_gpu=use_gpu)
     for name, ds in datasets.items():
         if datasets_to_split == "all" or name in datasets_to_split:
             ray_data.check_enough_rows((rows or {}).get(name, ds), num_workers, cfg["batch_size"])
     trainer = TorchTrainer(
-        loop, train_loop_config=cfg, datasets=datasets,
+        loop,
+        train_loop_config=cfg,
+        datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=datasets_to_split),
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=per_worker),
-        run_config=RunConfig(**ray_train.run_config_kwargs("ch08")))
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=per_worker
+        ),
+        run_config=RunConfig(**ray_train.run_config_kwargs("ch08")),
+    )
     return rank_results(trainer.fit(), num_workers)
 
 
-def overlap_run(folder: str, *, cost_ms: float = 4.0, step_sleep: float = 0.06, batch_size: int = 16,
-                num_workers: int = 2, variants: dict | None = None, extra: dict | None = None,
-                unsplit: dict | None = None) -> dict:
+def overlap_run(
+    folder: str,
+    *,
+    cost_ms: float = 4.0,
+    step_sleep: float = 0.06,
+    batch_size: int = 16,
+    num_workers: int = 2,
+    variants: dict | None = None,
+    extra: dict | None = None,
+    unsplit: dict | None = None,
+) -> dict:
     """Serial vs streaming (vs ``prefetch_batches=0``, vs ``DataLoader``) in one fit, timed inside the loops.
 
     The serial run's preprocessing is ``ds.materialize()`` in the driver (timed here, ``materialize_s``);
@@ -282,16 +361,34 @@ def overlap_run(folder: str, *, cost_ms: float = 4.0, step_sleep: float = 0.06, 
     Returns ``{"materialize_s", "stats", "workers", "cfg"}``.
     """
     variants = dict(VARIANTS if variants is None else variants, **(extra or {}))
-    build_dataset(folder, 0.0, batch_size).materialize()    # warm-up: start Ray's task worker processes
+    build_dataset(
+        folder, 0.0, batch_size
+    ).materialize()  # warm-up: start Ray's task worker processes
     t0 = time.perf_counter()
     materialized = build_dataset(folder, cost_ms, batch_size).materialize()
     materialize_s = time.perf_counter() - t0
     sources = {v["source"] for v in variants.values()} - {"loader"}
-    datasets = {s: materialized if s == "serial" else build_dataset(folder, cost_ms, batch_size) for s in sources}
-    cfg = {"variants": variants, "batch_size": batch_size, "step_sleep": step_sleep, "folder": folder,
-           "cost_ms": cost_ms, "count": sorted(unsplit or {})}
-    workers = fit({**datasets, **(unsplit or {})}, cfg, num_workers, datasets_to_split=sorted(datasets))
-    return {"materialize_s": materialize_s, "stats": materialized.stats(), "workers": workers, "cfg": cfg}
+    datasets = {
+        s: materialized if s == "serial" else build_dataset(folder, cost_ms, batch_size)
+        for s in sources
+    }
+    cfg = {
+        "variants": variants,
+        "batch_size": batch_size,
+        "step_sleep": step_sleep,
+        "folder": folder,
+        "cost_ms": cost_ms,
+        "count": sorted(unsplit or {}),
+    }
+    workers = fit(
+        {**datasets, **(unsplit or {})}, cfg, num_workers, datasets_to_split=sorted(datasets)
+    )
+    return {
+        "materialize_s": materialize_s,
+        "stats": materialized.stats(),
+        "workers": workers,
+        "cfg": cfg,
+    }
 
 
 def _last_epoch(steps: list) -> list:
@@ -309,8 +406,13 @@ def summarize(run: dict) -> dict:
         wall = max(s[-1][3] for s in per) - min(s[0][1] for s in per)
         wall += run["materialize_s"] if name == "serial" else 0.0
         waits = [s[2] - s[1] for p in per for s in p]
-        out[name] = {"wall_s": wall, "mean_wait_s": float(np.mean(waits)), "median_wait_s": float(np.median(waits)),
-                     "steps": len(per[0]), "rows_per_s": sum(len(p) for p in per) * b / wall}
+        out[name] = {
+            "wall_s": wall,
+            "mean_wait_s": float(np.mean(waits)),
+            "median_wait_s": float(np.median(waits)),
+            "steps": len(per[0]),
+            "rows_per_s": sum(len(p) for p in per) * b / wall,
+        }
     if "serial" in out and "streaming" in out:
         out["ratio"] = out["streaming"]["wall_s"] / out["serial"]["wall_s"]
     return out
@@ -326,7 +428,10 @@ def timelines(run: dict, names=("serial", "streaming")) -> tuple[list, list]:
         for w, steps in zip(run["workers"], per):
             ev = [("wait", "", 0, 0.0, run["materialize_s"])] if name == "serial" else []
             for _, start, ready, end in steps:
-                ev += [("wait", "", 0, start + shift, ready + shift), ("F", "", 0, ready + shift, end + shift)]
+                ev += [
+                    ("wait", "", 0, start + shift, ready + shift),
+                    ("F", "", 0, ready + shift, end + shift),
+                ]
             rows.append(ev)
             labels.append(f"{name} · worker {w['rank']}")
     return rows, labels
@@ -351,7 +456,9 @@ def reference_state(folder: str, per_worker_ids: list[list[list[int]]]) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def overlap_result(run: dict, folder: str, same: tuple = (), reference: str = "streaming") -> Result:
+def overlap_result(
+    run: dict, folder: str, same: tuple = (), reference: str = "streaming"
+) -> Result:
     """The race's correctness as rows (its timing is :func:`summarize`'s): every variant saw every row exactly
     once per epoch; each pair in ``same`` (e.g. ``("serial_2ep", "streaming_2ep")``, both shuffled with the
     same seeds) dealt each worker the same batches in the same order and ended with bit-identical weights;
@@ -366,19 +473,42 @@ def overlap_result(run: dict, folder: str, same: tuple = (), reference: str = "s
     for name in workers[0]["runs"]:
         epochs = sorted({s[0] for s in workers[0]["runs"][name]["steps"]})
         for epoch in epochs:
-            seen = sorted(i for w in workers for (e, *_), b in zip(w["runs"][name]["steps"], w["runs"][name]["ids"])
-                          if e == epoch for i in b)
-            out.condition(f"{name}, epoch {epoch}: rows seen over the workers", len(seen),
-                          seen == list(range(rows)), f"each of the {rows} ids exactly once")
+            seen = sorted(
+                i
+                for w in workers
+                for (e, *_), b in zip(w["runs"][name]["steps"], w["runs"][name]["ids"])
+                if e == epoch
+                for i in b
+            )
+            out.condition(
+                f"{name}, epoch {epoch}: rows seen over the workers",
+                len(seen),
+                seen == list(range(rows)),
+                f"each of the {rows} ids exactly once",
+            )
     for a, b in same:
         for w in workers:
-            out.condition(f"worker {w['rank']}: {a} and {b} deal the same batches", len(w["runs"][a]["ids"]),
-                          w["runs"][a]["ids"] == w["runs"][b]["ids"], "same ids, same order")
-        out.equal(f"{a} vs {b}: final parameters", workers[0]["runs"][a]["state"], workers[0]["runs"][b]["state"],
-                  EXACT, against=b)
+            out.condition(
+                f"worker {w['rank']}: {a} and {b} deal the same batches",
+                len(w["runs"][a]["ids"]),
+                w["runs"][a]["ids"] == w["runs"][b]["ids"],
+                "same ids, same order",
+            )
+        out.equal(
+            f"{a} vs {b}: final parameters",
+            workers[0]["runs"][a]["state"],
+            workers[0]["runs"][b]["state"],
+            EXACT,
+            against=b,
+        )
     ids = [w["runs"][reference]["ids"] for w in workers]
-    out.equal(f"{reference}: final parameters", workers[0]["runs"][reference]["state"],
-              reference_state(folder, ids), ADAMW, against="one device, same global batches")
+    out.equal(
+        f"{reference}: final parameters",
+        workers[0]["runs"][reference]["state"],
+        reference_state(folder, ids),
+        ADAMW,
+        against="one device, same global batches",
+    )
     return out
 
 
@@ -388,18 +518,27 @@ def format_summary(summary: dict) -> str:
     for name in ("serial", "streaming", "no_prefetch", "dataloader"):
         if name in summary:
             s = summary[name]
-            lines.append(f"{name:>12}: wall {s['wall_s']:5.2f} s | wait per step: mean {s['mean_wait_s'] * 1e3:5.0f} "
-                         f"ms, median {s['median_wait_s'] * 1e3:4.0f} ms | {s['rows_per_s']:5.0f} rows/s")
+            lines.append(
+                f"{name:>12}: wall {s['wall_s']:5.2f} s | wait per step: mean {s['mean_wait_s'] * 1e3:5.0f} "
+                f"ms, median {s['median_wait_s'] * 1e3:4.0f} ms | {s['rows_per_s']:5.0f} rows/s"
+            )
     base = summary.get("streaming", {}).get("wall_s")
-    others = [f"{n} / streaming {summary[n]['wall_s'] / base:.2f}" for n in ("no_prefetch", "dataloader")
-              if n in summary and base]
+    others = [
+        f"{n} / streaming {summary[n]['wall_s'] / base:.2f}"
+        for n in ("no_prefetch", "dataloader")
+        if n in summary and base
+    ]
     if "ratio" in summary:
-        lines.append(f"streaming / serial wall time: {summary['ratio']:.2f}" + (f"; {', '.join(others)}"
-                                                                                 if others else ""))
+        lines.append(
+            f"streaming / serial wall time: {summary['ratio']:.2f}"
+            + (f"; {', '.join(others)}" if others else "")
+        )
     return "\n".join(lines)
 
 
-def benchmark(rows: int = 512, cost_ms: float = 4.0, step_sleep: float = 0.06, batch_size: int = 16) -> str:
+def benchmark(
+    rows: int = 512, cost_ms: float = 4.0, step_sleep: float = 0.06, batch_size: int = 16
+) -> str:
     """``python -m course_lib.bench raydata``: start Ray, write a corpus, race the variants, clean up; the text."""
     import shutil
     import tempfile
@@ -413,6 +552,8 @@ def benchmark(rows: int = 512, cost_ms: float = 4.0, step_sleep: float = 0.06, b
     finally:
         ray_train.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    return (f"{rows} rows, tokenising {cost_ms:g} ms CPU/row, step {step_sleep * 1e3:.0f} ms (tiny real step + "
-            f"sleep), 2 workers × batch {batch_size}, serial materialize {run['materialize_s']:.2f} s\n"
-            + format_summary(summarize(run)))
+    return (
+        f"{rows} rows, tokenising {cost_ms:g} ms CPU/row, step {step_sleep * 1e3:.0f} ms (tiny real step + "
+        f"sleep), 2 workers × batch {batch_size}, serial materialize {run['materialize_s']:.2f} s\n"
+        + format_summary(summarize(run))
+    )

@@ -22,6 +22,7 @@ The loops here are Ray Train's (``train_loop_per_worker``: ``prepare_model`` / `
 reports and checkpoints); each step inside them, and the one-device reference, is
 ``course_lib.train.train_step``.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,24 @@ from ..models import GPT
 from ..results import for_optimizer
 from .common import Result, check_global_batch, make_optimizer, small_config, train_step
 
-__all__ = ["busy", "nap", "checksum", "ParameterServer", "shard_gradient", "train_config", "ddp_loop", "fsdp_loop",
-           "rank_function_loop", "node_and_equality", "reference_params", "final_state", "rank_results", "fail_once",
-           "equal_to_one_device", "PLAIN_LOOP"]
+__all__ = [
+    "busy",
+    "nap",
+    "checksum",
+    "ParameterServer",
+    "shard_gradient",
+    "train_config",
+    "ddp_loop",
+    "fsdp_loop",
+    "rank_function_loop",
+    "node_and_equality",
+    "reference_params",
+    "final_state",
+    "rank_results",
+    "fail_once",
+    "equal_to_one_device",
+    "PLAIN_LOOP",
+]
 
 
 # =========================================================================== Ray Core
@@ -94,11 +110,18 @@ def shard_gradient(w: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def train_config(**overrides) -> dict:
     """The ``train_loop_config`` every Ray Train run here uses (the model is ``small_config()``)."""
-    return {"epochs": 3, "samples": 48, "global_batch": 16, "optimizer": "adamw", "fail": None, **overrides}
+    return {
+        "epochs": 3,
+        "samples": 48,
+        "global_batch": 16,
+        "optimizer": "adamw",
+        "fail": None,
+        **overrides,
+    }
 
 
 # What changes from plain PyTorch (shown in the notebook as a diff).
-PLAIN_LOOP = '''\
+PLAIN_LOOP = """\
 model = GPT(config).to(device)
 model = DDP(model)                              # after init_process_group / torchrun
 loader = DataLoader(data, batch_size=b, sampler=DistributedSampler(data))
@@ -107,7 +130,7 @@ for epoch in range(epochs):
         x, y = x.to(device), y.to(device)
         loss = train_step(model, opt, x, y)
     torch.save(state, "ckpt.pt")
-'''
+"""
 
 
 def fail_once(cfg: dict, rank: int, epoch: int, step: int) -> None:
@@ -118,7 +141,11 @@ def fail_once(cfg: dict, rank: int, epoch: int, step: int) -> None:
     exception, no clean-up: what a crashed or preempted node looks like).
     """
     f = cfg.get("fail")
-    if not f or (rank, epoch, step) != (f["rank"], f["epoch"], f["step"]) or os.path.exists(f["marker"]):
+    if (
+        not f
+        or (rank, epoch, step) != (f["rank"], f["epoch"], f["step"])
+        or os.path.exists(f["marker"])
+    ):
         return
     with open(f["marker"], "w") as out:
         out.write(f"{rank} {epoch} {step}")
@@ -138,6 +165,8 @@ def _unwrap(model):
     return model.module if hasattr(model, "module") else model
 
 
+# Notebook 07 prints this function's source: it stays as written.
+# fmt: off
 def ddp_loop(cfg: dict) -> None:
     """``train_loop_per_worker``: the chapter-01 loop, DDP via ``prepare_model``, checkpoint + resume."""
     import ray.train
@@ -173,6 +202,7 @@ def ddp_loop(cfg: dict) -> None:
             ray.train.report({"epoch": epoch, "loss": loss, "node": ray.util.get_node_ip_address(),
                               "model": type(model).__name__, "sampler": type(loader.sampler).__name__},
                              checkpoint=checkpoint)            # 4: a checkpoint
+# fmt: on
 
 
 def fsdp_loop(cfg: dict) -> None:
@@ -185,8 +215,12 @@ def fsdp_loop(cfg: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from ray.train import Checkpoint
     from ray.train.torch import get_device, prepare_data_loader
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -194,7 +228,7 @@ def fsdp_loop(cfg: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     dev = get_device()
-    mesh = init_device_mesh(dev.type, (world,))                 # on the process group Ray created
+    mesh = init_device_mesh(dev.type, (world,))  # on the process group Ray created
     model = GPT(small_config(), seed=0).to(dev)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -207,7 +241,9 @@ def fsdp_loop(cfg: dict) -> None:
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optimizer": osd}
             dcp.load(state, checkpoint_id=os.path.join(d, "dcp"))
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
             with open(os.path.join(d, "dcp", "epoch.json")) as f:
                 start = json.load(f)["epoch"] + 1
     for epoch in range(start, cfg["epochs"]):
@@ -216,15 +252,23 @@ def fsdp_loop(cfg: dict) -> None:
             fail_once(cfg, rank, epoch, step)
             loss = train_step(model, opt, x, y)
             ray.train.report({"epoch": epoch, "step": step, "loss": loss})
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         with tempfile.TemporaryDirectory() as d:
             msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=os.path.join(d, "dcp"))  # this rank's shard
+            dcp.save(
+                {"model": msd, "optimizer": osd}, checkpoint_id=os.path.join(d, "dcp")
+            )  # this rank's shard
             if rank == 0:
                 with open(os.path.join(d, "dcp", "epoch.json"), "w") as f:
                     json.dump({"epoch": epoch}, f)
-                torch.save(full, os.path.join(d, "full.pt"))    # for the test: full tensors, one device's view
-            ray.train.report({"epoch": epoch, "loss": loss}, checkpoint=Checkpoint.from_directory(d))
+                torch.save(
+                    full, os.path.join(d, "full.pt")
+                )  # for the test: full tensors, one device's view
+            ray.train.report(
+                {"epoch": epoch, "loss": loss}, checkpoint=Checkpoint.from_directory(d)
+            )
 
 
 def rank_function_loop(cfg: dict) -> None:
@@ -252,7 +296,11 @@ def node_and_equality(steps: int = 3) -> dict:
     from .ddp import equality_with_single_device
 
     res = equality_with_single_device("torch_ddp", "adamw", steps)
-    return {"node": ray.util.get_node_ip_address(), "max_abs_diff": res.max_abs_diff, "ok": all(res.claims().values())}
+    return {
+        "node": ray.util.get_node_ip_address(),
+        "max_abs_diff": res.max_abs_diff,
+        "ok": all(res.claims().values()),
+    }
 
 
 # =========================================================================== parent side
@@ -274,7 +322,7 @@ def reference_params(cfg: dict, world: int = 2) -> dict:
         per_rank = [perm[r::world] for r in range(world)]
         b = B // world
         for k in range(len(per_rank[0]) // b + (len(per_rank[0]) % b > 0)):
-            idx = [i for r in range(world) for i in per_rank[r][k * b:(k + 1) * b]]
+            idx = [i for r in range(world) for i in per_rank[r][k * b : (k + 1) * b]]
             x = torch.stack([data[i][0] for i in idx])
             y = torch.stack([data[i][1] for i in idx])
             train_step(model, opt, x, y)
@@ -303,6 +351,11 @@ def equal_to_one_device(result, cfg: dict, world: int = 2, title: str = "") -> R
     """A row: a finished run's last-checkpoint parameters vs :func:`reference_params` (one device, the same
     global batches in the same order), within the optimizer's named tolerance (``results.for_optimizer``)."""
     out = Result(title=title or f"Ray Train, {world} workers, vs one device")
-    out.equal("final parameters", final_state(result), reference_params(cfg, world),
-              for_optimizer(cfg["optimizer"]), against="one device, same global batches")
+    out.equal(
+        "final parameters",
+        final_state(result),
+        reference_params(cfg, world),
+        for_optimizer(cfg["optimizer"]),
+        against="one device, same global batches",
+    )
     return out

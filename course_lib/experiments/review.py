@@ -11,6 +11,7 @@
   (quantity | measured | reference | tolerance | verdict), what the tests assert.
 * :func:`deepspeed_mapping` — DeepSpeed's ``zero_optimization`` configs next to the course's own ZeRO.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -22,8 +23,19 @@ from ..models import GPT, equality_config
 from ..plan import Cluster, Layout, Model, PlanError, memory_per_gpu, recommend, zero_paper_table
 from .common import Result, parallel_config, zero_config
 
-__all__ = ["review_suite", "comparison_rows", "comparison_table", "plan_vs_measured", "FIXED_CASES", "fixed_cases",
-           "review_result", "planner_result", "deepspeed_mapping", "deepspeed_model_config", "MICRO_BATCH"]
+__all__ = [
+    "review_suite",
+    "comparison_rows",
+    "comparison_table",
+    "plan_vs_measured",
+    "FIXED_CASES",
+    "fixed_cases",
+    "review_result",
+    "planner_result",
+    "deepspeed_mapping",
+    "deepspeed_model_config",
+    "MICRO_BATCH",
+]
 
 MICRO_BATCH = 2  # sequences per rank in the activation measurement
 
@@ -58,8 +70,16 @@ def review_suite(bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1
     t_f, t_b = (v / 1e3 for v in bubble_ms)
     bubbles = sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=3)
     bubbles.pop("timelines")
-    return _plain({"world_size": dist.get_world_size(), "zero": zero, "profile": profile, "fsdp": fsdp, "tp": tp,
-                   "bubbles": bubbles})
+    return _plain(
+        {
+            "world_size": dist.get_world_size(),
+            "zero": zero,
+            "profile": profile,
+            "fsdp": fsdp,
+            "tp": tp,
+            "bubbles": bubbles,
+        }
+    )
 
 
 # --------------------------------------------------------------------------- parent side
@@ -68,8 +88,11 @@ def review_suite(bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1
 def _tp_expected_block_bytes(t: int) -> int:
     """Bytes of the block Linears of the TP model on one device, divided by t: what a TP rank should hold."""
     model = GPT(parallel_config(), seed=0)
-    full = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-               if n.startswith("blocks.") and ".ln_" not in n)
+    full = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if n.startswith("blocks.") and ".ln_" not in n
+    )
     return full // t
 
 
@@ -82,38 +105,78 @@ def comparison_rows(res: dict) -> list[dict]:
     mem = ("16Ψ", "8Ψ + 8Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N")
     for r in res["zero"]:
         s = r["stage"]
-        rows.append({"technique": "DDP (ours)" if s == 0 else f"ZeRO-{s} (ours)", "splits": splits[s],
-                     "memory": mem[s], "memory_ratio": r["ratio"], "traffic": "3Ψ" if s == 3 else "2Ψ",
-                     "traffic_ratio": r["comm_ratio"], "equal": f"max|Δ| ≤ 1e-5: {r['max_abs_diff'] <= 1e-5}"})
+        rows.append(
+            {
+                "technique": "DDP (ours)" if s == 0 else f"ZeRO-{s} (ours)",
+                "splits": splits[s],
+                "memory": mem[s],
+                "memory_ratio": r["ratio"],
+                "traffic": "3Ψ" if s == 3 else "2Ψ",
+                "traffic_ratio": r["comm_ratio"],
+                "equal": f"max|Δ| ≤ 1e-5: {r['max_abs_diff'] <= 1e-5}",
+            }
+        )
     f = res["fsdp"]["fsdp2"]
-    rows.append({"technique": "FSDP2 (torch)", "splits": "+ parameters", "memory": "16Ψ/N",
-                 "memory_ratio": f["memory_ratio"], "traffic": "3Ψ", "traffic_ratio": f["comm_ratio"],
-                 "equal": "chapter 04"})
+    rows.append(
+        {
+            "technique": "FSDP2 (torch)",
+            "splits": "+ parameters",
+            "memory": "16Ψ/N",
+            "memory_ratio": f["memory_ratio"],
+            "traffic": "3Ψ",
+            "traffic_ratio": f["comm_ratio"],
+            "equal": "chapter 04",
+        }
+    )
     tp = res["tp"]
     layers = parallel_config().n_layer
-    per_layer = (tp["forward"].get("all_reduce:tp", 0) / layers, tp["backward"].get("all_reduce:tp", 0) / layers)
-    rows.append({"technique": "TP (Megatron, ours)", "splits": "each layer's matrices", "memory": "Ψ_blocks/t",
-                 "memory_ratio": tp["block_linear_bytes"] / _tp_expected_block_bytes(n),
-                 "traffic": "2+2 all-reduce/layer", "traffic_ratio": (per_layer[0] + per_layer[1]) / 4,
-                 "equal": "chapter 06"})
-    rows.append({"technique": "PP (GPipe, 1F1B)", "splits": "layers into stages", "memory": "Ψ/p + m or p mb",
-                 "memory_ratio": float("nan"), "traffic": "boundary activations", "traffic_ratio": float("nan"),
-                 "equal": "bubble: below (timed)"})
+    per_layer = (
+        tp["forward"].get("all_reduce:tp", 0) / layers,
+        tp["backward"].get("all_reduce:tp", 0) / layers,
+    )
+    rows.append(
+        {
+            "technique": "TP (Megatron, ours)",
+            "splits": "each layer's matrices",
+            "memory": "Ψ_blocks/t",
+            "memory_ratio": tp["block_linear_bytes"] / _tp_expected_block_bytes(n),
+            "traffic": "2+2 all-reduce/layer",
+            "traffic_ratio": (per_layer[0] + per_layer[1]) / 4,
+            "equal": "chapter 06",
+        }
+    )
+    rows.append(
+        {
+            "technique": "PP (GPipe, 1F1B)",
+            "splits": "layers into stages",
+            "memory": "Ψ/p + m or p mb",
+            "memory_ratio": float("nan"),
+            "traffic": "boundary activations",
+            "traffic_ratio": float("nan"),
+            "equal": "bubble: below (timed)",
+        }
+    )
     return rows
 
 
 def comparison_table(rows: list[dict], world_size: int = 2) -> str:
     """The rows of :func:`comparison_rows` as text (ratios are measured / formula at N = ``world_size``)."""
-    lines = [f"{'technique':<20} {'splits':<22} {'memory/rank':<14} {'meas/form':>9}  {'traffic/step':<21} "
-             f"{'meas/form':>9}  one device / bubble",
-             "-" * 121]
+    lines = [
+        f"{'technique':<20} {'splits':<22} {'memory/rank':<14} {'meas/form':>9}  {'traffic/step':<21} "
+        f"{'meas/form':>9}  one device / bubble",
+        "-" * 121,
+    ]
     for r in rows:
         mr = "—" if r["memory_ratio"] != r["memory_ratio"] else f"{r['memory_ratio']:.3f}"
         tr = "—" if r["traffic_ratio"] != r["traffic_ratio"] else f"{r['traffic_ratio']:.3f}"
-        lines.append(f"{r['technique']:<20} {r['splits']:<22} {r['memory']:<14} {mr:>9}  {r['traffic']:<21} "
-                     f"{tr:>9}  {r['equal']}")
-    lines.append(f"(N = {world_size}; memory: model states after a step, fp32 AdamW; traffic: ring bytes one rank "
-                 f"sends per step, from CommLog; TP: all-reduces counted per layer ÷ 4)")
+        lines.append(
+            f"{r['technique']:<20} {r['splits']:<22} {r['memory']:<14} {mr:>9}  {r['traffic']:<21} "
+            f"{tr:>9}  {r['equal']}"
+        )
+    lines.append(
+        f"(N = {world_size}; memory: model states after a step, fp32 AdamW; traffic: ring bytes one rank "
+        f"sends per step, from CommLog; TP: all-reduces counted per layer ÷ 4)"
+    )
     return "\n".join(lines)
 
 
@@ -127,19 +190,37 @@ def plan_vs_measured(res: dict) -> list[dict]:
     n, prof = res["world_size"], res["profile"]
     rows = []
     for s in range(4):
-        pred = memory_per_gpu(model, Layout(dp=n, zero=s, recompute="none"), micro_batch=MICRO_BATCH,
-                              precision="fp32")
-        rows.append({"layout": "DDP" if s == 0 else f"ZeRO-{s}", "predicted_states": pred["model_states"],
-                     "measured_states": prof["peak"][s]["after step"]["model states"],
-                     "predicted_activations": pred["activations"], "measured_activations": prof["activation_bytes"][s]})
-    pred = memory_per_gpu(model, Layout(dp=n, zero=3, recompute="none"), micro_batch=MICRO_BATCH, precision="fp32")
-    rows.append({"layout": "FSDP2", "predicted_states": pred["model_states"],
-                 "measured_states": res["fsdp"]["fsdp2"]["memory"]["total"],
-                 "predicted_activations": pred["activations"], "measured_activations": None})
+        pred = memory_per_gpu(
+            model, Layout(dp=n, zero=s, recompute="none"), micro_batch=MICRO_BATCH, precision="fp32"
+        )
+        rows.append(
+            {
+                "layout": "DDP" if s == 0 else f"ZeRO-{s}",
+                "predicted_states": pred["model_states"],
+                "measured_states": prof["peak"][s]["after step"]["model states"],
+                "predicted_activations": pred["activations"],
+                "measured_activations": prof["activation_bytes"][s],
+            }
+        )
+    pred = memory_per_gpu(
+        model, Layout(dp=n, zero=3, recompute="none"), micro_batch=MICRO_BATCH, precision="fp32"
+    )
+    rows.append(
+        {
+            "layout": "FSDP2",
+            "predicted_states": pred["model_states"],
+            "measured_states": res["fsdp"]["fsdp2"]["memory"]["total"],
+            "predicted_activations": pred["activations"],
+            "measured_activations": None,
+        }
+    )
     for r in rows:
         r["states_ratio"] = r["measured_states"] / r["predicted_states"]
-        r["activations_ratio"] = (r["measured_activations"] / r["predicted_activations"]
-                                  if r["measured_activations"] is not None else None)
+        r["activations_ratio"] = (
+            r["measured_activations"] / r["predicted_activations"]
+            if r["measured_activations"] is not None
+            else None
+        )
     return rows
 
 
@@ -159,16 +240,36 @@ def _tp_in_node_pp_or_fsdp_across(plan) -> bool:
 
 #: name -> (Model, Cluster, what the recommendation must be, a check of the plan); None check = PlanError expected
 FIXED_CASES = {
-    "7B on 8×80 GB": (Model(7e9, 32, 4096, 32, 2048, 32000, "7B"), Cluster(80, 8, 1),
-                      "ZeRO-2 / FSDP (no model parallelism)", _is_zero2_or_fsdp),
-    "70B on 64×80 GB (8 per node)": (Model(70e9, 80, 8192, 64, 4096, 32000, "70B"), Cluster(80, 8, 8),
-                                     "TP inside the node + PP or FSDP across nodes", _tp_in_node_pp_or_fsdp_across),
-    "GPT-2 small (124M) on 8×80 GB": (Model(124e6, 12, 768, 12, 1024, 50257, "GPT-2 small"), Cluster(80, 8, 1),
-                                      "plain DDP", lambda p: p.layout == Layout(dp=8)),
-    "1.5B on one 24 GB GPU": (Model(1.5e9, 48, 1600, 25, 1024, 50257, "GPT-2 XL"), Cluster(24, 1, 1),
-                              "an error: 16Ψ = 24 GB of model states alone exceed one GPU", None),
-    "1T on 16×80 GB": (Model(1e12, 128, 25600, 160, 2048, 32000, "1T"), Cluster(80, 8, 2),
-                       "an error saying how many GPUs are missing", None),
+    "7B on 8×80 GB": (
+        Model(7e9, 32, 4096, 32, 2048, 32000, "7B"),
+        Cluster(80, 8, 1),
+        "ZeRO-2 / FSDP (no model parallelism)",
+        _is_zero2_or_fsdp,
+    ),
+    "70B on 64×80 GB (8 per node)": (
+        Model(70e9, 80, 8192, 64, 4096, 32000, "70B"),
+        Cluster(80, 8, 8),
+        "TP inside the node + PP or FSDP across nodes",
+        _tp_in_node_pp_or_fsdp_across,
+    ),
+    "GPT-2 small (124M) on 8×80 GB": (
+        Model(124e6, 12, 768, 12, 1024, 50257, "GPT-2 small"),
+        Cluster(80, 8, 1),
+        "plain DDP",
+        lambda p: p.layout == Layout(dp=8),
+    ),
+    "1.5B on one 24 GB GPU": (
+        Model(1.5e9, 48, 1600, 25, 1024, 50257, "GPT-2 XL"),
+        Cluster(24, 1, 1),
+        "an error: 16Ψ = 24 GB of model states alone exceed one GPU",
+        None,
+    ),
+    "1T on 16×80 GB": (
+        Model(1e12, 128, 25600, 160, 2048, 32000, "1T"),
+        Cluster(80, 8, 2),
+        "an error saying how many GPUs are missing",
+        None,
+    ),
 }
 
 
@@ -179,10 +280,25 @@ def fixed_cases() -> list[dict]:
         try:
             plan = recommend(model, cluster)
         except PlanError as err:
-            out.append({"case": name, "expected": expected, "plan": None, "error": str(err), "ok": check is None})
+            out.append(
+                {
+                    "case": name,
+                    "expected": expected,
+                    "plan": None,
+                    "error": str(err),
+                    "ok": check is None,
+                }
+            )
         else:
-            out.append({"case": name, "expected": expected, "plan": plan, "error": None,
-                        "ok": check is not None and bool(check(plan))})
+            out.append(
+                {
+                    "case": name,
+                    "expected": expected,
+                    "plan": plan,
+                    "error": None,
+                    "ok": check is not None and bool(check(plan)),
+                }
+            )
     return out
 
 
@@ -200,38 +316,94 @@ def review_result(res: dict) -> Result:
     for r in comparison_rows(res):
         name = r["technique"]
         if r["memory_ratio"] == r["memory_ratio"]:  # not NaN: the pipeline has no byte formula here
-            out.within(f"{name}: model states per rank / formula", r["memory_ratio"], 1.0, 0.01,
-                       f"formula {r['memory']}")
-            out.within(f"{name}: sent per step / formula", r["traffic_ratio"], 1.0, 0.01, f"formula {r['traffic']}")
-    for z in res["zero"]:  # zero_stage_report's own rows: bytes vs the formulas, weights vs one device (ADAMW)
+            out.within(
+                f"{name}: model states per rank / formula",
+                r["memory_ratio"],
+                1.0,
+                0.01,
+                f"formula {r['memory']}",
+            )
+            out.within(
+                f"{name}: sent per step / formula",
+                r["traffic_ratio"],
+                1.0,
+                0.01,
+                f"formula {r['traffic']}",
+            )
+    for z in res[
+        "zero"
+    ]:  # zero_stage_report's own rows: bytes vs the formulas, weights vs one device (ADAMW)
         name = "DDP" if z["stage"] == 0 else f"ZeRO-{z['stage']}"
-        out.checked += [replace(row, quantity=f"{name} (ours): {row.quantity}") for row in z.checks()]
+        out.checked += [
+            replace(row, quantity=f"{name} (ours): {row.quantity}") for row in z.checks()
+        ]
     held = [z["measured"]["total"] for z in res["zero"]]
-    out.condition("memory per rank: DDP > ZeRO-1 > ZeRO-2 > ZeRO-3", held,
-                  all(a > b for a, b in zip(held, held[1:])), "strictly decreasing")
+    out.condition(
+        "memory per rank: DDP > ZeRO-1 > ZeRO-2 > ZeRO-3",
+        held,
+        all(a > b for a, b in zip(held, held[1:])),
+        "strictly decreasing",
+    )
     f, z3 = res["fsdp"]["fsdp2"], res["fsdp"]["zero3"]
-    out.within("FSDP2 model states per rank", f["memory"]["total"], z3["memory"]["total"], 0.02, "our ZeRO-3")
-    out.within("FSDP2 sent per step / formula", f["comm_ratio"], z3["comm_ratio"], 0.01, "our ZeRO-3")
+    out.within(
+        "FSDP2 model states per rank",
+        f["memory"]["total"],
+        z3["memory"]["total"],
+        0.02,
+        "our ZeRO-3",
+    )
+    out.within(
+        "FSDP2 sent per step / formula", f["comm_ratio"], z3["comm_ratio"], 0.01, "our ZeRO-3"
+    )
     acts = res["profile"]["activation_bytes"]
     for s in range(1, 4):
-        out.exact(f"ZeRO-{s} activation bytes per rank", acts[s], acts[0], "DDP (ZeRO shards no activations)")
+        out.exact(
+            f"ZeRO-{s} activation bytes per rank",
+            acts[s],
+            acts[0],
+            "DDP (ZeRO shards no activations)",
+        )
     p, margin = res["world_size"], res["bubbles"]["margin"]
     for r in res["bubbles"]["rows"]:
         worst = max(r["per_rank"], key=lambda b: abs(b - r["formula"]))
-        out.condition(f"{r['schedule']} m={r['m']}: bubble of the worst rank", worst,
-                      all(abs(b - r["formula"]) <= margin for b in r["per_rank"]), f"within ±{margin}",
-                      r["formula"], "formula (p−1)/(m+p−1)")
+        out.condition(
+            f"{r['schedule']} m={r['m']}: bubble of the worst rank",
+            worst,
+            all(abs(b - r["formula"]) <= margin for b in r["per_rank"]),
+            f"within ±{margin}",
+            r["formula"],
+            "formula (p−1)/(m+p−1)",
+        )
         if r["schedule"] == "gpipe":
-            out.exact(f"gpipe m={r['m']}: peak live micro-batches", r["peak_live"], r["m"], "m (all of them)")
+            out.exact(
+                f"gpipe m={r['m']}: peak live micro-batches",
+                r["peak_live"],
+                r["m"],
+                "m (all of them)",
+            )
         else:
-            out.condition(f"1f1b m={r['m']}: peak live micro-batches", r["peak_live"], r["peak_live"] <= p,
-                          f"≤ p = {p}")
+            out.condition(
+                f"1f1b m={r['m']}: peak live micro-batches",
+                r["peak_live"],
+                r["peak_live"] <= p,
+                f"≤ p = {p}",
+            )
     for r in plan_vs_measured(res):
-        out.within(f"{r['layout']}: model states, measured / planner", r["measured_states"],
-                   r["predicted_states"], 0.01, "plan.memory_per_gpu (fp32)")
+        out.within(
+            f"{r['layout']}: model states, measured / planner",
+            r["measured_states"],
+            r["predicted_states"],
+            0.01,
+            "plan.memory_per_gpu (fp32)",
+        )
         if r["measured_activations"] is not None:
-            out.within(f"{r['layout']}: activations, measured / planner", r["measured_activations"],
-                       r["predicted_activations"], 0.01, "plan.memory_per_gpu (fp32)")
+            out.within(
+                f"{r['layout']}: activations, measured / planner",
+                r["measured_activations"],
+                r["predicted_activations"],
+                0.01,
+                "plan.memory_per_gpu (fp32)",
+            )
     return out
 
 
@@ -240,10 +412,18 @@ def planner_result() -> Result:
     out = Result(title="the strategy chooser: the ZeRO paper and the fixed cases")
     paper = zero_paper_table(7.5e9, 64)
     for (name, gb), want in zip(paper.items(), (120.0, 31.4, 16.6, 1.9)):
-        out.exact(f"{name}: model states per GPU (GB, 0.1), Ψ = 7.5B, N = 64", round(gb, 1), want,
-                  "ZeRO paper, Figure 1")
+        out.exact(
+            f"{name}: model states per GPU (GB, 0.1), Ψ = 7.5B, N = 64",
+            round(gb, 1),
+            want,
+            "ZeRO paper, Figure 1",
+        )
     for c in fixed_cases():
-        got = c["plan"].layout.name() if c["plan"] is not None else f"PlanError: …{c['error'].split(': ')[-1][:60]}"
+        got = (
+            c["plan"].layout.name()
+            if c["plan"] is not None
+            else f"PlanError: …{c['error'].split(': ')[-1][:60]}"
+        )
         out.condition(c["case"], got, c["ok"], c["expected"])
     return out
 
@@ -265,13 +445,29 @@ def deepspeed_mapping() -> list[dict]:
     """DeepSpeed ``zero_optimization`` settings next to the course's own code and the planner's layout."""
     return [
         {"deepspeed": {"stage": 0}, "ours": "ddp.DDP", "plan": Layout(dp=2, zero=0).name()},
-        {"deepspeed": {"stage": 1}, "ours": "zero.ZeroOptimizer(stage=1)", "plan": Layout(dp=2, zero=1).name()},
-        {"deepspeed": {"stage": 2}, "ours": "zero.ZeroOptimizer(stage=2)", "plan": Layout(dp=2, zero=2).name()},
-        {"deepspeed": {"stage": 3}, "ours": "zero3.Zero3 (≈ FSDP2 fully_shard)", "plan": Layout(dp=2, zero=3).name()},
-        {"deepspeed": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-         "ours": "— (ZeRO-Offload: Adam state and step on the CPU)",
-         "plan": "not modelled (the GPU keeps the 16-bit weights, 2Ψ)"},
-        {"deepspeed": {"stage": 3, "offload_param": {"device": "nvme"}},
-         "ours": "— (ZeRO-Infinity: parameters on NVMe)", "plan": "suggested when nothing fits"},
+        {
+            "deepspeed": {"stage": 1},
+            "ours": "zero.ZeroOptimizer(stage=1)",
+            "plan": Layout(dp=2, zero=1).name(),
+        },
+        {
+            "deepspeed": {"stage": 2},
+            "ours": "zero.ZeroOptimizer(stage=2)",
+            "plan": Layout(dp=2, zero=2).name(),
+        },
+        {
+            "deepspeed": {"stage": 3},
+            "ours": "zero3.Zero3 (≈ FSDP2 fully_shard)",
+            "plan": Layout(dp=2, zero=3).name(),
+        },
+        {
+            "deepspeed": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "ours": "— (ZeRO-Offload: Adam state and step on the CPU)",
+            "plan": "not modelled (the GPU keeps the 16-bit weights, 2Ψ)",
+        },
+        {
+            "deepspeed": {"stage": 3, "offload_param": {"device": "nvme"}},
+            "ours": "— (ZeRO-Infinity: parameters on NVMe)",
+            "plan": "suggested when nothing fits",
+        },
     ]
-

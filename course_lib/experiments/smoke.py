@@ -11,6 +11,7 @@ All spawn entries first run in one spawn, one after another on the same ranks (s
 processes costs more than most entries). If anything fails there, each entry runs again in a
 spawn of its own, so a failing function cannot hang or fail the others and its row names it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -21,7 +22,15 @@ from dataclasses import dataclass
 from ..chapters import chapter
 from ..launch import gpu_count, spawn
 
-__all__ = ["SMOKE", "SMOKE_RAY", "SmokeRow", "smoke_world", "smoke_entries", "run_smoke", "format_smoke"]
+__all__ = [
+    "SMOKE",
+    "SMOKE_RAY",
+    "SmokeRow",
+    "smoke_world",
+    "smoke_entries",
+    "run_smoke",
+    "format_smoke",
+]
 
 TMP = "<tmp>"  # stands for a fresh temporary directory, shared by the ranks (checkpoints)
 
@@ -29,7 +38,9 @@ TMP = "<tmp>"  # stands for a fresh temporary directory, shared by the ranks (ch
 def _tiny(**overrides):
     from .common import small_config
 
-    return small_config(**{"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 2, "d_model": 16, **overrides})
+    return small_config(
+        **{"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 2, "d_model": 16, **overrides}
+    )
 
 
 def _zero_tiny():
@@ -47,58 +58,156 @@ def _pipe_tiny():
     return parallel_config(block_size=8, d_model=16, n_head=2)
 
 
-E00, E02, E03, E04 = ("course_lib.experiments." + m for m in ("collectives", "ddp", "zero",
-                                                             "fsdp"))
+E00, E02, E03, E04 = ("course_lib.experiments." + m for m in ("collectives", "ddp", "zero", "fsdp"))
 
 # (chapter topic, "module:function", kwargs): small versions of what each notebook runs on ranks.
 SMOKE: list[tuple[str, str, dict]] = [
     ("collectives", "course_lib.launch:hello", {}),
-    ("single-device", "course_lib.train:train_single_device", dict(config=_tiny(), steps=2, batch_size=2, progress=False)),
-    ("collectives", f"{E00}:bandwidth_benchmark",
-     dict(sizes_bytes=(2**10, 2**14), ops=("all_reduce", "all_gather", "reduce_scatter"), iters=2, warmup=1)),
-    ("collectives", f"{E00}:toy_data_parallel_step", dict(d_model=32, global_batch=8, steps=2, warmup=1)),
-    ("collectives", f"{E00}:scaling_race", dict(cases={"tiny": (32, 8)}, rounds=1, steps=1, warmup=0)),
-    ("collectives", f"{E00}:bandwidth_benchmark", dict(sizes_bytes=(2**10,), ops=("send_recv",), iters=1, warmup=1, repeats=2)),
-    ("ddp", f"{E02}:equality_with_single_device", dict(variant="own_bucketed", steps=2, global_batch=8, config=_tiny())),
-    ("ddp", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
-    ("ddp", f"{E02}:accumulation_with_no_sync", dict(micro_batches=2, global_batch=8, config=_tiny())),
-    ("ddp", f"{E02}:ddp_throughput",
-     dict(config=_tiny(), batch_size=2, bucket_cap_mb=0.01, rounds=1, steps_per_round=1, warmup=1)),
-    ("ddp", f"{E02}:bucket_size_sweep",
-     dict(bucket_sizes_mb=(None, 0.01), config=_tiny(), batch_size=2, rounds=1, steps_per_round=1, warmup=0)),
+    (
+        "single-device",
+        "course_lib.train:train_single_device",
+        dict(config=_tiny(), steps=2, batch_size=2, progress=False),
+    ),
+    (
+        "collectives",
+        f"{E00}:bandwidth_benchmark",
+        dict(
+            sizes_bytes=(2**10, 2**14),
+            ops=("all_reduce", "all_gather", "reduce_scatter"),
+            iters=2,
+            warmup=1,
+        ),
+    ),
+    (
+        "collectives",
+        f"{E00}:toy_data_parallel_step",
+        dict(d_model=32, global_batch=8, steps=2, warmup=1),
+    ),
+    (
+        "collectives",
+        f"{E00}:scaling_race",
+        dict(cases={"tiny": (32, 8)}, rounds=1, steps=1, warmup=0),
+    ),
+    (
+        "collectives",
+        f"{E00}:bandwidth_benchmark",
+        dict(sizes_bytes=(2**10,), ops=("send_recv",), iters=1, warmup=1, repeats=2),
+    ),
+    (
+        "ddp",
+        f"{E02}:equality_with_single_device",
+        dict(variant="own_bucketed", steps=2, global_batch=8, config=_tiny()),
+    ),
+    (
+        "ddp",
+        f"{E02}:equality_with_single_device",
+        dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny()),
+    ),
+    (
+        "ddp",
+        f"{E02}:accumulation_with_no_sync",
+        dict(micro_batches=2, global_batch=8, config=_tiny()),
+    ),
+    (
+        "ddp",
+        f"{E02}:ddp_throughput",
+        dict(
+            config=_tiny(), batch_size=2, bucket_cap_mb=0.01, rounds=1, steps_per_round=1, warmup=1
+        ),
+    ),
+    (
+        "ddp",
+        f"{E02}:bucket_size_sweep",
+        dict(
+            bucket_sizes_mb=(None, 0.01),
+            config=_tiny(),
+            batch_size=2,
+            rounds=1,
+            steps_per_round=1,
+            warmup=0,
+        ),
+    ),
     ("ddp", f"{E02}:ddp_step_time", dict(config=_tiny(), global_batch=4, steps=1, warmup=0)),
     ("ddp", f"{E02}:ddp_timelines", dict(config=_tiny(), batch_size=2, steps=1)),
-    ("ddp", "course_lib.experiments.ddp_compression:compression_accuracy", dict(steps=2, global_batch=4,
-                                                                            config=_tiny())),
-    ("ddp", "course_lib.experiments.ddp_compression:gradient_allreduce_time", dict(config=_tiny(), repeats=1,
-                                                                              warmup=0)),
+    (
+        "ddp",
+        "course_lib.experiments.ddp_compression:compression_accuracy",
+        dict(steps=2, global_batch=4, config=_tiny()),
+    ),
+    (
+        "ddp",
+        "course_lib.experiments.ddp_compression:gradient_allreduce_time",
+        dict(config=_tiny(), repeats=1, warmup=0),
+    ),
     ("zero", f"{E03}:zero_stage_report", dict(stage=2, steps=2, config=_zero_tiny())),
     ("zero", f"{E03}:zero_stage_report", dict(stage=3, steps=2, config=_zero_tiny())),
-    ("zero", f"{E03}:zero_clip_and_resume", dict(stage=2, steps=3, resume_at=1, config=_zero_tiny())),
+    (
+        "zero",
+        f"{E03}:zero_clip_and_resume",
+        dict(stage=2, steps=3, resume_at=1, config=_zero_tiny()),
+    ),
     ("zero", f"{E03}:zero_stage_profile", dict(micro_batch=2, rounds=1, config=_zero_tiny())),
-    ("zero", "course_lib.experiments.zero_libraries:torch_zero1_memory", dict(config=_tiny(), steps=1)),
+    (
+        "zero",
+        "course_lib.experiments.zero_libraries:torch_zero1_memory",
+        dict(config=_tiny(), steps=1),
+    ),
     ("fsdp", f"{E04}:fsdp2_vs_single_device", dict(steps=2, config=_zero_tiny(), global_batch=4)),
     ("fsdp", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
     ("fsdp", f"{E04}:fsdp2_mixed_precision", dict(steps=1, config=_zero_tiny(), global_batch=4)),
-    ("fsdp", f"{E04}:fsdp2_checkpoint_roundtrip", dict(tmp_dir=TMP, steps=2, resume_at=1, config=_zero_tiny())),
-    ("fsdp", "course_lib.experiments.fsdp_race:zero3_race", dict(rounds=1, batch_size=2, config=_zero_tiny(), warmup=0)),
-    ("pipeline", f"{E05}:pipeline_training", dict(schedule="1f1b", steps=2, num_microbatches=2, global_batch=4,
-                                           config=_pipe_tiny())),
-    ("pipeline", f"{E05}:sleep_bubbles", dict(microbatches=(2,), t_f=0.002, t_b=0.004, steps=1, warmup=0)),
-    ("pipeline", f"{E05}:gpt_timelines", dict(num_microbatches=2, global_batch=4, steps=2, config=_pipe_tiny())),
-    ("pipeline", f"{E05}:torch_pipelining_grads", dict(schedule="1f1b", num_microbatches=2, global_batch=4,
-                                                config=_pipe_tiny())),
+    (
+        "fsdp",
+        f"{E04}:fsdp2_checkpoint_roundtrip",
+        dict(tmp_dir=TMP, steps=2, resume_at=1, config=_zero_tiny()),
+    ),
+    (
+        "fsdp",
+        "course_lib.experiments.fsdp_race:zero3_race",
+        dict(rounds=1, batch_size=2, config=_zero_tiny(), warmup=0),
+    ),
+    (
+        "pipeline",
+        f"{E05}:pipeline_training",
+        dict(schedule="1f1b", steps=2, num_microbatches=2, global_batch=4, config=_pipe_tiny()),
+    ),
+    (
+        "pipeline",
+        f"{E05}:sleep_bubbles",
+        dict(microbatches=(2,), t_f=0.002, t_b=0.004, steps=1, warmup=0),
+    ),
+    (
+        "pipeline",
+        f"{E05}:gpt_timelines",
+        dict(num_microbatches=2, global_batch=4, steps=2, config=_pipe_tiny()),
+    ),
+    (
+        "pipeline",
+        f"{E05}:torch_pipelining_grads",
+        dict(schedule="1f1b", num_microbatches=2, global_batch=4, config=_pipe_tiny()),
+    ),
 ]
 
 _F04, _P04 = "course_lib.experiments.fsdp_features", "course_lib.experiments.fsdp_practice"
 SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need world 4: in the tests)
     ("fsdp", f"{_F04}:reshard_memory_and_traffic", dict(config=_zero_tiny(), global_batch=4)),
-    ("fsdp", f"{_F04}:accumulation_without_sync", dict(micro_batches=2, steps=1, global_batch=4, config=_zero_tiny())),
+    (
+        "fsdp",
+        f"{_F04}:accumulation_without_sync",
+        dict(micro_batches=2, steps=1, global_batch=4, config=_zero_tiny()),
+    ),
     ("fsdp", f"{_F04}:prefetch_timeline", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
     ("fsdp", f"{_P04}:clip_grad_norm", dict(steps=1, global_batch=4, config=_zero_tiny())),
-    ("fsdp", f"{_P04}:activation_checkpointing", dict(config=_zero_tiny(), global_batch=4, rounds=1)),
+    (
+        "fsdp",
+        f"{_P04}:activation_checkpointing",
+        dict(config=_zero_tiny(), global_batch=4, rounds=1),
+    ),
     ("fsdp", f"{_P04}:meta_device_init", dict(config=_zero_tiny())),
-    ("fsdp", f"{_P04}:checkpoint_save", dict(tmp_dir=TMP, steps=1, global_batch=4, config=_zero_tiny())),
+    (
+        "fsdp",
+        f"{_P04}:checkpoint_save",
+        dict(tmp_dir=TMP, steps=1, global_batch=4, config=_zero_tiny()),
+    ),
     ("fsdp", f"{_P04}:flat_vs_per_parameter", dict(config=_zero_tiny())),
 ]
 
@@ -106,19 +215,43 @@ _E06 = "course_lib.experiments.tensor_parallel"
 SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here; (2, 2) in the tests)
     ("tensor-parallel", f"{_E06}:linear_layers", dict(in_features=8, out_features=8, batch=2)),
     ("tensor-parallel", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4)),
-    ("tensor-parallel", f"{_E06}:tp_step", dict(config=_pipe_tiny(), batch_size=4, sequence_parallel=True)),
+    (
+        "tensor-parallel",
+        f"{_E06}:tp_step",
+        dict(config=_pipe_tiny(), batch_size=4, sequence_parallel=True),
+    ),
     ("tensor-parallel", f"{_E06}:tp_training", dict(steps=2, batch_size=4, config=_pipe_tiny())),
     ("tensor-parallel", f"{_E06}:dtensor_step", dict(config=_pipe_tiny(), batch_size=4)),
     ("tensor-parallel", f"{_E06}:dtensor_sequence_parallel_blocks", dict(config=_pipe_tiny())),
-    ("tensor-parallel", f"{_E06}:dp_tp_training", dict(steps=1, global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
-    ("tensor-parallel", f"{_E06}:fsdp_tp_step", dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None)),
+    (
+        "tensor-parallel",
+        f"{_E06}:dp_tp_training",
+        dict(steps=1, global_batch=4, config=_pipe_tiny(), mesh_shape=None),
+    ),
+    (
+        "tensor-parallel",
+        f"{_E06}:fsdp_tp_step",
+        dict(global_batch=4, config=_pipe_tiny(), mesh_shape=None),
+    ),
 ]
 
 _E09 = "course_lib.experiments.horovod"
 SMOKE += [  # chapter 09: the review suite (chapters 03-06 again) and the DDP side of the Horovod comparison
-    ("review", "course_lib.experiments.review:review_suite", dict(bubble_ms=(2.0, 4.0), microbatches=(2,))),
-    ("review", f"{_E09}:ddp_rank", dict(kind="course", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
-    ("review", f"{_E09}:ddp_rank", dict(kind="torch", config=_tiny(), steps=2, global_batch=4, optimizer="sgd")),
+    (
+        "review",
+        "course_lib.experiments.review:review_suite",
+        dict(bubble_ms=(2.0, 4.0), microbatches=(2,)),
+    ),
+    (
+        "review",
+        f"{_E09}:ddp_rank",
+        dict(kind="course", config=_tiny(), steps=2, global_batch=4, optimizer="sgd"),
+    ),
+    (
+        "review",
+        f"{_E09}:ddp_rank",
+        dict(kind="torch", config=_tiny(), steps=2, global_batch=4, optimizer="sgd"),
+    ),
 ]
 
 # Ray chapters: a rank function inside a real ``TorchTrainer`` (Ray makes the process group: gloo on CPU,
@@ -126,7 +259,11 @@ SMOKE += [  # chapter 09: the review suite (chapters 03-06 again) and the DDP si
 # chapter 08's Ray Data pipeline streamed into the workers, each of which takes a real step on its device.
 RAY_DATA = "ray_data"
 SMOKE_RAY: list[tuple[str, str, dict]] = [
-    ("ray-train", f"{E02}:equality_with_single_device", dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny())),
+    (
+        "ray-train",
+        f"{E02}:equality_with_single_device",
+        dict(variant="torch_ddp", steps=2, global_batch=8, config=_tiny()),
+    ),
     ("ray-data", RAY_DATA, dict(rows=64, files=4, batch_size=4)),
 ]
 
@@ -174,7 +311,9 @@ def _ray_data_step(batch_size: int) -> dict:
     dev = device()
     model = GPT(small_config(), seed=0).to(dev)
     opt = make_optimizer("adamw", model.parameters())
-    for batch in ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=batch_size, dtypes=torch.long):
+    for batch in ray.train.get_dataset_shard("train").iter_torch_batches(
+        batch_size=batch_size, dtypes=torch.long
+    ):
         train_step(model, opt, batch["x"].to(dev), batch["y"].to(dev))
     return {"backend": dist.get_backend(), "device": str(dev)}
 
@@ -195,18 +334,29 @@ def _ray_smoke(target: str, kwargs: dict, world: int, tmp: str) -> dict:
         from .ray_data import build_dataset, write_corpus
 
         write_corpus(tmp, rows=kwargs["rows"], files=kwargs["files"])
-        datasets, per_worker = {"train": build_dataset(tmp, 0.0, kwargs["batch_size"])}, {"CPU": 0.5}
+        datasets, per_worker = (
+            {"train": build_dataset(tmp, 0.0, kwargs["batch_size"])},
+            {"CPU": 0.5},
+        )
         config = {"fn": _ray_data_step, "args": (kwargs["batch_size"],)}
     ray_train.check_resources(world, per_worker, use_gpu=use_gpu)
-    trainer = TorchTrainer(rank_function_loop, train_loop_config=config, datasets=datasets,
-                           scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu,
-                                                        resources_per_worker=per_worker),
-                           run_config=RunConfig(**ray_train.run_config_kwargs("smoke")))
+    trainer = TorchTrainer(
+        rank_function_loop,
+        train_loop_config=config,
+        datasets=datasets,
+        scaling_config=ScalingConfig(
+            num_workers=world, use_gpu=use_gpu, resources_per_worker=per_worker
+        ),
+        run_config=RunConfig(**ray_train.run_config_kwargs("smoke")),
+    )
     return rank_results(trainer.fit(), world)[0]
 
 
 def smoke_entries(chapters=None) -> list[tuple[str, str, dict, bool]]:
-    """``(topic, target, kwargs, on_ray)`` of every entry, or of ``chapters`` (topics or numbers: ``"ddp"``, ``"02"``)."""
+    """``(topic, target, kwargs, on_ray)`` of every entry, or of ``chapters``.
+
+    ``chapters`` are topics or notebook numbers: ``"ddp"``, ``"02"``.
+    """
     wanted = None if chapters is None else {chapter(key).topic for key in chapters}
     entries = [(c, t, k, False) for c, t, k in SMOKE] + [(c, t, k, True) for c, t, k in SMOKE_RAY]
     return [e for e in entries if wanted is None or e[0] in wanted]
@@ -231,7 +381,9 @@ def _run_many(entries: list[tuple[str, dict]], tmp: str) -> list[dict]:
 
 def _row(entry, world: int, got: dict, seconds: float) -> SmokeRow:
     topic, target, _, _ = entry
-    return SmokeRow(topic, target.split(":")[-1], world, got["backend"], got["device"], "pass", seconds)
+    return SmokeRow(
+        topic, target.split(":")[-1], world, got["backend"], got["device"], "pass", seconds
+    )
 
 
 def _failed_row(entry, world: int, backend: str, exc: Exception, seconds: float) -> SmokeRow:
@@ -253,15 +405,25 @@ def _grouped(entries: list, world: int, timeout: float) -> list[SmokeRow] | None
     jobs = [(target, kwargs) for _, target, kwargs, _ in entries]
     try:
         with tempfile.TemporaryDirectory(prefix="course-smoke-") as tmp:
-            got = spawn(_run_many, world, args=(jobs, tmp), backend="auto",
-                        timeout=min(timeout * len(jobs), timeout + 10 * len(jobs)))[0]
+            got = spawn(
+                _run_many,
+                world,
+                args=(jobs, tmp),
+                backend="auto",
+                timeout=min(timeout * len(jobs), timeout + 10 * len(jobs)),
+            )[0]
     except Exception:  # noqa: BLE001 - RankError/RankTimeout: find the culprit entry by entry
         return None
     return [_row(e, world, g, g["seconds"]) for e, g in zip(entries, got)]
 
 
-def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180, progress=None,
-              grouped: bool = True) -> list[SmokeRow]:
+def run_smoke(
+    world_size: int | None = None,
+    chapters=None,
+    timeout: float = 180,
+    progress=None,
+    grouped: bool = True,
+) -> list[SmokeRow]:
     """Run every :data:`SMOKE` and :data:`SMOKE_RAY` entry (of ``chapters``, default all); one row each.
 
     ``chapters``: topics (``"ddp"``) or notebook numbers (``"02"``, ``2``), as ``chapters.chapter``
@@ -291,8 +453,13 @@ def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180
                         ray_started = True
                         got = _ray_smoke(target, kwargs, world, tmp)
                     else:
-                        got = spawn(_run_one, world, args=(target, kwargs, tmp), backend="auto",
-                                    timeout=timeout)[0]
+                        got = spawn(
+                            _run_one,
+                            world,
+                            args=(target, kwargs, tmp),
+                            backend="auto",
+                            timeout=timeout,
+                        )[0]
                 row = _row(entry, world, got, time.perf_counter() - t0)
             except Exception as exc:  # noqa: BLE001 - RankError/RankTimeout, Ray's TrainingFailedError: a row
                 row = _failed_row(entry, world, backend, exc, time.perf_counter() - t0)
@@ -309,10 +476,14 @@ def run_smoke(world_size: int | None = None, chapters=None, timeout: float = 180
 
 def format_smoke(rows: list[SmokeRow]) -> str:
     w = max([len("chapter"), *(len(r.chapter) for r in rows)]) + 1
-    lines = [f"{'chapter':<{w}}{'function':<34}{'world':>6}  {'backend':<8}{'device':<8}{'status':<7}{'s':>6}"]
+    lines = [
+        f"{'chapter':<{w}}{'function':<34}{'world':>6}  {'backend':<8}{'device':<8}{'status':<7}{'s':>6}"
+    ]
     for r in rows:
-        lines.append(f"{r.chapter:<{w}}{r.function:<34}{r.world_size:>6}  {r.backend:<8}{r.device:<8}"
-                     f"{r.status:<7}{r.seconds:>6.1f}" + (f"  {r.error}" if r.error else ""))
+        lines.append(
+            f"{r.chapter:<{w}}{r.function:<34}{r.world_size:>6}  {r.backend:<8}{r.device:<8}"
+            f"{r.status:<7}{r.seconds:>6.1f}" + (f"  {r.error}" if r.error else "")
+        )
     failed = sum(r.status != "pass" for r in rows)
     lines.append(f"{len(rows) - failed}/{len(rows)} passed")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ Parent-side: :func:`merge_shards` (the full tensors from every TP rank's shards,
 :func:`tp_shard_dim`); :func:`check_mesh`. The DTensor plans are technique:
 :func:`~course_lib.tensor_parallel.dtensor_plan`, :func:`~course_lib.tensor_parallel.parallelize_gpt`.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,15 +35,47 @@ from ..launch import device
 from ..memory import SavedTensorMeter
 from ..models import GPT, GPTConfig
 from ..results import ADAMW, SGD, Result, for_optimizer
-from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads,
-                               dtensor_plan, dtensor_sequence_parallel_plan, parallelize_gpt, tensor_parallel_gpt)
-from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch, train_step
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    allreduce_sequence_parallel_grads,
+    dtensor_plan,
+    dtensor_sequence_parallel_plan,
+    parallelize_gpt,
+    tensor_parallel_gpt,
+)
+from .common import (
+    make_optimizer,
+    parallel_config,
+    reference_run,
+    shard_batch,
+    step_batch,
+    train_step,
+)
 
-__all__ = ["parallel_config", "tp_shard_dim", "check_mesh", "merge_shards", "LinearLayersResult", "linear_layers",
-           "tp_step", "ShardsResult", "tp_training", "dtensor_plan", "parallelize_gpt", "DTensorResult", "dtensor_step",
-           "DTensorSPResult", "dtensor_sequence_parallel_blocks", "DPTPResult", "dp_tp_training", "FSDPTPResult", "fsdp_tp_step",
-           "notebook_suite",
-           "mesh_suite"]
+__all__ = [
+    "parallel_config",
+    "tp_shard_dim",
+    "check_mesh",
+    "merge_shards",
+    "LinearLayersResult",
+    "linear_layers",
+    "tp_step",
+    "ShardsResult",
+    "tp_training",
+    "dtensor_plan",
+    "parallelize_gpt",
+    "DTensorResult",
+    "dtensor_step",
+    "DTensorSPResult",
+    "dtensor_sequence_parallel_blocks",
+    "DPTPResult",
+    "dp_tp_training",
+    "FSDPTPResult",
+    "fsdp_tp_step",
+    "notebook_suite",
+    "mesh_suite",
+]
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +84,9 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 def tp_shard_dim(name: str) -> int | None:
     """Along which dim a full parameter is split in the TP GPT (0 rows, 1 columns, None replicated)."""
-    if name.endswith(("c_attn.weight", "c_fc.weight", "lm_head.weight", "wte.weight", "c_attn.bias", "c_fc.bias")):
+    if name.endswith(
+        ("c_attn.weight", "c_fc.weight", "lm_head.weight", "wte.weight", "c_attn.bias", "c_fc.bias")
+    ):
         return 0
     if name.endswith("c_proj.weight"):
         return 1
@@ -61,8 +96,10 @@ def tp_shard_dim(name: str) -> int | None:
 def check_mesh(shape: tuple[int, ...], world_size: int) -> None:
     """Raise unless the mesh's sizes multiply to the world size."""
     if math.prod(shape) != world_size:
-        raise ValueError(f"mesh shape {tuple(shape)} has {math.prod(shape)} ranks but world_size={world_size}: "
-                         f"the product of the mesh dimensions must equal the number of ranks")
+        raise ValueError(
+            f"mesh shape {tuple(shape)} has {math.prod(shape)} ranks but world_size={world_size}: "
+            f"the product of the mesh dimensions must equal the number of ranks"
+        )
 
 
 def _get(result, key: str):
@@ -102,8 +139,9 @@ class LinearLayersResult(Result):
     layers: dict = field(repr=False)
 
 
-def linear_layers(in_features: int = 16, out_features: int = 24, batch: int = 4, bias: bool = True,
-                  seed: int = 0) -> LinearLayersResult:
+def linear_layers(
+    in_features: int = 16, out_features: int = 24, batch: int = 4, bias: bool = True, seed: int = 0
+) -> LinearLayersResult:
     """Rank function: ``nn.Linear(seed)`` split column-wise (gathered output) and row-wise (full input).
 
     Each layer's output, input gradient and parameter-gradient shards for the loss ``Σ (y · w)`` with
@@ -121,22 +159,32 @@ def linear_layers(in_features: int = 16, out_features: int = 24, batch: int = 4,
     x = torch.randn(batch, in_features, generator=gen).to(dev)
     w = torch.randn(batch, out_features, generator=gen).to(dev)
     out = {}
-    for kind, layer in (("column", ColumnParallelLinear.from_linear(full, gather_output=True)),
-                        ("row", RowParallelLinear.from_linear(full, input_is_parallel=False))):
+    for kind, layer in (
+        ("column", ColumnParallelLinear.from_linear(full, gather_output=True)),
+        ("row", RowParallelLinear.from_linear(full, input_is_parallel=False)),
+    ):
         xi = x.clone().requires_grad_(True)
         y = layer(xi)
         (y * w).sum().backward()  # a fixed output gradient w: one layer, no model, no optimizer
-        out[kind] = {"y": _cpu(y), "x_grad": _cpu(xi.grad), "weight_grad": _cpu(layer.weight.grad),
-                     "bias_grad": None if layer.bias is None else _cpu(layer.bias.grad)}
+        out[kind] = {
+            "y": _cpu(y),
+            "x_grad": _cpu(xi.grad),
+            "weight_grad": _cpu(layer.weight.grad),
+            "bias_grad": None if layer.bias is None else _cpu(layer.bias.grad),
+        }
     xr = x.clone().requires_grad_(True)
     y = full(xr)
     (y * w).sum().backward()
-    res = LinearLayersResult(rank, out, title=f"parallel linear layers vs nn.Linear, rank {rank} of {t}")
+    res = LinearLayersResult(
+        rank, out, title=f"parallel linear layers vs nn.Linear, rank {rank} of {t}"
+    )
     for kind, dim in (("column", 0), ("row", 1)):
         got = out[kind]
         want = {"y": y, "x_grad": xr.grad, "weight_grad": full.weight.grad.chunk(t, dim)[rank]}
         if bias:  # column: this rank's slice; row: the full bias, added once (not t times)
-            want["bias_grad"] = full.bias.grad.chunk(t)[rank] if kind == "column" else full.bias.grad
+            want["bias_grad"] = (
+                full.bias.grad.chunk(t)[rank] if kind == "column" else full.bias.grad
+            )
         for name in want:
             res.equal(f"{kind} parallel: {name}", got[name], want[name], SGD, against="nn.Linear")
     return res
@@ -149,7 +197,9 @@ def _phase_counts(log: comm.CommLog) -> dict:
     return {f"{r['op']}:{r['tag']}": r["calls"] for r in log.summary()}
 
 
-def tp_step(config: GPTConfig | None = None, batch_size: int = 8, sequence_parallel: bool = False) -> dict:
+def tp_step(
+    config: GPTConfig | None = None, batch_size: int = 8, sequence_parallel: bool = False
+) -> dict:
     """Rank function: one forward + backward of the TP GPT on ``step_batch(0)``.
 
     Returns this rank's logits (V/t columns), loss, gradient shards, the collectives of forward and of
@@ -166,16 +216,28 @@ def tp_step(config: GPTConfig | None = None, batch_size: int = 8, sequence_paral
     with comm.CommLog() as bwd:
         loss.backward()
         allreduce_sequence_parallel_grads(model)
-    block_linear = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                       if n.startswith("blocks.") and ".ln_" not in n)
+    block_linear = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if n.startswith("blocks.") and ".ln_" not in n
+    )
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"rank": dist.get_rank(), "logits": _cpu(logits), "loss": loss.item(),
-            "grads": {n: _cpu(p.grad) for n, p in model.named_parameters()},
-            "forward": _phase_counts(fwd), "backward": _phase_counts(bwd),
-            "forward_ring_bytes": fwd.total("ring_bytes"), "backward_ring_bytes": bwd.total("ring_bytes"),
-            "block_tp_ring_bytes": fwd.total("ring_bytes", tag="tp") + bwd.total("ring_bytes", tag="tp"),
-            "block_linear_bytes": block_linear, "other_param_bytes": total - block_linear,
-            "activation_bytes": meter.bytes, "tokens": x.numel()}
+    return {
+        "rank": dist.get_rank(),
+        "logits": _cpu(logits),
+        "loss": loss.item(),
+        "grads": {n: _cpu(p.grad) for n, p in model.named_parameters()},
+        "forward": _phase_counts(fwd),
+        "backward": _phase_counts(bwd),
+        "forward_ring_bytes": fwd.total("ring_bytes"),
+        "backward_ring_bytes": bwd.total("ring_bytes"),
+        "block_tp_ring_bytes": fwd.total("ring_bytes", tag="tp")
+        + bwd.total("ring_bytes", tag="tp"),
+        "block_linear_bytes": block_linear,
+        "other_param_bytes": total - block_linear,
+        "activation_bytes": meter.bytes,
+        "tokens": x.numel(),
+    }
 
 
 @dataclass
@@ -187,8 +249,13 @@ class ShardsResult(Result):
     state: dict = field(repr=False)
 
 
-def tp_training(steps: int = 10, optimizer: str = "adamw", batch_size: int = 8, config: GPTConfig | None = None,
-                sequence_parallel: bool = False) -> ShardsResult:
+def tp_training(
+    steps: int = 10,
+    optimizer: str = "adamw",
+    batch_size: int = 8,
+    config: GPTConfig | None = None,
+    sequence_parallel: bool = False,
+) -> ShardsResult:
     """Rank function: ``steps`` optimizer steps of the TP GPT on ``step_batch(0 … steps−1)``; this rank's shards.
 
     The row compares them with this rank's slices of one device trained on the same batches
@@ -199,13 +266,21 @@ def tp_training(steps: int = 10, optimizer: str = "adamw", batch_size: int = 8, 
     model = tensor_parallel_gpt(GPT(config, seed=0).to(dev), sequence_parallel=sequence_parallel)
     opt = make_optimizer(optimizer, model.parameters())
     sp_grads = lambda: allreduce_sequence_parallel_grads(model)  # noqa: E731 — sums partial LayerNorm grads
-    losses = [train_step(model, opt, *step_batch(step, config, batch_size, dev), after_backward=sp_grads)
-              for step in range(steps)]
+    losses = [
+        train_step(model, opt, *step_batch(step, config, batch_size, dev), after_backward=sp_grads)
+        for step in range(steps)
+    ]
     state = {n: _cpu(p) for n, p in model.named_parameters()}
     ref = reference_run(config, steps, batch_size, optimizer)[0].state_dict()
-    res = ShardsResult(rank, losses, state, title=f"TP{' + SP' if sequence_parallel else ''} training, rank {rank}")
-    res.equal(f"rank {rank}'s shards after {steps} {optimizer} steps", state, _my_shards(ref, state, t, rank),
-              for_optimizer(optimizer))
+    res = ShardsResult(
+        rank, losses, state, title=f"TP{' + SP' if sequence_parallel else ''} training, rank {rank}"
+    )
+    res.equal(
+        f"rank {rank}'s shards after {steps} {optimizer} steps",
+        state,
+        _my_shards(ref, state, t, rank),
+        for_optimizer(optimizer),
+    )
     return res
 
 
@@ -236,7 +311,9 @@ class DTensorResult(Result):
     local_logits_error: str | None = None
 
 
-def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bool = True) -> DTensorResult:
+def dtensor_step(
+    config: GPTConfig | None = None, batch_size: int = 8, traps: bool = True
+) -> DTensorResult:
     """Rank function: the DTensor TP GPT, one forward + backward under ``loss_parallel()``; full grads.
 
     With ``traps``: (1) ``parallelize_module`` on a *tied* GPT — is the tie still there afterwards?
@@ -257,17 +334,24 @@ def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bo
         logits, loss = model(x, y)
         cc.tag = "backward"
         loss.backward()
-    res = DTensorResult(_full(loss).item(), _full(logits), {n: _full(p.grad) for n, p in model.named_parameters()},
-                        {f"{r['op']}:{r['tag']}": r["calls"] for r in cc.summary()},
-                        title=f"DTensor parallelize_module, rank {dist.get_rank()}")
+    res = DTensorResult(
+        _full(loss).item(),
+        _full(logits),
+        {n: _full(p.grad) for n, p in model.named_parameters()},
+        {f"{r['op']}:{r['tag']}": r["calls"] for r in cc.summary()},
+        title=f"DTensor parallelize_module, rank {dist.get_rank()}",
+    )
     ref_logits, ref_loss, ref_grads = _one_device_step(config, batch_size, dev)
     res.equal("DTensor logits (full_tensor)", res.logits, ref_logits, SGD)
     res.equal("DTensor loss", res.loss, ref_loss, SGD)
     res.equal("DTensor gradients (full_tensor)", res.grads, ref_grads, SGD)
     L = config.n_layer
-    res.exact("DTensor collectives", res.collectives, {"all_reduce:forward": 2 * L + 1 + 3,
-                                                       "all_reduce:backward": 2 * L + 1},
-              "ours: 2 per block + embedding + 3 (loss) forward, 2 per block + head backward")
+    res.exact(
+        "DTensor collectives",
+        res.collectives,
+        {"all_reduce:forward": 2 * L + 1 + 3, "all_reduce:backward": 2 * L + 1},
+        "ours: 2 per block + embedding + 3 (loss) forward, 2 per block + head backward",
+    )
     if traps:
         out = {}
         tied = GPT(parallel_config(tie_weights=True), seed=0).to(dev)
@@ -275,19 +359,33 @@ def dtensor_step(config: GPTConfig | None = None, batch_size: int = 8, traps: bo
         plan["lm_head"] = type(plan["lm_head"])()  # the trap is about the tie, not the loss
         tied = parallelize_module(tied, mesh, plan)
         out["tied_after_parallelize"] = tied.lm_head.weight is tied.wte.weight
-        naive = parallelize_module(GPT(config, seed=0).to(dev), mesh, {**dtensor_plan(config.n_layer),
-                                                                       "lm_head": plan["lm_head"]})
+        naive = parallelize_module(
+            GPT(config, seed=0).to(dev),
+            mesh,
+            {**dtensor_plan(config.n_layer), "lm_head": plan["lm_head"]},
+        )
         try:
             naive(x, y)
             out["local_logits_error"] = None
         except Exception as exc:  # noqa: BLE001 — the error itself is what we report
             out["local_logits_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         dist.barrier()
-        res.tied_after_parallelize, res.local_logits_error = out["tied_after_parallelize"], out["local_logits_error"]
-        res.condition("trap 1: default ColwiseParallel head under the GPT's loss", res.local_logits_error,
-                      res.local_logits_error is not None, "raises (local V/t logits, targets in [0, V))")
-        res.condition("trap 2: a tied GPT still tied after parallelize_module", res.tied_after_parallelize,
-                      res.tied_after_parallelize is False, "False: the tie is silently gone")
+        res.tied_after_parallelize, res.local_logits_error = (
+            out["tied_after_parallelize"],
+            out["local_logits_error"],
+        )
+        res.condition(
+            "trap 1: default ColwiseParallel head under the GPT's loss",
+            res.local_logits_error,
+            res.local_logits_error is not None,
+            "raises (local V/t logits, targets in [0, V))",
+        )
+        res.condition(
+            "trap 2: a tied GPT still tied after parallelize_module",
+            res.tied_after_parallelize,
+            res.tied_after_parallelize is False,
+            "False: the tie is silently gone",
+        )
     return res
 
 
@@ -310,8 +408,9 @@ def _blocks_sum_of_squares(blocks, x: torch.Tensor) -> torch.Tensor:
     return x.grad
 
 
-def dtensor_sequence_parallel_blocks(config: GPTConfig | None = None, batch_size: int = 2,
-                                     seed: int = 1) -> DTensorSPResult:
+def dtensor_sequence_parallel_blocks(
+    config: GPTConfig | None = None, batch_size: int = 2, seed: int = 1
+) -> DTensorSPResult:
     """Rank function: the GPT's blocks with DTensor sequence parallelism (torchtitan's plan), loss Σ out².
 
     The input ``x`` (``randn(b, s, h)`` from ``seed``) arrives as this rank's s/t positions; LayerNorms
@@ -327,25 +426,40 @@ def dtensor_sequence_parallel_blocks(config: GPTConfig | None = None, batch_size
     mesh = init_device_mesh(dev.type, (t,), mesh_dim_names=("tp",))
     plan = dtensor_sequence_parallel_plan(config.n_layer)
     blocks = parallelize_module(GPT(config, seed=0).blocks.to(dev), mesh, plan)
-    x = torch.randn(batch_size, config.block_size, config.d_model, generator=torch.Generator().manual_seed(seed))
-    x_grad = _blocks_sum_of_squares(blocks, x.to(dev).chunk(t, 1)[r].contiguous().requires_grad_(True))
+    x = torch.randn(
+        batch_size, config.block_size, config.d_model, generator=torch.Generator().manual_seed(seed)
+    )
+    x_grad = _blocks_sum_of_squares(
+        blocks, x.to(dev).chunk(t, 1)[r].contiguous().requires_grad_(True)
+    )
     ln = {n: p.grad for n, p in blocks.named_parameters() if ".ln_" in f".{n}"}
-    res = DTensorSPResult({n: _full(p.grad) for n, p in blocks.named_parameters()}, _cpu(x_grad),
-                          {n: type(g.placements[0]).__name__ for n, g in ln.items()},
-                          {n: _cpu(g.to_local()) for n, g in ln.items()},
-                          title=f"DTensor sequence parallelism (blocks), rank {r}")
+    res = DTensorSPResult(
+        {n: _full(p.grad) for n, p in blocks.named_parameters()},
+        _cpu(x_grad),
+        {n: type(g.placements[0]).__name__ for n, g in ln.items()},
+        {n: _cpu(g.to_local()) for n, g in ln.items()},
+        title=f"DTensor sequence parallelism (blocks), rank {r}",
+    )
     ref = GPT(config, seed=0).blocks.to(dev)
     ref_x_grad = _blocks_sum_of_squares(ref, x.to(dev).clone().requires_grad_(True))
     want = {n: p.grad for n, p in ref.named_parameters()}
     res.equal("full_tensor() of every block gradient", res.grads, want, SGD)
     res.equal("x.grad of this rank's positions", res.x_grad, ref_x_grad.chunk(t, 1)[r], SGD)
     kinds = set(res.ln_placements.values())
-    res.condition("LayerNorm weight gradients' placement", kinds, kinds == {"Partial"} and len(ln) == 2 * config.n_layer,
-                  f"Partial, all {2 * config.n_layer}: the all-reduce over TP is deferred")
+    res.condition(
+        "LayerNorm weight gradients' placement",
+        kinds,
+        kinds == {"Partial"} and len(ln) == 2 * config.n_layer,
+        f"Partial, all {2 * config.n_layer}: the all-reduce over TP is deferred",
+    )
     if t > 1:
         partial = not any(ADAMW.ok(res.ln_local[n], want[n]) for n in ln)
-        res.condition("a rank's local LayerNorm gradients alone differ from one device", partial, partial,
-                      f"beyond {ADAMW} for every one")
+        res.condition(
+            "a rank's local LayerNorm gradients alone differ from one device",
+            partial,
+            partial,
+            f"beyond {ADAMW} for every one",
+        )
     return res
 
 
@@ -379,8 +493,13 @@ def _average_over(model: nn.Module, group, size: int) -> None:
         g.copy_(v.view_as(g))
 
 
-def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int = 8, config: GPTConfig | None = None,
-                   mesh_shape: tuple[int, int] | None = (2, 2)) -> DPTPResult:
+def dp_tp_training(
+    steps: int = 5,
+    optimizer: str = "adamw",
+    global_batch: int = 8,
+    config: GPTConfig | None = None,
+    mesh_shape: tuple[int, int] | None = (2, 2),
+) -> DPTPResult:
     """Rank function: ranks on a (dp, tp) mesh; our TP inside each "tp" group, gradients averaged over "dp".
 
     Each TP group gets ``global_batch / dp`` sequences (its dp rank's shard); after backward every
@@ -410,15 +529,32 @@ def dp_tp_training(steps: int = 5, optimizer: str = "adamw", global_batch: int =
                 per_group[key] = per_group.get(key, 0) + 1
                 ring[r.group] = ring.get(r.group, 0.0) + r.ring_bytes
     state = {n: _cpu(p) for n, p in model.named_parameters()}
-    res = DPTPResult(dist.get_rank(), losses, state, dp_rank, tp_rank, per_group, ring, x.numel(),
-                     title=f"DP × TP, dp rank {dp_rank}, tp rank {tp_rank}")
+    res = DPTPResult(
+        dist.get_rank(),
+        losses,
+        state,
+        dp_rank,
+        tp_rank,
+        per_group,
+        ring,
+        x.numel(),
+        title=f"DP × TP, dp rank {dp_rank}, tp rank {tp_rank}",
+    )
     ref = reference_run(config, steps, global_batch, optimizer)[0].state_dict()
-    res.equal(f"dp {dp_rank}, tp {tp_rank}: shards after {steps} {optimizer} steps", state,
-              _my_shards(ref, state, tp, tp_rank), for_optimizer(optimizer))
+    res.equal(
+        f"dp {dp_rank}, tp {tp_rank}: shards after {steps} {optimizer} steps",
+        state,
+        _my_shards(ref, state, tp, tp_rank),
+        for_optimizer(optimizer),
+    )
     if dp > 1 and tp > 1:
         want = {"all_reduce@tp": 4 * config.n_layer + 1 + 1 + 3, "all_reduce@dp": 1}
-        res.exact("step 0's collectives per mesh dimension", per_group, want,
-                  "4 per block + embedding + head + 3 (loss) on tp; 1 gradient all-reduce on dp")
+        res.exact(
+            "step 0's collectives per mesh dimension",
+            per_group,
+            want,
+            "4 per block + embedding + head + 3 (loss) on tp; 1 gradient all-reduce on dp",
+        )
     return res
 
 
@@ -430,8 +566,11 @@ class FSDPTPResult(Result):
     collectives: dict  # {"op@group": calls}
 
 
-def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8,
-                 mesh_shape: tuple[int, int] | None = (2, 2)) -> FSDPTPResult:
+def fsdp_tp_step(
+    config: GPTConfig | None = None,
+    global_batch: int = 8,
+    mesh_shape: tuple[int, int] | None = (2, 2),
+) -> FSDPTPResult:
     """Rank function: DTensor TP over "tp", then FSDP2 ``fully_shard`` over the "dp" sub-mesh (torchtitan's order).
 
     One forward + backward: the full gradients (``full_tensor()`` over both dimensions) against one
@@ -452,28 +591,47 @@ def fsdp_tp_step(config: GPTConfig | None = None, global_batch: int = 8,
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    x, y = shard_batch(*step_batch(0, config, global_batch, dev), mesh.get_local_rank("dp"), mesh_shape[0])
+    x, y = shard_batch(
+        *step_batch(0, config, global_batch, dev), mesh.get_local_rank("dp"), mesh_shape[0]
+    )
     with CollectiveCounter() as cc, loss_parallel():
         _, loss = model(x, y)
         loss.backward()
     per_group = {}
     for r in cc.records:
         per_group[f"{r.op}@{r.group}"] = per_group.get(f"{r.op}@{r.group}", 0) + 1
-    res = FSDPTPResult({n: _full(p.grad) for n, p in model.named_parameters()}, per_group,
-                       title=f"FSDP2 (dp) × DTensor TP (tp), rank {dist.get_rank()}")
-    res.equal("FSDP2 × TP gradients (full_tensor)", res.grads, _one_device_step(config, global_batch, dev)[2], SGD)
+    res = FSDPTPResult(
+        {n: _full(p.grad) for n, p in model.named_parameters()},
+        per_group,
+        title=f"FSDP2 (dp) × DTensor TP (tp), rank {dist.get_rank()}",
+    )
+    res.equal(
+        "FSDP2 × TP gradients (full_tensor)",
+        res.grads,
+        _one_device_step(config, global_batch, dev)[2],
+        SGD,
+    )
     if mesh_shape[0] > 1 and mesh_shape[1] > 1:
         kinds = ("all_reduce@tp", "all_gather@dp", "reduce_scatter@dp")
-        res.condition("collectives per mesh dimension", per_group, all(per_group.get(k, 0) > 0 for k in kinds)
-                      and not any(k.endswith("@default") for k in per_group), f"{', '.join(kinds)} > 0; none @default")
+        res.condition(
+            "collectives per mesh dimension",
+            per_group,
+            all(per_group.get(k, 0) > 0 for k in kinds)
+            and not any(k.endswith("@default") for k in per_group),
+            f"{', '.join(kinds)} > 0; none @default",
+        )
     return res
 
 
 # =========================================================================== one spawn for the notebook
 
 
-def notebook_suite(config: GPTConfig | None = None, batch_size: int = 8, steps: int = 10,
-                   alpha_beta_sizes: tuple = (2**10, 2**12, 2**20, 2**22)) -> dict:
+def notebook_suite(
+    config: GPTConfig | None = None,
+    batch_size: int = 8,
+    steps: int = 10,
+    alpha_beta_sizes: tuple = (2**10, 2**12, 2**20, 2**22),
+) -> dict:
     """Rank function: what notebook 06 runs on the TP group, in one spawn (each spawn costs seconds).
 
     Also sweeps all-reduce sizes with chapter 00's benchmark (fit α and β in the parent).
@@ -481,16 +639,23 @@ def notebook_suite(config: GPTConfig | None = None, batch_size: int = 8, steps: 
     from .collectives import bandwidth_benchmark
 
     config = config or parallel_config()
-    return {"layers": linear_layers(), "tp": tp_step(config, batch_size),
-            "sp": tp_step(config, batch_size, sequence_parallel=True),
-            "train": tp_training(steps, "adamw", batch_size, config), "dtensor": dtensor_step(config, batch_size),
-            "dtensor_sp": dtensor_sequence_parallel_blocks(config),
-            "alpha_beta_rows": bandwidth_benchmark(sizes_bytes=alpha_beta_sizes, ops=("all_reduce",), iters=2,
-                                                   warmup=1, repeats=3)}
+    return {
+        "layers": linear_layers(),
+        "tp": tp_step(config, batch_size),
+        "sp": tp_step(config, batch_size, sequence_parallel=True),
+        "train": tp_training(steps, "adamw", batch_size, config),
+        "dtensor": dtensor_step(config, batch_size),
+        "dtensor_sp": dtensor_sequence_parallel_blocks(config),
+        "alpha_beta_rows": bandwidth_benchmark(
+            sizes_bytes=alpha_beta_sizes, ops=("all_reduce",), iters=2, warmup=1, repeats=3
+        ),
+    }
 
 
 def mesh_suite(config: GPTConfig | None = None, global_batch: int = 8, steps: int = 5) -> dict:
     """Rank function: the 2-D mesh cases of notebook 06 in one spawn (4 ranks): DP×TP (ours), FSDP2×TP."""
     config = config or parallel_config()
-    return {"dp_tp": dp_tp_training(steps, "adamw", global_batch, config),
-            "fsdp_tp": fsdp_tp_step(config, global_batch)}
+    return {
+        "dp_tp": dp_tp_training(steps, "adamw", global_batch, config),
+        "fsdp_tp": fsdp_tp_step(config, global_batch),
+    }

@@ -14,6 +14,7 @@ The results also read like the dicts they replace (``report["ratio"]``, :class:`
 Accounting helpers, usable in any rank function: :func:`model_state_accounting` (bytes held) and
 :func:`comm_accounting` (bytes sent).
 """
+
 from __future__ import annotations
 
 import io
@@ -33,12 +34,32 @@ from ..models import GPT, GPTConfig
 from ..results import ADAMW, EXACT, FieldAccess, Result
 from ..zero import ZeroOptimizer
 from ..zero3 import Zero3
-from .common import (OPTIMIZERS, check_global_batch, make_optimizer, median_times, race,
-                     reference_run, shard_batch, state_diff, step_batch, train_step, zero_config)
+from .common import (
+    OPTIMIZERS,
+    check_global_batch,
+    make_optimizer,
+    median_times,
+    race,
+    reference_run,
+    shard_batch,
+    state_diff,
+    step_batch,
+    train_step,
+    zero_config,
+)
 
-__all__ = ["zero_config", "model_state_accounting", "comm_accounting", "zero_stage_report",
-           "zero_clip_and_resume", "zero_stage_profile", "StageReport",
-           "ClipResumeReport", "StageProfile", "MEMORY_FORMULA"]
+__all__ = [
+    "zero_config",
+    "model_state_accounting",
+    "comm_accounting",
+    "zero_stage_report",
+    "zero_clip_and_resume",
+    "zero_stage_profile",
+    "StageReport",
+    "ClipResumeReport",
+    "StageProfile",
+    "MEMORY_FORMULA",
+]
 
 # per-rank model-state bytes of each stage, fp32 AdamW (0 = DDP)
 MEMORY_FORMULA = {0: "16Ψ", 1: "8Ψ + 8Ψ/N", 2: "4Ψ + 12Ψ/N", 3: "16Ψ/N"}
@@ -64,14 +85,23 @@ def model_state_accounting(model, optimizer, extra=()) -> dict:
     (ZeRO-2's partition gradient and the flat buffers are charged as ``grads`` / ``params``).
     """
     if isinstance(optimizer, ZeroOptimizer):
-        stage, n, psi, psi_pad = optimizer.stage, optimizer.world_size, optimizer.numel, optimizer.padded_numel
+        stage, n, psi, psi_pad = (
+            optimizer.stage,
+            optimizer.world_size,
+            optimizer.numel,
+            optimizer.padded_numel,
+        )
         # the segments' .grad are this rank's gradient slices: count them as "grads"
-        measured = model_state_bytes(optimizer.params + [s.param for s in optimizer.segments], optimizer.optimizer,
-                                     extra=list(optimizer.held_tensors()) + list(extra))
+        measured = model_state_bytes(
+            optimizer.params + [s.param for s in optimizer.segments],
+            optimizer.optimizer,
+            extra=list(optimizer.held_tensors()) + list(extra),
+        )
     elif isinstance(model, Zero3):
         stage, n, psi, psi_pad = 3, model.world_size, model.numel, model.padded_numel
-        measured = model_state_bytes(list(model.parameters()), optimizer,
-                                     extra=list(model.held_tensors()) + list(extra))
+        measured = model_state_bytes(
+            list(model.parameters()), optimizer, extra=list(model.held_tensors()) + list(extra)
+        )
     else:
         params = list(model.parameters())
         stage, psi = 0, sum(p.numel() for p in params)
@@ -79,8 +109,16 @@ def model_state_accounting(model, optimizer, extra=()) -> dict:
         n = dist.get_world_size() if dist.is_initialized() else 1
         measured = model_state_bytes(params, optimizer, extra=list(extra))
     breakdown = zero_model_state_breakdown(psi_pad, n, stage, precision="fp32")
-    return dict(stage=stage, world_size=n, psi=psi, psi_pad=psi_pad, measured=measured, formula=breakdown["total"],
-                formula_breakdown=breakdown, ratio=measured["total"] / breakdown["total"])
+    return dict(
+        stage=stage,
+        world_size=n,
+        psi=psi,
+        psi_pad=psi_pad,
+        measured=measured,
+        formula=breakdown["total"],
+        formula_breakdown=breakdown,
+        ratio=measured["total"] / breakdown["total"],
+    )
 
 
 def comm_accounting(log: comm.CommLog, wrapper, steps: int = 1) -> dict:
@@ -101,14 +139,21 @@ def comm_accounting(log: comm.CommLog, wrapper, steps: int = 1) -> dict:
         stage, c, n = 0, 2, dist.get_world_size()
         psi_pad = sum(p.numel() for p in wrapper.parameters())
     else:
-        raise TypeError(f"wrapper must be a DDP, ZeroOptimizer or Zero3, "
-                        f"got {type(wrapper).__name__}")
+        raise TypeError(
+            f"wrapper must be a DDP, ZeroOptimizer or Zero3, got {type(wrapper).__name__}"
+        )
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     sent = (log.total("ring_bytes", tag="param") + log.total("ring_bytes", tag="grad")) / steps
     formula = (n - 1) / n * c * psi_pad * 4
-    return dict(stage=stage, world_size=n, psi_pad=psi_pad, sent_per_step=sent, formula=formula,
-                ratio=sent / formula if formula else float("nan"))
+    return dict(
+        stage=stage,
+        world_size=n,
+        psi_pad=psi_pad,
+        sent_per_step=sent,
+        formula=formula,
+        ratio=sent / formula if formula else float("nan"),
+    )
 
 
 # --------------------------------------------------------------------------- one stage, measured
@@ -141,7 +186,9 @@ def _build(stage: int, model, dev, bucket_cap_mb, zero3_unit: str = "block"):
         return wrapped, make_optimizer("adamw", wrapped.parameters())
     if stage in (1, 2):
         adamw, options = OPTIMIZERS["adamw"]
-        return model, ZeroOptimizer(model.parameters(), adamw, stage=stage, bucket_cap_mb=bucket_cap_mb, **options)
+        return model, ZeroOptimizer(
+            model.parameters(), adamw, stage=stage, bucket_cap_mb=bucket_cap_mb, **options
+        )
     if stage == 3:
         wrapped = Zero3(model, unit=zero3_unit)
         return wrapped, make_optimizer("adamw", wrapped.parameters())
@@ -161,8 +208,13 @@ def _traffic_formula(stage: int, config: GPTConfig, world: int, traffic: dict, z
     return formula, against
 
 
-def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config: GPTConfig | None = None,
-                      zero3_unit: str = "block") -> StageReport:
+def zero_stage_report(
+    stage: int,
+    steps: int = 3,
+    global_batch: int = 8,
+    config: GPTConfig | None = None,
+    zero3_unit: str = "block",
+) -> StageReport:
     """Rank function: train ``steps`` AdamW steps at ZeRO ``stage`` (0 = DDP) and measure everything.
 
     Rows: model-state bytes after the last step (before ``zero_grad``) within 1 % of the fp32
@@ -199,18 +251,38 @@ def zero_stage_report(stage: int, steps: int = 3, global_batch: int = 8, config:
     full = wrapped.full_state_dict() if stage == 3 else dict(model.state_dict())
     reference, _, _ = reference_run(config, steps, global_batch, "adamw", dev=dev)
     report = StageReport(
-        stage=stage, world_size=world, psi=acct["psi"], psi_pad=acct["psi_pad"], measured=acct["measured"],
-        formula=acct["formula"], formula_breakdown=acct["formula_breakdown"], ratio=acct["ratio"],
-        comm_ratio=traffic["ratio"], comm=log.summary(), activation_bytes=activations[-1], losses=losses,
+        stage=stage,
+        world_size=world,
+        psi=acct["psi"],
+        psi_pad=acct["psi_pad"],
+        measured=acct["measured"],
+        formula=acct["formula"],
+        formula_breakdown=acct["formula_breakdown"],
+        ratio=acct["ratio"],
+        comm_ratio=traffic["ratio"],
+        comm=log.summary(),
+        activation_bytes=activations[-1],
+        losses=losses,
         max_abs_diff=state_diff(full, reference),
-        title=f"ZeRO stage {stage} (0 = DDP), N = {world}, rank {dist.get_rank()}")
-    report.within("model-state bytes per rank", acct["measured"]["total"], acct["formula"], 0.01,
-                  against=f"formula {MEMORY_FORMULA[stage]} (fp32 AdamW, Ψ padded)")
+        title=f"ZeRO stage {stage} (0 = DDP), N = {world}, rank {dist.get_rank()}",
+    )
+    report.within(
+        "model-state bytes per rank",
+        acct["measured"]["total"],
+        acct["formula"],
+        0.01,
+        against=f"formula {MEMORY_FORMULA[stage]} (fp32 AdamW, Ψ padded)",
+    )
     sent_formula, against = _traffic_formula(stage, config, world, traffic, zero3_unit)
     sent = traffic["sent_per_step"]
-    report.condition("bytes sent per step (ring, grad + param)", sent,
-                     math.isclose(sent, sent_formula, rel_tol=1e-9), "= formula (float ring factor)",
-                     reference=sent_formula, against=against)
+    report.condition(
+        "bytes sent per step (ring, grad + param)",
+        sent,
+        math.isclose(sent, sent_formula, rel_tol=1e-9),
+        "= formula (float ring factor)",
+        reference=sent_formula,
+        against=against,
+    )
     report.equal(f"weights after {steps} AdamW steps", full, reference.state_dict(), ADAMW)
     return report
 
@@ -230,8 +302,14 @@ class ClipResumeReport(FieldAccess, Result):
     resumed_equals_uninterrupted: bool
 
 
-def zero_clip_and_resume(stage: int = 2, steps: int = 6, resume_at: int = 3, max_norm: float = 0.5,
-                         global_batch: int = 8, config: GPTConfig | None = None) -> ClipResumeReport:
+def zero_clip_and_resume(
+    stage: int = 2,
+    steps: int = 6,
+    resume_at: int = 3,
+    max_norm: float = 0.5,
+    global_batch: int = 8,
+    config: GPTConfig | None = None,
+) -> ClipResumeReport:
     """Rank function: ZeRO-``stage`` (1 or 2) with gradient clipping, checkpointed and resumed mid-run.
 
     Three runs on the same data: one device with ``torch.nn.utils.clip_grad_norm_`` (the
@@ -244,7 +322,9 @@ def zero_clip_and_resume(stage: int = 2, steps: int = 6, resume_at: int = 3, max
     config = config or zero_config()
     dev = device()
     check_global_batch(global_batch, dist.get_world_size())
-    reference, _, ref_norms = reference_run(config, steps, global_batch, "adamw", max_norm=max_norm, dev=dev)
+    reference, _, ref_norms = reference_run(
+        config, steps, global_batch, "adamw", max_norm=max_norm, dev=dev
+    )
     adamw, options = OPTIMIZERS["adamw"]
 
     def run(resume: bool):
@@ -261,7 +341,9 @@ def zero_clip_and_resume(stage: int = 2, steps: int = 6, resume_at: int = 3, max
                 torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, blob)
                 blob.seek(0)
                 saved = torch.load(blob, weights_only=True)
-                model = GPT(config, seed=123).to(dev)  # different weights: the checkpoint must restore everything
+                model = GPT(config, seed=123).to(
+                    dev
+                )  # different weights: the checkpoint must restore everything
                 model.load_state_dict(saved["model"])
                 opt = ZeroOptimizer(model.parameters(), adamw, stage=stage, **options)
                 opt.load_state_dict(saved["optim"])
@@ -273,17 +355,38 @@ def zero_clip_and_resume(stage: int = 2, steps: int = 6, resume_at: int = 3, max
     resumed, _ = run(resume=True)
     same = all(torch.equal(v, straight.state_dict()[k]) for k, v in resumed.state_dict().items())
     report = ClipResumeReport(
-        stage=stage, norms=norms, reference_norms=ref_norms,
+        stage=stage,
+        norms=norms,
+        reference_norms=ref_norms,
         max_abs_diff_uninterrupted=state_diff(straight, reference),
-        max_abs_diff_resumed=state_diff(resumed, reference), resumed_equals_uninterrupted=same,
-        title=f"ZeRO-{stage}: clipping at max_norm {max_norm}, resumed at step {resume_at}")
-    report.condition("clipping scaled every step", min(ref_norms), min(ref_norms) > max_norm,
-                     f"> max_norm = {max_norm}", against="smallest norm on one device")
-    report.equal("global gradient norm per step", norms, ref_norms, ADAMW,
-                 against="clip_grad_norm_ on one device")
-    report.equal(f"weights after {steps} clipped steps", straight.state_dict(), reference.state_dict(), ADAMW)
-    report.equal("weights, resumed from the checkpoint", resumed.state_dict(), straight.state_dict(), EXACT,
-                 against="the uninterrupted run")
+        max_abs_diff_resumed=state_diff(resumed, reference),
+        resumed_equals_uninterrupted=same,
+        title=f"ZeRO-{stage}: clipping at max_norm {max_norm}, resumed at step {resume_at}",
+    )
+    report.condition(
+        "clipping scaled every step",
+        min(ref_norms),
+        min(ref_norms) > max_norm,
+        f"> max_norm = {max_norm}",
+        against="smallest norm on one device",
+    )
+    report.equal(
+        "global gradient norm per step",
+        norms,
+        ref_norms,
+        ADAMW,
+        against="clip_grad_norm_ on one device",
+    )
+    report.equal(
+        f"weights after {steps} clipped steps", straight.state_dict(), reference.state_dict(), ADAMW
+    )
+    report.equal(
+        "weights, resumed from the checkpoint",
+        resumed.state_dict(),
+        straight.state_dict(),
+        EXACT,
+        against="the uninterrupted run",
+    )
     return report
 
 
@@ -308,8 +411,11 @@ class _Sampler:
         self.phase, self.peak, self._saved = "forward", {}, []
         leaves = list(wrapped.parameters()) if stage in (0, 3) else list(model.parameters())
         self._hooks = [m.register_forward_hook(lambda *_: self.sample()) for m in model.modules()]
-        self._hooks += [p.register_post_accumulate_grad_hook(lambda _p: self.sample()) for p in leaves
-                        if p.requires_grad]
+        self._hooks += [
+            p.register_post_accumulate_grad_hook(lambda _p: self.sample())
+            for p in leaves
+            if p.requires_grad
+        ]
         self.leaves = leaves
 
     def pack(self, t):
@@ -325,7 +431,9 @@ class _Sampler:
         if stage in (1, 2):
             transient = opt.transient_tensors()
             states += [t for t in opt.held_tensors() if not any(t is s for s in transient)]
-            states += [s.param for s in opt.segments] + [s.param.grad for s in opt.segments if s.param.grad is not None]
+            states += [s.param for s in opt.segments] + [
+                s.param.grad for s in opt.segments if s.param.grad is not None
+            ]
             states += list(tensors_in(opt.optimizer.state))
         else:
             states += list(tensors_in(opt.state))
@@ -365,32 +473,66 @@ def _profile_rows(p: StageProfile) -> None:
     """The profile's claims: when each stage communicates, what is transient, activations alike."""
     calls = p.calls
     if 1 in calls:
-        p.exact("stage 1: reduce-scatters during backward", calls[1]["backward"].get("reduce_scatter", 0), 0,
-                against="stage 1 reduces in step()")
-        p.exact("stage 1: reduce-scatters in step()", calls[1]["step"].get("reduce_scatter", 0), p.buckets_stage1,
-                against="one per bucket")
+        p.exact(
+            "stage 1: reduce-scatters during backward",
+            calls[1]["backward"].get("reduce_scatter", 0),
+            0,
+            against="stage 1 reduces in step()",
+        )
+        p.exact(
+            "stage 1: reduce-scatters in step()",
+            calls[1]["step"].get("reduce_scatter", 0),
+            p.buckets_stage1,
+            against="one per bucket",
+        )
     if 2 in calls:
-        p.exact("stage 2: reduce-scatters during backward", calls[2]["backward"].get("reduce_scatter", 0),
-                p.buckets_stage2, against="one per bucket")
+        p.exact(
+            "stage 2: reduce-scatters during backward",
+            calls[2]["backward"].get("reduce_scatter", 0),
+            p.buckets_stage2,
+            against="one per bucket",
+        )
         staged, after = p.peak[2]["backward"]["transient"], p.peak[2]["after step"]["transient"]
-        p.condition("stage 2: staging bytes in backward, after the step", (staged, after),
-                    staged > 0 and after == 0, "> 0, then 0")
+        p.condition(
+            "stage 2: staging bytes in backward, after the step",
+            (staged, after),
+            staged > 0 and after == 0,
+            "> 0, then 0",
+        )
     if 3 in calls:
         for phase in ("forward", "backward"):
-            p.exact(f"stage 3: all-gathers in {phase}", calls[3][phase].get("all_gather", 0), len(p.units),
-                    against="one per unit")
+            p.exact(
+                f"stage 3: all-gathers in {phase}",
+                calls[3][phase].get("all_gather", 0),
+                len(p.units),
+                against="one per unit",
+            )
         units = {u["name"]: u["gathered_bytes"] for u in p.units}
         g3 = max(p.peak[3][ph]["transient"] for ph in ("forward", "backward"))
         blocks, rest = divmod(g3 - units["(root)"], units["blocks.0"])
-        p.condition("stage 3: gathered weights at the peak", g3, rest == 0 and 1 <= blocks <= 2,
-                    "root + 1 block in use (+ 1 prefetched)")
+        p.condition(
+            "stage 3: gathered weights at the peak",
+            g3,
+            rest == 0 and 1 <= blocks <= 2,
+            "root + 1 block in use (+ 1 prefetched)",
+        )
     acts = list(p.activation_bytes.values())
-    p.condition("activation bytes at every stage", acts[0], len(set(acts)) == 1 and acts[0] > 0,
-                "the same at every stage", against="ZeRO shards model states only")
+    p.condition(
+        "activation bytes at every stage",
+        acts[0],
+        len(set(acts)) == 1 and acts[0] > 0,
+        "the same at every stage",
+        against="ZeRO shards model states only",
+    )
 
 
-def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 5, bucket_cap_mb: float = 0.05,
-                       config: GPTConfig | None = None) -> StageProfile:
+def zero_stage_profile(
+    stages=(0, 1, 2, 3),
+    micro_batch: int = 4,
+    rounds: int = 5,
+    bucket_cap_mb: float = 0.05,
+    config: GPTConfig | None = None,
+) -> StageProfile:
     """Rank function: every stage's step time, peak memory per phase and when it communicates.
 
     Each rank trains every stage on a per-rank micro-batch of ``micro_batch`` sequences (global
@@ -416,7 +558,9 @@ def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 
         model = GPT(config, seed=0).to(dev)
         built[s] = (model, *_build(s, model, dev, bucket_cap_mb))
     x, y = step_batch(0, config, micro_batch * world, dev)
-    xl, yl = (t.clone() for t in shard_batch(x, y))  # the rank's own micro-batch, as a data loader delivers it
+    xl, yl = (
+        t.clone() for t in shard_batch(x, y)
+    )  # the rank's own micro-batch, as a data loader delivers it
 
     def one_step(s):
         _model, wrapped, opt = built[s]
@@ -424,17 +568,24 @@ def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 
 
     for s in stages:  # AdamW's state exists after the first step
         one_step(s)
-    step_s = median_times(race({s: (lambda s=s: one_step(s)) for s in stages}, rounds)) if rounds else {}
+    step_s = (
+        median_times(race({s: (lambda s=s: one_step(s)) for s in stages}, rounds)) if rounds else {}
+    )
     peak, calls, acts = {}, {}, {}
     for s in stages:
         model, wrapped, opt = built[s]
         sampler = _Sampler(s, model, wrapped, opt)
         calls[s] = {}
         opt.zero_grad(set_to_none=True)
-        with comm.CommLog() as log_f, torch.autograd.graph.saved_tensors_hooks(sampler.pack, lambda t: t):
+        with (
+            comm.CommLog() as log_f,
+            torch.autograd.graph.saved_tensors_hooks(sampler.pack, lambda t: t),
+        ):
             _, loss = wrapped(xl, yl)
         sampler.sample()
-        acts[s] = sampler.last["activations"]  # saved for backward, still held at the end of forward
+        acts[s] = sampler.last[
+            "activations"
+        ]  # saved for backward, still held at the end of forward
         sampler.phase = "backward"
         with comm.CommLog() as log_b:
             loss.backward()
@@ -455,11 +606,18 @@ def zero_stage_profile(stages=(0, 1, 2, 3), micro_batch: int = 4, rounds: int = 
                     calls[s][phase][rec.op] = calls[s][phase].get(rec.op, 0) + 1
         peak[s] = sampler.peak
     profile = StageProfile(
-        world_size=world, micro_batch=micro_batch, step_s=step_s, peak=peak, calls=calls, activation_bytes=acts,
-        psi=built[stages[0]][0].num_params(), units=built[3][1].unit_table() if 3 in built else None,
+        world_size=world,
+        micro_batch=micro_batch,
+        step_s=step_s,
+        peak=peak,
+        calls=calls,
+        activation_bytes=acts,
+        psi=built[stages[0]][0].num_params(),
+        units=built[3][1].unit_table() if 3 in built else None,
         buckets_stage1=len(built[1][2].buckets) if 1 in built else None,
         buckets_stage2=len(built[2][2].buckets) if 2 in built else None,
         title=f"ZeRO stages {', '.join(map(str, stages))}: one step at N = {world}, "
-              f"micro-batch {micro_batch}")
+        f"micro-batch {micro_batch}",
+    )
     _profile_rows(profile)
     return profile

@@ -8,6 +8,7 @@ master, optimizer, buffers), found by walking DeepSpeed's ZeRO optimizer (attrib
 deepspeed 0.19, ``runtime/zero/stage_1_and_2.py`` and ``stage3.py``) and counted with
 :func:`course_lib.memory.unique_storage_bytes`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,15 @@ import torch.nn as nn
 
 from ..memory import storage_bytes, tensors_in, unique_storage_bytes
 
-__all__ = ["deepspeed_available", "torch_extensions_dir", "import_deepspeed", "snapshot", "CATEGORIES",
-           "psi_padded", "full_params"]
+__all__ = [
+    "deepspeed_available",
+    "torch_extensions_dir",
+    "import_deepspeed",
+    "snapshot",
+    "CATEGORIES",
+    "psi_padded",
+    "full_params",
+]
 
 
 # =========================================================================== set-up
@@ -67,12 +75,25 @@ def deepspeed_available() -> tuple[bool, str]:
         return False, "no C++ compiler (c++) on PATH: DeepSpeed compiles a C++ op on first use"
     include = sysconfig.get_paths().get("include", "")
     if not os.path.exists(os.path.join(include, "Python.h")):
-        return False, f"Python.h not found in {include}: install the Python development headers (python3-dev)"
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available()
-                                                        else "cuda"), PYTHONWARNINGS="ignore")
+        return (
+            False,
+            f"Python.h not found in {include}: install the Python development headers (python3-dev)",
+        )
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR=os.environ.get(
+            "DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda"
+        ),
+        PYTHONWARNINGS="ignore",
+    )
     try:
-        out = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"], env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         return False, "import deepspeed did not finish within 120 s"
     if out.returncode != 0:
@@ -85,7 +106,9 @@ def import_deepspeed():
     """Import DeepSpeed inside a rank: cache its C++ builds, pick the CPU accelerator, silence it."""
     os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
     if not dist.is_initialized() or dist.get_backend() != "nccl":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # skip its detection (and the warning it logs)
+        os.environ.setdefault(
+            "DS_ACCELERATOR", "cpu"
+        )  # skip its detection (and the warning it logs)
     import deepspeed
     from deepspeed.utils import logger
 
@@ -94,16 +117,26 @@ def import_deepspeed():
     return deepspeed
 
 
-
 # =========================================================================== measuring
 
 # Where DeepSpeed's ZeRO optimizers keep things (attribute names in deepspeed 0.19, stage_1_and_2.py
 # and stage3.py). Anything else holding a tensor is found by walking the optimizer and reported as
 # "buffers", with the attribute it hangs from.
-_PARAM_ATTRS = ("bit16_groups_flat", "fp16_partitioned_groups_flat")  # the (partitioned) weights, flat
-_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")  # fp32 master partition
-_GRAD_ATTRS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
-               "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "all_grad_tensors")
+_PARAM_ATTRS = (
+    "bit16_groups_flat",
+    "fp16_partitioned_groups_flat",
+)  # the (partitioned) weights, flat
+_MASTER_ATTRS = (
+    "single_partition_of_fp32_groups",
+    "fp32_partitioned_groups_flat",
+)  # fp32 master partition
+_GRAD_ATTRS = (
+    "averaged_gradients",
+    "grads_in_partition",
+    "grad_partitions_flat_buffer",
+    "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+    "all_grad_tensors",
+)
 CATEGORIES = ("params", "grads", "master", "optimizer", "buffers")
 
 
@@ -112,7 +145,11 @@ def _walk(obj, path: str, out: list, seen: set, depth: int = 0) -> None:
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
         return
-    if depth > 6 or id(obj) in seen or isinstance(obj, (nn.Module, torch.optim.Optimizer, str, bytes)):
+    if (
+        depth > 6
+        or id(obj) in seen
+        or isinstance(obj, (nn.Module, torch.optim.Optimizer, str, bytes))
+    ):
         return
     seen.add(id(obj))
     if isinstance(obj, dict):
@@ -134,7 +171,9 @@ def _root(path: str) -> str:
 def snapshot(engine, extra_grads=()) -> dict:
     """Per-category bytes of unique storages this rank holds for the model right now."""
     zero_opt = engine.optimizer
-    torch_opt = getattr(zero_opt, "optimizer", zero_opt)  # ZeRO wraps the torch optimizer; stage 0 does not
+    torch_opt = getattr(
+        zero_opt, "optimizer", zero_opt
+    )  # ZeRO wraps the torch optimizer; stage 0 does not
     module_params = list(engine.module.parameters())
     found: list = []
     if zero_opt is not torch_opt:
@@ -155,14 +194,17 @@ def snapshot(engine, extra_grads=()) -> dict:
         "params": (ds_tensors if stage3 else module_params) + from_attrs(_PARAM_ATTRS),
         "master": masters,
         "optimizer": tensors_in(torch_opt.state),
-        "grads": [p.grad for p in module_params + masters if p.grad is not None] + list(extra_grads)
+        "grads": [p.grad for p in module_params + masters if p.grad is not None]
+        + list(extra_grads)
         + from_attrs(_GRAD_ATTRS),
     }
     seen: set = set()
     out = unique_storage_bytes(groups, seen)
     buffers: dict[str, int] = {}
     for path, t in found + ([("gathered params", p) for p in module_params] if stage3 else []):
-        nbytes = storage_bytes([t], seen)  # 0 when its storage is already charged (or holds no memory)
+        nbytes = storage_bytes(
+            [t], seen
+        )  # 0 when its storage is already charged (or holds no memory)
         if nbytes:
             buffers[_root(path)] = buffers.get(_root(path), 0) + nbytes
     out["buffers"] = sum(buffers.values())
@@ -192,4 +234,3 @@ def full_params(engine, deepspeed, stage: int) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters(list(params.values())):
             return {n: p.detach().clone() for n, p in params.items()}
     return {n: p.detach().clone() for n, p in params.items()}
-

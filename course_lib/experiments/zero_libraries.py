@@ -53,6 +53,7 @@ its bytes are in :mod:`course_lib.experiments.zero_deepspeed`.
 Everything here degrades gracefully: ``deepspeed_available()`` says whether DeepSpeed can run
 (importable, a C++ compiler, Python headers for its JIT build) and why not.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,14 @@ from ..memory import model_state_bytes, storage_bytes, tensors_in
 from ..models import GPT, GPTConfig, tiny_config
 from ..results import ADAMW, FieldAccess, Result
 from ..train import shard_batch, train_step
-from .zero_deepspeed import deepspeed_available, full_params, import_deepspeed, psi_padded, snapshot, \
-    torch_extensions_dir
+from .zero_deepspeed import (
+    deepspeed_available,
+    full_params,
+    import_deepspeed,
+    psi_padded,
+    snapshot,
+    torch_extensions_dir,
+)
 
 __all__ = [
     "torch_zero1_memory",
@@ -105,8 +112,12 @@ def _mean_loss(local: float) -> float:
 
 def _batch(step: int, config: GPTConfig, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of the global batch of ``step`` (global batch = micro_batch * N), on its device."""
-    x, y = make_batch(micro_batch * dist.get_world_size(), min(SEQ_LEN, config.block_size), config.vocab_size,
-                      seed=step)
+    x, y = make_batch(
+        micro_batch * dist.get_world_size(),
+        min(SEQ_LEN, config.block_size),
+        config.vocab_size,
+        seed=step,
+    )
     x, y = shard_batch(x, y)
     return x.to(device()), y.to(device())
 
@@ -124,7 +135,9 @@ def zero1_partition(sizes: list[int], world_size: int) -> list[list[int]]:
     """
     owned: list[list[int]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    for i in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):  # stable, like torch's sort
+    for i in sorted(
+        range(len(sizes)), key=lambda i: sizes[i], reverse=True
+    ):  # stable, like torch's sort
         r = load.index(min(load))
         owned[r].append(i)
         load[r] += sizes[i]
@@ -147,7 +160,9 @@ class Zero1Memory(FieldAccess, Result):
     model_state: dict  # this rank's model-state bytes (memory.model_state_bytes)
 
 
-def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_batch: int = 4) -> Zero1Memory:
+def torch_zero1_memory(
+    config: GPTConfig | None = None, steps: int = 2, micro_batch: int = 4
+) -> Zero1Memory:
     """Rank function: torch's ``ZeroRedundancyOptimizer`` (ZeRO-1) on the tiny GPT; per-rank optimizer bytes.
 
     Gradients are averaged by torch DDP (``gradient_as_bucket_view=True``: each ``.grad`` is a
@@ -175,16 +190,22 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
     model = GPT(config, seed=0).to(device())
     names = {id(p): n for n, p in model.named_parameters()}
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
-                                  weight_decay=WEIGHT_DECAY)
+    opt = ZeroRedundancyOptimizer(
+        ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY
+    )
     losses = []
     for step in range(steps):
         losses.append(_mean_loss(train_step(ddp, opt, *_batch(step, config, micro_batch))))
 
     local = opt.optim  # this rank's AdamW, over the parameters it owns
     owned = [p for g in local.param_groups for p in g["params"]]
-    mine = {"rank": rank, "param_numel": sum(p.numel() for p in owned), "n_tensors": len(owned),
-            "optimizer_bytes": storage_bytes(tensors_in(local.state)), "names": [names[id(p)] for p in owned]}
+    mine = {
+        "rank": rank,
+        "param_numel": sum(p.numel() for p in owned),
+        "n_tensors": len(owned),
+        "optimizer_bytes": storage_bytes(tensors_in(local.state)),
+        "names": [names[id(p)] for p in owned],
+    }
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, mine)
     sizes = [p.numel() for p in model.parameters()]
@@ -192,24 +213,44 @@ def torch_zero1_memory(config: GPTConfig | None = None, steps: int = 2, micro_ba
     total = sum(r["optimizer_bytes"] for r in per_rank)
     ideal = 8 * psi / world
     result = Zero1Memory(
-        rank=rank, world_size=world, psi=psi, losses=losses, per_rank=per_rank, total_optimizer_bytes=total,
-        ideal_bytes=ideal, imbalance=max(r["optimizer_bytes"] for r in per_rank) / (total / world),
+        rank=rank,
+        world_size=world,
+        psi=psi,
+        losses=losses,
+        per_rank=per_rank,
+        total_optimizer_bytes=total,
+        ideal_bytes=ideal,
+        imbalance=max(r["optimizer_bytes"] for r in per_rank) / (total / world),
         max_over_ideal=max(r["optimizer_bytes"] for r in per_rank) / ideal,
         model_state=model_state_bytes(model, local),
-        title=f"torch ZeroRedundancyOptimizer (ZeRO-1), N = {world}, Ψ = {psi:,}")
-    result.exact("optimizer bytes, summed over ranks", total, 8 * psi + 4 * len(sizes),
-                 against="one device's AdamW: 8Ψ + 4 B per tensor")
+        title=f"torch ZeroRedundancyOptimizer (ZeRO-1), N = {world}, Ψ = {psi:,}",
+    )
+    result.exact(
+        "optimizer bytes, summed over ranks",
+        total,
+        8 * psi + 4 * len(sizes),
+        against="one device's AdamW: 8Ψ + 4 B per tensor",
+    )
     predicted = sorted(sum(sizes[i] for i in owned) for owned in zero1_partition(sizes, world))
-    result.exact("elements owned per rank (sorted)", sorted(r["param_numel"] for r in per_rank), predicted,
-                 against="zero1_partition: largest first, to the least loaded")
+    result.exact(
+        "elements owned per rank (sorted)",
+        sorted(r["param_numel"] for r in per_rank),
+        predicted,
+        against="zero1_partition: largest first, to the least loaded",
+    )
     return result
 
 
 # =========================================================================== DeepSpeed
 
 
-def deepspeed_config(stage: int, micro_batch: int = 4, *, offload_optimizer: bool = False,
-                     bucket_elements: int = 1024) -> dict:
+def deepspeed_config(
+    stage: int,
+    micro_batch: int = 4,
+    *,
+    offload_optimizer: bool = False,
+    bucket_elements: int = 1024,
+) -> dict:
     """The DeepSpeed config used here (a plain dict; DeepSpeed also accepts a JSON file path).
 
     Bucket sizes are set to ``bucket_elements`` instead of DeepSpeed's defaults of 5e8 elements
@@ -224,11 +265,19 @@ def deepspeed_config(stage: int, micro_batch: int = 4, *, offload_optimizer: boo
         raise ValueError(f"stage={stage!r} must be 0, 1, 2 or 3")
     zero = {"stage": stage}
     if stage > 0:
-        zero.update(reduce_bucket_size=bucket_elements, allgather_bucket_size=bucket_elements, overlap_comm=False,
-                    contiguous_gradients=True)
+        zero.update(
+            reduce_bucket_size=bucket_elements,
+            allgather_bucket_size=bucket_elements,
+            overlap_comm=False,
+            contiguous_gradients=True,
+        )
     if stage == 3:
-        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=bucket_elements,
-                    stage3_max_live_parameters=bucket_elements, stage3_max_reuse_distance=0)
+        zero.update(
+            stage3_param_persistence_threshold=0,
+            stage3_prefetch_bucket_size=bucket_elements,
+            stage3_max_live_parameters=bucket_elements,
+            stage3_max_reuse_distance=0,
+        )
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -254,8 +303,12 @@ def deepspeed_expected_bytes(psi_pad: int, world_size: int, stage: int) -> dict:
     """
     formula = zero_model_state_breakdown(psi_pad, world_size, stage, precision="fp32")
     master = 4 * psi_pad / world_size if stage > 0 else 0.0
-    return dict(formula=formula["total"], formula_breakdown=formula, master=master,
-                expected=formula["total"] + master)
+    return dict(
+        formula=formula["total"],
+        formula_breakdown=formula,
+        master=master,
+        expected=formula["total"] + master,
+    )
 
 
 @dataclass
@@ -293,22 +346,47 @@ def _deepspeed_rows(r: DeepSpeedZero, reference: dict, params: dict) -> None:
     """Every byte named (formula, master, overhang, in-flight, Adam steps); = one device."""
     m, f = r.measured, r.formula_breakdown
     if r.stage > 0:
-        r.exact("fp32 master partition (B)", r.fp32_master, 4 * r.psi_pad // r.world_size,
-                against="4Ψ_pad/N, kept even for an fp32 model")
+        r.exact(
+            "fp32 master partition (B)",
+            r.fp32_master,
+            4 * r.psi_pad // r.world_size,
+            against="4Ψ_pad/N, kept even for an fp32 model",
+        )
     r.exact("parameter bytes", m["params"], f["params"], against="formula")
-    r.exact("optimizer bytes", m["optimizer"], f["optimizer"] + r.adam_step, against="formula + Adam step counters")
-    r.condition("gradient overhang (B)", r.grad_overhang, 0 <= r.grad_overhang <= r.bounds["grad_overhang"],
-                f"0 … {r.bounds['grad_overhang']:,} (2 × largest tensor)")
-    r.condition("in-flight gradients (B)", r.in_flight_grads, 0 <= r.in_flight_grads <= r.bounds["in_flight_grads"],
-                f"0 … {r.bounds['in_flight_grads']:,} (bucket + largest tensor)")
+    r.exact(
+        "optimizer bytes",
+        m["optimizer"],
+        f["optimizer"] + r.adam_step,
+        against="formula + Adam step counters",
+    )
+    r.condition(
+        "gradient overhang (B)",
+        r.grad_overhang,
+        0 <= r.grad_overhang <= r.bounds["grad_overhang"],
+        f"0 … {r.bounds['grad_overhang']:,} (2 × largest tensor)",
+    )
+    r.condition(
+        "in-flight gradients (B)",
+        r.in_flight_grads,
+        0 <= r.in_flight_grads <= r.bounds["in_flight_grads"],
+        f"0 … {r.bounds['in_flight_grads']:,} (bucket + largest tensor)",
+    )
     pad = 4 * (r.psi_pad - r.psi)
     r.condition("unexplained bytes", r.rest, abs(r.rest) <= pad, f"|rest| ≤ {pad} (4 B × padding)")
     r.equal("mean loss per step", r.losses, reference["losses"], ADAMW)
     r.equal(f"weights after {len(r.losses)} steps", params, reference["params"], ADAMW)
 
 
-def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, offload_optimizer: bool = False,
-                   *, micro_batch: int = 4, bucket_elements: int = 1024, return_params: bool = False) -> DeepSpeedZero:
+def deepspeed_zero(
+    stage: int,
+    config: GPTConfig | None = None,
+    steps: int = 3,
+    offload_optimizer: bool = False,
+    *,
+    micro_batch: int = 4,
+    bucket_elements: int = 1024,
+    return_params: bool = False,
+) -> DeepSpeedZero:
     """Rank function: train the tiny GPT with DeepSpeed ZeRO ``stage`` (0-3); measure what each rank holds.
 
     The process group our launcher created is reused: ``deepspeed.initialize(...,
@@ -357,18 +435,26 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
     is tiny (one 4096-element MLP weight is almost a third of Ψ/N = 13,136).
     """
     if steps < 2:
-        raise ValueError(f"steps={steps}: need >= 2 (AdamW's state exists only after the first step)")
+        raise ValueError(
+            f"steps={steps}: need >= 2 (AdamW's state exists only after the first step)"
+        )
     deepspeed = import_deepspeed()
     config = config or small_config()
     world, rank = dist.get_world_size(), dist.get_rank()
     model = GPT(config, seed=0).to(device())
     psi = model.num_params()
-    ds_config = deepspeed_config(stage, micro_batch, offload_optimizer=offload_optimizer,
-                                 bucket_elements=bucket_elements)
-    optimizer = None if offload_optimizer else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    ds_config = deepspeed_config(
+        stage, micro_batch, offload_optimizer=offload_optimizer, bucket_elements=bucket_elements
+    )
+    optimizer = (
+        None
+        if offload_optimizer
+        else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    )
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints build and config messages
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                               dist_init_required=False)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
+        )
 
     peak: dict = {"total": -1}
 
@@ -382,7 +468,9 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
     losses, held, hooks = [], None, []
     for step in range(steps):
         if step == steps - 1:
-            hooks = [p.register_hook(on_grad) for p in engine.module.parameters() if p.requires_grad]
+            hooks = [
+                p.register_hook(on_grad) for p in engine.module.parameters() if p.requires_grad
+            ]
         x, y = _batch(step, config, micro_batch)
         _, loss = engine(x, y)
         engine.backward(loss)
@@ -399,20 +487,36 @@ def deepspeed_zero(stage: int, config: GPTConfig | None = None, steps: int = 3, 
     largest = max(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     params = full_params(engine, deepspeed, stage)
     result = DeepSpeedZero(
-        stage=stage, world_size=world, rank=rank, psi=psi, psi_pad=psi_pad, losses=losses,
-        optimizer_type=type(engine.optimizer).__name__, held=held, peak=peak,
-        **deepspeed_decomposition(peak, psi_pad, world, stage, bucket_elements=bucket_elements,
-                                  largest_numel=largest),
+        stage=stage,
+        world_size=world,
+        rank=rank,
+        psi=psi,
+        psi_pad=psi_pad,
+        losses=losses,
+        optimizer_type=type(engine.optimizer).__name__,
+        held=held,
+        peak=peak,
+        **deepspeed_decomposition(
+            peak, psi_pad, world, stage, bucket_elements=bucket_elements, largest_numel=largest
+        ),
         params=params if return_params else None,
         title=f"DeepSpeed ZeRO stage {stage}, N = {world}, rank {rank} "
-              "(bytes at the peak of backward)")
+        "(bytes at the peak of backward)",
+    )
     engine.destroy()
     _deepspeed_rows(result, reference_training(config, steps, micro_batch * world), params)
     return result
 
 
-def deepspeed_decomposition(peak: dict, psi_pad: int, world_size: int, stage: int, *, bucket_elements: int,
-                            largest_numel: int) -> dict:
+def deepspeed_decomposition(
+    peak: dict,
+    psi_pad: int,
+    world_size: int,
+    stage: int,
+    *,
+    bucket_elements: int,
+    largest_numel: int,
+) -> dict:
     """Split DeepSpeed's measured peak into the course formula and four named extras.
 
     ``measured`` (the peak without ``buffers``) = ``formula`` + ``fp32_master`` + ``grad_overhang``
@@ -438,20 +542,46 @@ def deepspeed_decomposition(peak: dict, psi_pad: int, world_size: int, stage: in
     measured = {c: peak[c] for c in ("params", "grads", "master", "optimizer")}
     measured["total"] = sum(measured.values())
     share = int(exp["formula_breakdown"]["grads"])  # 4Ψ/N in stages 2/3
-    overhang = max(0, peak["grad_partition"] - share) if stage == 2 and peak["grad_partition"] else 0
+    overhang = (
+        max(0, peak["grad_partition"] - share) if stage == 2 and peak["grad_partition"] else 0
+    )
     in_flight = max(0, peak["grads"] - share - overhang) if stage >= 2 else 0
-    rest = measured["total"] - exp["formula"] - peak["master"] - overhang - in_flight - peak["adam_step"]
-    bounds = {"grad_overhang": 4 * 2 * largest_numel if stage == 2 else 0,
-              "in_flight_grads": 4 * (max(bucket_elements, largest_numel) + largest_numel) if stage >= 2 else 0}
-    return dict(measured=measured, buffers=peak["buffers"], buffers_detail=peak["buffers_detail"],
-                formula=exp["formula"], formula_breakdown=exp["formula_breakdown"], fp32_master=peak["master"],
-                master_expected=exp["master"], expected=exp["expected"], grad_overhang=overhang,
-                in_flight_grads=in_flight, adam_step=peak["adam_step"], rest=rest, bounds=bounds,
-                ratio=measured["total"] / exp["formula"], ratio_expected=measured["total"] / exp["expected"])
+    rest = (
+        measured["total"]
+        - exp["formula"]
+        - peak["master"]
+        - overhang
+        - in_flight
+        - peak["adam_step"]
+    )
+    bounds = {
+        "grad_overhang": 4 * 2 * largest_numel if stage == 2 else 0,
+        "in_flight_grads": 4 * (max(bucket_elements, largest_numel) + largest_numel)
+        if stage >= 2
+        else 0,
+    }
+    return dict(
+        measured=measured,
+        buffers=peak["buffers"],
+        buffers_detail=peak["buffers_detail"],
+        formula=exp["formula"],
+        formula_breakdown=exp["formula_breakdown"],
+        fp32_master=peak["master"],
+        master_expected=exp["master"],
+        expected=exp["expected"],
+        grad_overhang=overhang,
+        in_flight_grads=in_flight,
+        adam_step=peak["adam_step"],
+        rest=rest,
+        bounds=bounds,
+        ratio=measured["total"] / exp["formula"],
+        ratio_expected=measured["total"] / exp["expected"],
+    )
 
 
-def deepspeed_zero_stages(stages=(0, 1, 2, 3), config: GPTConfig | None = None, steps: int = 3,
-                          **kwargs) -> list[DeepSpeedZero]:
+def deepspeed_zero_stages(
+    stages=(0, 1, 2, 3), config: GPTConfig | None = None, steps: int = 3, **kwargs
+) -> list[DeepSpeedZero]:
     """Rank function: ``deepspeed_zero`` for several stages in one process (one spawn, one DeepSpeed import).
 
     Each stage builds a fresh model and engine (``engine.destroy()`` after each); returns the
@@ -460,7 +590,9 @@ def deepspeed_zero_stages(stages=(0, 1, 2, 3), config: GPTConfig | None = None, 
     return [deepspeed_zero(stage, config=config, steps=steps, **kwargs) for stage in stages]
 
 
-def reference_training(config: GPTConfig | None = None, steps: int = 3, global_batch: int = 8) -> dict:
+def reference_training(
+    config: GPTConfig | None = None, steps: int = 3, global_batch: int = 8
+) -> dict:
     """Single-device AdamW on the full batch -- what ``deepspeed_zero`` at any stage should equal.
 
     Returns ``{"losses", "params"}``; needs no ranks (``deepspeed_zero`` runs it for its equality
@@ -471,9 +603,14 @@ def reference_training(config: GPTConfig | None = None, steps: int = 3, global_b
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(steps):
-        x, y = make_batch(global_batch, min(SEQ_LEN, config.block_size), config.vocab_size, seed=step)
+        x, y = make_batch(
+            global_batch, min(SEQ_LEN, config.block_size), config.vocab_size, seed=step
+        )
         losses.append(train_step(model, opt, x, y))
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 # =========================================================================== printing (parent side)
@@ -488,25 +625,33 @@ def deepspeed_table(results: list[dict]) -> str:
     if not results:
         return "(no results)"
     r0 = results[0]
-    lines = [f"DeepSpeed ZeRO, fp32 AdamW, N = {r0['world_size']}, Ψ = {r0['psi']:,} parameters "
-             f"(bytes per rank at the peak of a backward pass)",
-             f"{'stage':>5} {'Ψ_pad':>7} {'formula':>9} {'measured':>9} {'ratio':>6} | {'fp32 master':>11} "
-             f"{'overhang':>8} {'in-flight':>9} {'step':>4} {'rest':>4} | {'buffers':>8}"]
+    lines = [
+        f"DeepSpeed ZeRO, fp32 AdamW, N = {r0['world_size']}, Ψ = {r0['psi']:,} parameters "
+        f"(bytes per rank at the peak of a backward pass)",
+        f"{'stage':>5} {'Ψ_pad':>7} {'formula':>9} {'measured':>9} {'ratio':>6} | {'fp32 master':>11} "
+        f"{'overhang':>8} {'in-flight':>9} {'step':>4} {'rest':>4} | {'buffers':>8}",
+    ]
     for r in results:
-        lines.append(f"{r['stage']:>5} {r['psi_pad']:>7,} {r['formula']:>9,.0f} {r['measured']['total']:>9,} "
-                     f"{r['ratio']:>6.3f} | {r['fp32_master']:>11,} {r['grad_overhang']:>8,} "
-                     f"{r['in_flight_grads']:>9,} {r['adam_step']:>4} {r['rest']:>4,.0f} | "
-                     f"{r['buffers']:>8,}")
+        lines.append(
+            f"{r['stage']:>5} {r['psi_pad']:>7,} {r['formula']:>9,.0f} {r['measured']['total']:>9,} "
+            f"{r['ratio']:>6.3f} | {r['fp32_master']:>11,} {r['grad_overhang']:>8,} "
+            f"{r['in_flight_grads']:>9,} {r['adam_step']:>4} {r['rest']:>4,.0f} | "
+            f"{r['buffers']:>8,}"
+        )
     return "\n".join(lines)
 
 
 def zero1_table(result: dict) -> str:
     """Per-rank table from ``torch_zero1_memory`` (any rank's result: each holds the whole table)."""
-    lines = [f"torch ZeroRedundancyOptimizer (ZeRO-1), N = {result['world_size']}, Ψ = {result['psi']:,}: "
-             f"optimizer state per rank (ideal even split 8Ψ/N = {result['ideal_bytes']:,.0f} B)",
-             f"{'rank':>4} {'tensors':>7} {'params':>8} {'optimizer B':>11} {'/ ideal':>7}  largest tensor"]
+    lines = [
+        f"torch ZeroRedundancyOptimizer (ZeRO-1), N = {result['world_size']}, Ψ = {result['psi']:,}: "
+        f"optimizer state per rank (ideal even split 8Ψ/N = {result['ideal_bytes']:,.0f} B)",
+        f"{'rank':>4} {'tensors':>7} {'params':>8} {'optimizer B':>11} {'/ ideal':>7}  largest tensor",
+    ]
     for r in result["per_rank"]:
-        lines.append(f"{r['rank']:>4} {r['n_tensors']:>7} {r['param_numel']:>8,} {r['optimizer_bytes']:>11,} "
-                     f"{r['optimizer_bytes'] / result['ideal_bytes']:>7.3f}  {r['names'][0] if r['names'] else '-'}")
+        lines.append(
+            f"{r['rank']:>4} {r['n_tensors']:>7} {r['param_numel']:>8,} {r['optimizer_bytes']:>11,} "
+            f"{r['optimizer_bytes'] / result['ideal_bytes']:>7.3f}  {r['names'][0] if r['names'] else '-'}"
+        )
     lines.append(f"imbalance max/mean = {result['imbalance']:.3f}")
     return "\n".join(lines)

@@ -17,31 +17,87 @@ by its topic (``quiz("ddp")``) or its notebook number (``quiz(2)``). One bank, s
 Language: English by default; ``COURSE_LANG=ko`` or ``set_language("ko")`` switches every view to
 Korean, ``lang=`` on a call overrides it for that call (:mod:`.language`).
 """
+
 from __future__ import annotations
 
-from .bank import (BANK_DIR, QuizBankError, anchor_of, chapter_key, chapter_title, chapters,
-                   load_bank, section_of, statement_text, validate_bank)
+from .bank import (
+    BANK_DIR,
+    QuizBankError,
+    anchor_of,
+    chapter_key,
+    chapter_title,
+    chapters,
+    load_bank,
+    section_of,
+    statement_text,
+    validate_bank,
+)
 from .exercises import EXERCISES, Exercise
 from .forms import DEFAULT_N, exam_items, quiz_items
 from .grading import ExamResult, ItemResult, QuizResult, grade, grade_exam
 from .language import LANGS, UI, get_language, resolve_lang, set_language
-from .progress import (CourseProgress, course_progress, exercise_chapters, progress,
-                       progress_path, progress_report, record_exam, record_exercise,
-                       record_score, write_progress)
+from .progress import (
+    CourseProgress,
+    course_progress,
+    exercise_chapters,
+    progress,
+    progress_path,
+    progress_report,
+    record_exam,
+    record_exercise,
+    record_score,
+    write_progress,
+)
 from .terminal import ask_items, run_terminal_exam, run_terminal_quiz
 from .text import TEXT_HINT, WIDGET_HINT, ExamText, QuizText
 from .widget import ExamWidget, QuizWidget, in_kernel, widgets_available
 
 __all__ = [
-    "quiz", "final_exam", "grade", "grade_exam", "exam_items", "quiz_items",
-    "run_terminal_quiz", "run_terminal_exam", "ask_items",
-    "load_bank", "validate_bank", "chapters", "chapter_key", "chapter_title", "statement_text",
-    "anchor_of", "section_of", "QuizBankError", "BANK_DIR",
-    "ItemResult", "QuizResult", "ExamResult", "QuizText", "ExamText", "QuizWidget", "ExamWidget",
-    "WIDGET_HINT", "TEXT_HINT", "DEFAULT_N", "LANGS", "UI", "get_language", "set_language",
-    "progress", "progress_path", "write_progress", "record_score", "record_exam",
-    "record_exercise", "CourseProgress", "course_progress", "progress_report",
-    "exercise_chapters", "EXERCISES", "Exercise",
+    "quiz",
+    "final_exam",
+    "grade",
+    "grade_exam",
+    "exam_items",
+    "quiz_items",
+    "run_terminal_quiz",
+    "run_terminal_exam",
+    "ask_items",
+    "load_bank",
+    "validate_bank",
+    "chapters",
+    "chapter_key",
+    "chapter_title",
+    "statement_text",
+    "anchor_of",
+    "section_of",
+    "QuizBankError",
+    "BANK_DIR",
+    "ItemResult",
+    "QuizResult",
+    "ExamResult",
+    "QuizText",
+    "ExamText",
+    "QuizWidget",
+    "ExamWidget",
+    "WIDGET_HINT",
+    "TEXT_HINT",
+    "DEFAULT_N",
+    "LANGS",
+    "UI",
+    "get_language",
+    "set_language",
+    "progress",
+    "progress_path",
+    "write_progress",
+    "record_score",
+    "record_exam",
+    "record_exercise",
+    "CourseProgress",
+    "course_progress",
+    "progress_report",
+    "exercise_chapters",
+    "EXERCISES",
+    "Exercise",
 ]
 
 _MODES = ("auto", "widget", "text")
@@ -53,8 +109,17 @@ def _use_widget(mode: str) -> bool:
     return mode == "widget" or (mode == "auto" and in_kernel() and widgets_available())
 
 
-def quiz(chapter, lang: str | None = None, n: int | None = None, shuffle: bool = False,
-         seed: int = 0, *, mode: str = "auto", record: bool = True, bank_dir=None):
+def quiz(
+    chapter,
+    lang: str | None = None,
+    n: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    *,
+    mode: str = "auto",
+    record: bool = True,
+    bank_dir=None,
+):
     """The chapter's O/X quiz, to be displayed as a cell's result.
 
     A :class:`QuizWidget` in a Jupyter kernel with ipywidgets, else a :class:`QuizText`
@@ -70,8 +135,15 @@ def quiz(chapter, lang: str | None = None, n: int | None = None, shuffle: bool =
     return QuizText(topic, items, lang, chapter_title(topic, lang, bank_dir=bank_dir))
 
 
-def final_exam(lang: str | None = None, n: int = DEFAULT_N, seed: int = 0, *,
-               mode: str = "auto", record: bool = True, bank_dir=None):
+def final_exam(
+    lang: str | None = None,
+    n: int = DEFAULT_N,
+    seed: int = 0,
+    *,
+    mode: str = "auto",
+    record: bool = True,
+    bank_dir=None,
+):
     """The final exam over every chapter (the form ``exam_items(n, seed)``) as a cell's result:
     an :class:`ExamWidget` in a Jupyter kernel with ipywidgets, else an :class:`ExamText`."""
     lang = resolve_lang(lang)

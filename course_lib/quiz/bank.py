@@ -9,6 +9,7 @@ an earlier one) and, for items that give each other away, a ``group`` (an exam f
 one item per group). Items marked ``seed: true`` are the course's 14 exam statements, kept verbatim:
 their Korean text is shown in both languages (in English with the translation under it).
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,17 +22,39 @@ import yaml
 from .. import chapters as course
 from .language import LANGS, resolve_lang
 
-__all__ = ["BANK_DIR", "QuizBankError", "ANSWERS", "REQUIRED_FIELDS", "OPTIONAL_FIELDS",
-           "chapters", "chapter_key", "number", "load_bank", "validate_bank", "chapter_title",
-           "statement_text", "anchor_of", "section_of"]
+__all__ = [
+    "BANK_DIR",
+    "QuizBankError",
+    "ANSWERS",
+    "REQUIRED_FIELDS",
+    "OPTIONAL_FIELDS",
+    "chapters",
+    "chapter_key",
+    "number",
+    "load_bank",
+    "validate_bank",
+    "chapter_title",
+    "statement_text",
+    "anchor_of",
+    "section_of",
+]
 
 #: Next to this package, so it works from a source tree and an installed wheel
 #: (pyproject's package-data includes ``quiz_bank/*.yaml``).
 BANK_DIR = Path(__file__).resolve().parents[1] / "quiz_bank"
 
 ANSWERS = ("O", "X")
-REQUIRED_FIELDS = ("id", "chapter", "statement", "answer", "explanation", "trap", "source",
-                   "topic", "teaches")
+REQUIRED_FIELDS = (
+    "id",
+    "chapter",
+    "statement",
+    "answer",
+    "explanation",
+    "trap",
+    "source",
+    "topic",
+    "teaches",
+)
 OPTIONAL_FIELDS = ("seed", "group")
 
 _SLUG = r"[a-z0-9][a-z0-9-]*"
@@ -60,8 +83,10 @@ def _bank_files(bank_dir) -> dict[str, Path]:
     found = {path.stem: path for path in root.glob("*.yaml")}
     unknown = sorted(set(found) - set(TOPICS))
     if unknown:
-        raise QuizBankError(f"{found[unknown[0]]}: not a chapter topic; "
-                            f"bank files are named <topic>.yaml, topics: {', '.join(TOPICS)}")
+        raise QuizBankError(
+            f"{found[unknown[0]]}: not a chapter topic; "
+            f"bank files are named <topic>.yaml, topics: {', '.join(TOPICS)}"
+        )
     return {topic: found[topic] for topic in TOPICS if topic in found}
 
 
@@ -104,22 +129,27 @@ def _check_fields(item: Mapping, label: str) -> None:
             raise QuizBankError(f"{label}: missing field {name!r}")
     unknown = sorted(set(item) - set(REQUIRED_FIELDS) - set(OPTIONAL_FIELDS))
     if unknown:
-        raise QuizBankError(f"{label}: unknown field(s) {', '.join(map(repr, unknown))}; "
-                            f"allowed: {', '.join(REQUIRED_FIELDS + OPTIONAL_FIELDS)}")
+        raise QuizBankError(
+            f"{label}: unknown field(s) {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(REQUIRED_FIELDS + OPTIONAL_FIELDS)}"
+        )
 
 
 def _check_chapter(item: Mapping, label: str, chapter: str | None) -> str:
     topic = item["chapter"]
     if topic not in TOPICS:
-        raise QuizBankError(f"{label}: chapter must be a chapter topic ({', '.join(TOPICS)}), "
-                            f"got {topic!r}")
+        raise QuizBankError(
+            f"{label}: chapter must be a chapter topic ({', '.join(TOPICS)}), got {topic!r}"
+        )
     if chapter is not None and topic != chapter:
-        raise QuizBankError(f"{label}: chapter {topic!r} does not match the file's chapter "
-                            f"{chapter!r}")
+        raise QuizBankError(
+            f"{label}: chapter {topic!r} does not match the file's chapter {chapter!r}"
+        )
     item_id = item["id"]
     if not isinstance(item_id, str) or not _SLUG_RE.match(item_id):
-        raise QuizBankError(f"{label}: id must look like 'ddp-short-name' "
-                            "(lower case, digits, dashes)")
+        raise QuizBankError(
+            f"{label}: id must look like 'ddp-short-name' (lower case, digits, dashes)"
+        )
     if not item_id.startswith(f"{topic}-") or item_id == f"{topic}-":
         raise QuizBankError(f"{label}: id must start with '{topic}-' (its chapter is {topic!r})")
     return topic
@@ -147,20 +177,26 @@ def _check_tags(item: Mapping, label: str) -> None:
     for name in ("topic", "group"):
         value = item.get(name)
         if name in item and (not isinstance(value, str) or not _SLUG_RE.match(value)):
-            raise QuizBankError(f"{label}: {name} must be a short lower-case name "
-                                f"(letters, digits, dashes), got {value!r}")
+            raise QuizBankError(
+                f"{label}: {name} must be a short lower-case name "
+                f"(letters, digits, dashes), got {value!r}"
+            )
 
 
 def _check_teaches(item: Mapping, label: str, topic: str) -> None:
     teaches = item["teaches"]
     match = _TEACHES_RE.match(teaches) if isinstance(teaches, str) else None
     if not match or match.group(1) not in TOPICS:
-        raise QuizBankError(f"{label}: teaches must look like 'ddp#anchor' (a chapter topic, '#', "
-                            f"the notebook anchor), got {teaches!r}")
+        raise QuizBankError(
+            f"{label}: teaches must look like 'ddp#anchor' (a chapter topic, '#', "
+            f"the notebook anchor), got {teaches!r}"
+        )
     if number(match.group(1)) > number(topic):
-        raise QuizBankError(f"{label}: teaches {teaches!r} points at a later chapter than the "
-                            f"item's ({topic}); an item must be answerable from its chapter or an "
-                            "earlier one")
+        raise QuizBankError(
+            f"{label}: teaches {teaches!r} points at a later chapter than the "
+            f"item's ({topic}); an item must be answerable from its chapter or an "
+            "earlier one"
+        )
 
 
 def _check_item(item, where: str, chapter: str | None) -> str:
@@ -214,14 +250,17 @@ def _read_file(path: Path, topic: str) -> tuple[dict, list]:
     except yaml.YAMLError as exc:
         raise QuizBankError(f"{path}: malformed YAML: {exc}") from exc
     if not isinstance(data, Mapping) or not isinstance(data.get("items"), list):
-        raise QuizBankError(f"{path}: expected a mapping with 'chapter', 'title' and an "
-                            "'items' list")
+        raise QuizBankError(
+            f"{path}: expected a mapping with 'chapter', 'title' and an 'items' list"
+        )
     if data.get("chapter") != topic:
-        raise QuizBankError(f"{path}: top-level chapter {data.get('chapter')!r} does not match the "
-                            "file name")
+        raise QuizBankError(
+            f"{path}: top-level chapter {data.get('chapter')!r} does not match the file name"
+        )
     title = data.get("title")
-    if not isinstance(title, Mapping) or not all(isinstance(title.get(k), str) and title[k]
-                                                 for k in LANGS):
+    if not isinstance(title, Mapping) or not all(
+        isinstance(title.get(k), str) and title[k] for k in LANGS
+    ):
         raise QuizBankError(f"{path}: title must be a mapping with 'ko' and 'en' texts")
     return dict(title), data["items"]
 

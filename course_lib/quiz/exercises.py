@@ -5,6 +5,7 @@ or class the learner writes, and its checker as a ``"module:function"`` string. 
 imported only when :attr:`Exercise.runner` is read (importing the checkers imports torch and Ray),
 so listing exercises or reading progress costs nothing.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -46,58 +47,92 @@ def _ex(module: str, function: str, summary: str, checker: str, **kw) -> Exercis
 
 EXERCISES: dict[str, Exercise] = {
     "ring_all_reduce": _ex(
-        "collectives", "ring_all_reduce",
+        "collectives",
+        "ring_all_reduce",
         "sum a tensor over ranks with send/recv around a ring",
-        "check_ring_all_reduce"),
+        "check_ring_all_reduce",
+    ),
     "count_model_state_bytes": _ex(
-        "single_device", "count_model_state_bytes",
+        "single_device",
+        "count_model_state_bytes",
         "bytes of params, grads and optimizer state over unique storages",
-        "check_count_model_state_bytes", world_sizes=(1,)),
+        "check_count_model_state_bytes",
+        world_sizes=(1,),
+    ),
     "allreduce_gradients": _ex(
-        "ddp", "allreduce_gradients",
+        "ddp",
+        "allreduce_gradients",
         "average every gradient over ranks after backward (naive DDP)",
-        "check_allreduce_gradients"),
+        "check_allreduce_gradients",
+    ),
     "bucketed_reducer": _ex(
-        "ddp", "BucketedReducer",
+        "ddp",
+        "BucketedReducer",
         "async all-reduce of gradient buckets launched during backward",
-        "check_bucketed_reducer"),
+        "check_bucketed_reducer",
+    ),
     "zero1_step": _ex(
-        "zero", "Zero1Step",
+        "zero",
+        "Zero1Step",
         "ZeRO-1 step: reduce-scatter gradients, step own shard, all-gather parameters",
-        "check_zero1_step"),
+        "check_zero1_step",
+    ),
     "sharded_linear": _ex(
-        "zero", "ShardedLinear",
+        "zero",
+        "ShardedLinear",
         "ZeRO-3 for one nn.Linear: gather before use, free after, reduce-scatter the weight "
         "gradient",
-        "check_sharded_linear"),
+        "check_sharded_linear",
+    ),
     "fsdp2_wrap_blocks": _ex(
-        "fsdp", "wrap_blocks",
+        "fsdp",
+        "wrap_blocks",
         "FSDP2 units — fully_shard every block, then the root",
-        "check_fsdp2_wrap_blocks"),
+        "check_fsdp2_wrap_blocks",
+    ),
     "sharded_checkpoint": _ex(
-        "fsdp", "ShardedCheckpoint",
+        "fsdp",
+        "ShardedCheckpoint",
         "save and restore FSDP2 model + optimizer shards with DCP",
-        "check_sharded_checkpoint"),
+        "check_sharded_checkpoint",
+    ),
     "one_f_one_b_schedule": _ex(
-        "pipeline", "one_f_one_b_schedule",
+        "pipeline",
+        "one_f_one_b_schedule",
         "the 1F1B action order of one pipeline stage (compared, then run)",
-        "check_one_f_one_b_schedule", world_sizes=(2,)),
+        "check_one_f_one_b_schedule",
+        world_sizes=(2,),
+    ),
     "column_parallel_linear": _ex(
-        "tensor_parallel", "column_parallel_linear",
+        "tensor_parallel",
+        "column_parallel_linear",
         "y_i = x W_iᵀ + b_i, all-reduce of ∂L/∂x in backward (f)",
-        "check_column_parallel_linear", world_sizes=(2, 4)),
+        "check_column_parallel_linear",
+        world_sizes=(2, 4),
+    ),
     "row_parallel_linear": _ex(
-        "tensor_parallel", "row_parallel_linear",
+        "tensor_parallel",
+        "row_parallel_linear",
         "y = Σ_i x_i W_iᵀ by all-reduce (g), bias once; no backward communication",
-        "check_row_parallel_linear", world_sizes=(2, 4)),
+        "check_row_parallel_linear",
+        world_sizes=(2, 4),
+    ),
     "ray_train_loop": _ex(
-        "ray_train", "ray_train_loop",
+        "ray_train",
+        "ray_train_loop",
         "the plain PyTorch loop as a Ray Train train_loop_per_worker (prepare_model, "
         "prepare_data_loader, set_epoch, report + checkpoint), run in a real TorchTrainer",
-        "check_ray_train_loop", world_sizes=(2,), launcher="parent"),
+        "check_ray_train_loop",
+        world_sizes=(2,),
+        launcher="parent",
+    ),
     "ray_data_pipeline": _ex(
-        "ray_data", "fit_with_ray_data",
+        "ray_data",
+        "fit_with_ray_data",
         "a map_batches tokeniser streamed by Ray Data into a TorchTrainer "
         "(datasets=, resources_per_worker)",
-        "check_ray_data_pipeline", world_sizes=(2,), launcher="parent"),
+        "check_ray_data_pipeline",
+        world_sizes=(2,),
+        launcher="parent",
+    ),
 }

@@ -1,4 +1,5 @@
 """Which statements a learner is asked: a chapter quiz, or a final-exam form over every chapter."""
+
 from __future__ import annotations
 
 import random
@@ -19,8 +20,9 @@ def quiz_items(chapter, n=None, shuffle=False, seed=0, *, bank_dir=None) -> tupl
         random.Random(seed).shuffle(items)
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(items):
-            raise ValueError(f"n must be an integer between 1 and {len(items)} (chapter {topic}), "
-                             f"got {n!r}")
+            raise ValueError(
+                f"n must be an integer between 1 and {len(items)} (chapter {topic}), got {n!r}"
+            )
         items = items[:n]
     return topic, items
 
@@ -38,8 +40,10 @@ def exam_items(n: int | None = DEFAULT_N, seed: int = 0, *, bank_dir=None) -> li
     order = {item["id"]: index for index, item in enumerate(bank)}
     seeds = [item for item in bank if item.get("seed")]
     rng = random.Random(seed)
-    pools = {c: [i for i in bank if i["chapter"] == c and not i.get("seed")]
-             for c in chapters(bank_dir=bank_dir)}
+    pools = {
+        c: [i for i in bank if i["chapter"] == c and not i.get("seed")]
+        for c in chapters(bank_dir=bank_dir)
+    }
     for pool in pools.values():
         rng.shuffle(pool)
     turn = list(pools)
@@ -62,6 +66,8 @@ def exam_items(n: int | None = DEFAULT_N, seed: int = 0, *, bank_dir=None) -> li
     low, high = len(seeds), len(seeds) + len(drawn)
     n = high if n is None else n
     if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= high:
-        raise ValueError(f"n must be an integer between {low} (the seed statements) and {high} "
-                         f"(every item the one-per-group rule allows), got {n!r}")
+        raise ValueError(
+            f"n must be an integer between {low} (the seed statements) and {high} "
+            f"(every item the one-per-group rule allows), got {n!r}"
+        )
     return sorted(seeds + drawn[: n - len(seeds)], key=lambda item: order[item["id"]])

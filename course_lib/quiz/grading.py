@@ -5,6 +5,7 @@ both record the score in the progress file unless ``record=False`` (notebooks pa
 answer sheet is not the learner's score). ``answers`` is ``{item_id: "O" | "X"}`` (any subset,
 case-insensitive) or a list of answers for every statement in order.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,16 +16,26 @@ from .forms import DEFAULT_N, exam_items
 from .language import UI, resolve_lang
 from .progress import record_exam, record_score
 
-__all__ = ["ItemResult", "QuizResult", "ExamResult", "normalize_answer", "given_answers",
-           "grade_items", "grade", "grade_exam"]
+__all__ = [
+    "ItemResult",
+    "QuizResult",
+    "ExamResult",
+    "normalize_answer",
+    "given_answers",
+    "grade_items",
+    "grade",
+    "grade_exam",
+]
 
 
 def normalize_answer(value, item_id: str) -> str:
     """``"O"`` or ``"X"`` from a case-insensitive answer; anything else raises ``ValueError``."""
     if isinstance(value, str) and value.strip().upper() in ANSWERS:
         return value.strip().upper()
-    raise ValueError(f"invalid answer {value!r} for item {item_id!r}: "
-                     "allowed values are 'O' or 'X' (case-insensitive)")
+    raise ValueError(
+        f"invalid answer {value!r} for item {item_id!r}: "
+        "allowed values are 'O' or 'X' (case-insensitive)"
+    )
 
 
 def given_answers(items: Sequence[Mapping], answers, what: str) -> dict[str, str]:
@@ -36,17 +47,19 @@ def given_answers(items: Sequence[Mapping], answers, what: str) -> dict[str, str
     if isinstance(answers, Mapping):
         unknown = [key for key in answers if key not in ids]
         if unknown:
-            raise ValueError(f"unknown item id {unknown[0]!r} for {what}; "
-                             f"its ids are: {', '.join(ids)}")
+            raise ValueError(
+                f"unknown item id {unknown[0]!r} for {what}; its ids are: {', '.join(ids)}"
+            )
         given = {key: normalize_answer(value, key) for key, value in answers.items()}
     elif isinstance(answers, Sequence) and not isinstance(answers, (str, bytes)):
         if len(answers) != len(ids):
-            raise ValueError(f"{what} has {len(ids)} statements but {len(answers)} answers were "
-                             "given; pass a dict {item_id: 'O'/'X'} to answer a subset")
+            raise ValueError(
+                f"{what} has {len(ids)} statements but {len(answers)} answers were "
+                "given; pass a dict {item_id: 'O'/'X'} to answer a subset"
+            )
         given = {item_id: normalize_answer(v, item_id) for item_id, v in zip(ids, answers)}
     else:
-        raise ValueError("answers must be a dict {item_id: 'O'/'X'} or a list of 'O'/'X' "
-                         "in order")
+        raise ValueError("answers must be a dict {item_id: 'O'/'X'} or a list of 'O'/'X' in order")
     if not given:
         raise ValueError(f"no answers given for {what}")
     return given
@@ -122,19 +135,25 @@ class QuizResult:
         pct = round(100 * self.score / self.total) if self.total else 0
         if self.chapter is None:
             return ui["result_exam"].format(score=self.score, total=self.total, pct=pct)
-        return ui["result"].format(ch=number(self.chapter), score=self.score, total=self.total,
-                                   pct=pct)
+        return ui["result"].format(
+            ch=number(self.chapter), score=self.score, total=self.total, pct=pct
+        )
 
     def _item_lines(self, position: int, item: ItemResult) -> list[str]:
         ui = UI[self.lang]
         verdict = ui["right"] if item.correct else ui["wrong"]
         detail = item.answer
         if not item.correct:
-            detail = (ui["you_said"].format(given=item.given) + ", "
-                      + ui["answer_is"].format(answer=item.answer))
+            detail = (
+                ui["you_said"].format(given=item.given)
+                + ", "
+                + ui["answer_is"].format(answer=item.answer)
+            )
         statement = item.statement.replace("\n", "\n    ")
-        lines = [f"{position:2d}. {verdict} ({detail}) {statement}",
-                 f"    {ui['why']}: {item.explanation}"]
+        lines = [
+            f"{position:2d}. {verdict} ({detail}) {statement}",
+            f"    {ui['why']}: {item.explanation}",
+        ]
         if not item.correct:
             lines.append(f"    {ui['trap']}: {item.trap}")
         return lines
@@ -171,8 +190,9 @@ class ExamResult(QuizResult):
         """One line per topic: ``topic  score/total  pct``, weakest first (ties in order)."""
         rows = sorted(self.by_topic().items(), key=lambda kv: kv[1][0] / kv[1][1])
         width = max((len(t) for t, _ in rows), default=0)
-        return "\n".join(f"  {t:<{width}}  {s:>2}/{n:<2} {round(100 * s / n):>3}%"
-                         for t, (s, n) in rows)
+        return "\n".join(
+            f"  {t:<{width}}  {s:>2}/{n:<2} {round(100 * s / n):>3}%" for t, (s, n) in rows
+        )
 
     def reread_text(self) -> str:
         """``Reread: 02#anchor (trap), ...`` in the result's language ('' if nothing was missed)."""
@@ -194,22 +214,32 @@ class ExamResult(QuizResult):
         return self.report()
 
 
-def grade_items(items: Sequence[Mapping], given: Mapping[str, str], lang: str,
-                chapter: str | None = None) -> QuizResult:
+def grade_items(
+    items: Sequence[Mapping], given: Mapping[str, str], lang: str, chapter: str | None = None
+) -> QuizResult:
     """The :class:`QuizResult` of checked answers ``given`` (``{item_id: 'O'/'X'}``) for ``items``.
 
     Items without an answer are left out. Nothing is recorded.
     """
     graded = tuple(
-        ItemResult(id=item["id"], statement=statement_text(item, lang), given=given[item["id"]],
-                   answer=item["answer"], explanation=item["explanation"][lang],
-                   trap=item["trap"], topic=item.get("topic", ""))
-        for item in items if item["id"] in given)
+        ItemResult(
+            id=item["id"],
+            statement=statement_text(item, lang),
+            given=given[item["id"]],
+            answer=item["answer"],
+            explanation=item["explanation"][lang],
+            trap=item["trap"],
+            topic=item.get("topic", ""),
+        )
+        for item in items
+        if item["id"] in given
+    )
     return QuizResult(chapter=chapter, lang=lang, items=graded)
 
 
-def exam_result(items: Sequence[Mapping], given: Mapping[str, str], lang: str,
-                seed: int) -> ExamResult:
+def exam_result(
+    items: Sequence[Mapping], given: Mapping[str, str], lang: str, seed: int
+) -> ExamResult:
     """:func:`grade_items` for an exam form, with the sections to reread."""
     base = grade_items(items, given, lang)
     where = {item["id"]: section_of(item) for item in items}
@@ -217,8 +247,9 @@ def exam_result(items: Sequence[Mapping], given: Mapping[str, str], lang: str,
     return ExamResult(chapter=None, lang=lang, items=base.items, reread=reread, seed=seed)
 
 
-def grade(chapter, answers, lang: str | None = None, *, record: bool = True,
-          bank_dir=None) -> QuizResult:
+def grade(
+    chapter, answers, lang: str | None = None, *, record: bool = True, bank_dir=None
+) -> QuizResult:
     """Grade ``answers`` for ``chapter``'s quiz (in bank order) and record the score.
 
     Unknown ids, a list of the wrong length or a value other than O/X raise ``ValueError``
@@ -234,8 +265,15 @@ def grade(chapter, answers, lang: str | None = None, *, record: bool = True,
     return result
 
 
-def grade_exam(answers, n: int = DEFAULT_N, seed: int = 0, lang: str | None = None, *,
-               record: bool = True, bank_dir=None) -> ExamResult:
+def grade_exam(
+    answers,
+    n: int = DEFAULT_N,
+    seed: int = 0,
+    lang: str | None = None,
+    *,
+    record: bool = True,
+    bank_dir=None,
+) -> ExamResult:
     """Grade ``answers`` for the form ``exam_items(n, seed)`` and record the score."""
     lang = resolve_lang(lang)
     items = exam_items(n, seed, bank_dir=bank_dir)

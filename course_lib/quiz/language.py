@@ -4,13 +4,21 @@ English by default, like the prose. ``COURSE_LANG=ko`` in the environment or ``s
 switches every quiz, exam and progress report to Korean; ``lang=`` on a call overrides it for that
 call.
 """
+
 from __future__ import annotations
 
 import os
 import warnings
 
-__all__ = ["LANGS", "DEFAULT_LANG", "UI", "get_language", "set_language", "resolve_lang",
-           "check_lang"]
+__all__ = [
+    "LANGS",
+    "DEFAULT_LANG",
+    "UI",
+    "get_language",
+    "set_language",
+    "resolve_lang",
+    "check_lang",
+]
 
 LANGS = ("ko", "en")
 DEFAULT_LANG = "en"
@@ -113,8 +121,9 @@ def get_language() -> str:
     if not env:
         return DEFAULT_LANG
     if env not in LANGS:
-        warnings.warn(f"ignoring COURSE_LANG={env!r}; choose one of: {', '.join(LANGS)}",
-                      stacklevel=3)
+        warnings.warn(
+            f"ignoring COURSE_LANG={env!r}; choose one of: {', '.join(LANGS)}", stacklevel=3
+        )
         return DEFAULT_LANG
     return env
 

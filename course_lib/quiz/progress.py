@@ -11,6 +11,7 @@ number (``"ch02"``); :func:`progress` reads those as their topic: nothing a lear
 Exercises are recorded when ``check(name)`` passes on the learner's own ``exercises/`` file;
 nothing is re-run on demand.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,18 @@ from .bank import chapter_key, chapter_title, chapters, number
 from .exercises import EXERCISES
 from .language import UI, resolve_lang
 
-__all__ = ["progress_path", "progress", "write_progress", "record_score", "record_exam",
-           "record_exercise", "CourseProgress", "course_progress", "progress_report",
-           "exercise_chapters"]
+__all__ = [
+    "progress_path",
+    "progress",
+    "write_progress",
+    "record_score",
+    "record_exam",
+    "record_exercise",
+    "CourseProgress",
+    "course_progress",
+    "progress_report",
+    "exercise_chapters",
+]
 
 _OLD_KEY = re.compile(r"^ch(\d{2})$")
 
@@ -54,8 +64,11 @@ def _merge(entry: Mapping, older: Mapping) -> dict:
     best = entry.get("best")
     if older.get("best") and better(older["best"], best):
         best = older["best"]
-    return {"last": entry.get("last") or older.get("last"), "best": best,
-            "attempts": int(entry.get("attempts", 0)) + int(older.get("attempts", 0))}
+    return {
+        "last": entry.get("last") or older.get("last"),
+        "best": best,
+        "attempts": int(entry.get("attempts", 0)) + int(older.get("attempts", 0)),
+    }
 
 
 def _migrate(quizzes: dict) -> dict:
@@ -186,8 +199,10 @@ def course_progress(*, bank_dir=None) -> CourseProgress:
     data = progress()
     quizzes = {topic: _best(data["quiz"].get(topic)) for topic in chapters(bank_dir=bank_dir)}
     passed = data.get("exercises") if isinstance(data.get("exercises"), dict) else {}
-    exercises = {name: (topic, bool((passed.get(name) or {}).get("passed")))
-                 for name, topic in exercise_chapters().items()}
+    exercises = {
+        name: (topic, bool((passed.get(name) or {}).get("passed")))
+        for name, topic in exercise_chapters().items()
+    }
     return CourseProgress(quizzes, exercises, _best(data.get("exam")))
 
 
@@ -195,8 +210,9 @@ def _pct(score: int, total: int) -> str:
     return f"{score}/{total} ({round(100 * score / total)}%)"
 
 
-def progress_report(state: CourseProgress | None = None, lang: str | None = None, *,
-                    bank_dir=None) -> str:
+def progress_report(
+    state: CourseProgress | None = None, lang: str | None = None, *, bank_dir=None
+) -> str:
     """``course-lib progress``: chapter quizzes (best score), exercises (passed?) and the exam."""
     lang = resolve_lang(lang)
     state = course_progress(bank_dir=bank_dir) if state is None else state
@@ -219,8 +235,13 @@ def progress_report(state: CourseProgress | None = None, lang: str | None = None
     if exam:
         shown = f"{_pct(exam[0], exam[1])}, {ui['attempts'].format(n=exam[2])}"
     lines.append(f"{ui['exam']}: {shown}")
-    lines.append(ui["done"].format(
-        q=sum(b is not None for b in state.quizzes.values()), qt=len(state.quizzes),
-        e=sum(ok for _, ok in state.exercises.values()), et=len(state.exercises),
-        x=ui["yes"] if exam else ui["no"]))
+    lines.append(
+        ui["done"].format(
+            q=sum(b is not None for b in state.quizzes.values()),
+            qt=len(state.quizzes),
+            e=sum(ok for _, ok in state.exercises.values()),
+            et=len(state.exercises),
+            x=ui["yes"] if exam else ui["no"],
+        )
+    )
     return "\n".join(lines)

@@ -4,6 +4,7 @@ Each statement is printed and answered with O or X (anything else is asked again
 of input stops early), followed by the verdict and the explanation; then the score, the traps
 missed (the exam adds the score per topic and the sections to reread), and the score is recorded.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
@@ -35,8 +36,12 @@ def _ask(prompt: str, invalid: str, input_fn, print_fn) -> str | None:
         print_fn(invalid)
 
 
-def ask_items(items: Sequence[Mapping], lang: str, input_fn: Callable[[str], str] = input,
-              print_fn: Callable[..., None] = print) -> dict[str, str]:
+def ask_items(
+    items: Sequence[Mapping],
+    lang: str,
+    input_fn: Callable[[str], str] = input,
+    print_fn: Callable[..., None] = print,
+) -> dict[str, str]:
     """Ask ``items`` one by one; return ``{item_id: 'O'/'X'}`` of those answered."""
     ui = UI[lang]
     given: dict[str, str] = {}
@@ -77,11 +82,18 @@ def _save(save: Callable[[], object], lang: str, print_fn) -> None:
         print_fn(ui["not_saved"].format(err=exc))
 
 
-def run_terminal_quiz(chapter, lang: str | None = None, n: int | None = None,
-                      shuffle: bool = False, seed: int = 0, *,
-                      input_fn: Callable[[str], str] = input,
-                      print_fn: Callable[..., None] = print, record: bool = True,
-                      bank_dir=None) -> QuizResult:
+def run_terminal_quiz(
+    chapter,
+    lang: str | None = None,
+    n: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    *,
+    input_fn: Callable[[str], str] = input,
+    print_fn: Callable[..., None] = print,
+    record: bool = True,
+    bank_dir=None,
+) -> QuizResult:
     """Ask a chapter's quiz on a terminal; return the :class:`QuizResult` of what was answered."""
     lang = resolve_lang(lang)
     topic, items = quiz_items(chapter, n, shuffle, seed, bank_dir=bank_dir)
@@ -93,10 +105,16 @@ def run_terminal_quiz(chapter, lang: str | None = None, n: int | None = None,
     return result
 
 
-def run_terminal_exam(lang: str | None = None, n: int = DEFAULT_N, seed: int = 0, *,
-                      input_fn: Callable[[str], str] = input,
-                      print_fn: Callable[..., None] = print, record: bool = True,
-                      bank_dir=None) -> ExamResult:
+def run_terminal_exam(
+    lang: str | None = None,
+    n: int = DEFAULT_N,
+    seed: int = 0,
+    *,
+    input_fn: Callable[[str], str] = input,
+    print_fn: Callable[..., None] = print,
+    record: bool = True,
+    bank_dir=None,
+) -> ExamResult:
     """Ask the exam form ``(n, seed)`` on a terminal; return the :class:`ExamResult`."""
     lang = resolve_lang(lang)
     items = exam_items(n, seed, bank_dir=bank_dir)

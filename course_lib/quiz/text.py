@@ -4,6 +4,7 @@ The listing is the heading, the numbered statements, and one hint line: :data:`W
 the widget, a how-to-answer line under the plain-text objects. Changing any of it changes every
 stored quiz output in the notebooks.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -11,14 +12,27 @@ from typing import Sequence
 from .bank import chapters, number, statement_text
 from .language import UI
 
-__all__ = ["WIDGET_HINT", "TEXT_HINT", "EXAM_TEXT_HINT", "quiz_heading", "exam_heading",
-           "quiz_listing", "exam_listing", "QuizText", "ExamText"]
+__all__ = [
+    "WIDGET_HINT",
+    "TEXT_HINT",
+    "EXAM_TEXT_HINT",
+    "quiz_heading",
+    "exam_heading",
+    "quiz_listing",
+    "exam_listing",
+    "QuizText",
+    "ExamText",
+]
 
 WIDGET_HINT = "(interactive quiz: click O or X)"
-TEXT_HINT = ("(answer with grade({chapter!r}, {{item_id: 'O' or 'X'}}) or: "
-             "course-lib quiz --chapter {chapter})")
-EXAM_TEXT_HINT = ("(answer with grade_exam({{item_id: 'O' or 'X'}}, n={n}, seed={seed}) or: "
-                  "course-lib exam -n {n} --seed {seed})")
+TEXT_HINT = (
+    "(answer with grade({chapter!r}, {{item_id: 'O' or 'X'}}) or: "
+    "course-lib quiz --chapter {chapter})"
+)
+EXAM_TEXT_HINT = (
+    "(answer with grade_exam({{item_id: 'O' or 'X'}}, n={n}, seed={seed}) or: "
+    "course-lib exam -n {n} --seed {seed})"
+)
 
 
 def quiz_heading(topic: str, lang: str, title: str, n: int) -> str:

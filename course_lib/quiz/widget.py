@@ -7,6 +7,7 @@ widget; nbval skips it because its model id is random) and ``text/plain``, the l
 compares. Tests and scripts drive a widget without a browser: ``answer(i, "O")`` or
 ``buttons[i][0].click()``.
 """
+
 from __future__ import annotations
 
 import html
@@ -48,8 +49,16 @@ class QuizWidget:
     score in the other language; seed items show their Korean text in both.
     """
 
-    def __init__(self, chapter: str | None, items: Sequence[dict], lang: str,
-                 title: str | None = None, *, record: bool = True, bank_dir=None):
+    def __init__(
+        self,
+        chapter: str | None,
+        items: Sequence[dict],
+        lang: str,
+        title: str | None = None,
+        *,
+        record: bool = True,
+        bank_dir=None,
+    ):
         import ipywidgets as w
 
         self.chapter, self.items, self.lang, self.record = chapter, list(items), lang, record
@@ -60,9 +69,12 @@ class QuizWidget:
         self.saved_entry: dict | None = None
         self._save_error: OSError | None = None
         self.header = w.HTML("")
-        self.language = w.ToggleButtons(options=[("English", "en"), ("한국어", "ko")], value=lang,
-                                        layout=w.Layout(width="auto"),
-                                        style={"button_width": "5.5em"})
+        self.language = w.ToggleButtons(
+            options=[("English", "en"), ("한국어", "ko")],
+            value=lang,
+            layout=w.Layout(width="auto"),
+            style={"button_width": "5.5em"},
+        )
         self.language.observe(lambda change: self.set_lang(change["new"]), names="value")
         self.buttons: list[tuple] = []
         self.feedback: list = []
@@ -179,8 +191,9 @@ class QuizWidget:
     def _score_text(self) -> str:
         answered = [i for i in self.items if i["id"] in self.answers]
         score = sum(self.answers[i["id"]] == i["answer"] for i in answered)
-        text = UI[self.lang]["score"].format(score=score, answered=len(answered),
-                                             left=len(self.items) - len(answered))
+        text = UI[self.lang]["score"].format(
+            score=score, answered=len(answered), left=len(self.items) - len(answered)
+        )
         return f"<b>{html.escape(text)}</b>"
 
     def _finish(self) -> None:
@@ -219,8 +232,9 @@ class ExamWidget(QuizWidget):
     """The quiz widget over an exam form; once every statement is answered it adds the score per
     topic and the sections to reread, and records the score in the progress file's exam section."""
 
-    def __init__(self, items: Sequence[dict], lang: str, seed: int = 0, *, record: bool = True,
-                 bank_dir=None):
+    def __init__(
+        self, items: Sequence[dict], lang: str, seed: int = 0, *, record: bool = True, bank_dir=None
+    ):
         self.seed, self._bank_dir = seed, bank_dir
         super().__init__(None, items, lang, record=record, bank_dir=bank_dir)
 
