@@ -471,12 +471,14 @@ def test_no_file_refers_to_the_design_folder_outside_the_repository():
     files = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
-    needles = ("../shared", "shared/seeds", "COURSE_DESIGN", 'parents[2] / "shared"')
+    # Spelled in pieces, so that this file does not name what it looks for (and needs no exemption).
+    folder = "shared"
+    needles = (f"../{folder}", f"{folder}/seeds", "COURSE" + "_DESIGN", f'parents[2] / "{folder}"')
     hits = []
     for name in files:
         path = ROOT / name
         if path.suffix in {".png", ".whl"} or not path.is_file():
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
-        hits += [f"{name}: {n}" for n in needles if n in text and name != "tests/test_shape.py"]
+        hits += [f"{name}: {n}" for n in needles if n in text]
     assert hits == []
