@@ -12,13 +12,17 @@ export PYTHONHASHSEED := 0
 # Jupyter refuses to run as root (containers) without this flag; normal users never get it.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help setup lab test lint unit exercises nbval nbval-busy test-multinode course doctor smoke gpu-smoke clean
+.PHONY: help setup lab test lint unit exercises nbval nbval-busy test-multinode notebooks course doctor smoke \
+	gpu-smoke clean
 
 help:
 	@echo "make lab    - set up and open the course in JupyterLab (notebooks/)"
 	@echo "make test   - set up and run every test (lint, unit, exercises vs solutions, strict nbval)"
 	@echo "make lint   - ruff check + ruff format --check (configured in pyproject.toml)"
-	@echo "make course - execute every notebook headless and print each one's runtime"
+	@echo "make notebooks [NB=02] [FORCE=1] - build, run and store notebooks one at a time on a quiet"
+	@echo "               machine (refuses when busy, says why), with provenance; rewrites docs/runtimes.md"
+	@echo "make course - execute every notebook headless into .cache/executed and print each runtime"
+	@echo "               (same executor and busy check; stores nothing in notebooks/)"
 	@echo "make nbval-busy - strict nbval with one core kept busy by a spinning process (before storing notebooks)"
 	@echo "make test-multinode - (root) just the multi-node tests: Ray and torchrun across two network namespaces"
 	@echo "make doctor - check the environment"
@@ -75,15 +79,23 @@ horovod: $(STAMP)
 
 test: $(STAMP) lint horovod
 	$(VENV)/bin/course-lib doctor
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=25
 	$(PY) -m pytest --nbval notebooks --sanitize-with notebooks/sanitize.cfg -q -p no:cacheprovider
 
 # Every chapter's rank functions once, small, backend="auto": nccl with one rank per GPU where there are GPUs.
 smoke gpu-smoke: $(STAMP)
 	$(VENV)/bin/course-lib smoke
 
+# The one notebook executor, tools/build_notebooks.py: one notebook at a time, each only on a quiet machine
+# (1-minute load <= 0.25 per core, no other pytest/nbval/ipykernel/build/Ray process; it waits up to 300 s for the
+# previous notebook's load to decay, then refuses and names what is busy). NB selects by prefix (NB=02, NB=02_ddp)
+# or path, default all; FORCE=1 builds on a busy machine and records forced=True. Runtimes: docs/runtimes.md.
+notebooks: $(STAMP)
+	$(PY) tools/build_notebooks.py $(NB) $(if $(FORCE),--force)
+
+# The same executor, storing the executed copies in .cache/executed (notebooks/ and the ledger stay as they are).
 course: $(STAMP)
-	$(PY) -m course_lib.cli run-notebooks notebooks
+	$(PY) tools/build_notebooks.py $(NB) --out $(CACHE)/executed $(if $(FORCE),--force)
 
 clean:
 	rm -rf $(VENV) $(CACHE) .pytest_cache

@@ -1,9 +1,11 @@
-"""Benchmarks from the command line: ``python -m course_lib.bench ddp|zero3 [--world 2]``.
+"""Benchmarks from the command line: ``python -m course_lib.bench ddp|ddp-exposure|zero3 [--world 2]``.
 
 ``ddp`` races, in one run, the ways of averaging gradients on the same model (naive, own per-parameter,
 own bucketed with and without ``gradient_as_bucket_view`` / ``find_unused_parameters``, torch DDP with and
 without ``gradient_as_bucket_view``, and the fp16/bf16-compressed variants of both) and prints tokens/s,
 each ratio to torch DDP, and own fp16 / torch ``fp16_compress_hook`` with both against fp32.
+``ddp-exposure`` prints chapter 02's exposed communication per step (blocking / overlapped, per parameter /
+bucketed) under the modelled accelerator clock, predicted beside measured, with more rounds.
 ``zero3`` races our ``Zero3`` per parameter, per unit and per unit + prefetch against FSDP2
 (``fully_shard`` per block + root) with AdamW, and prints step times, each ratio to FSDP2 and the
 all-gathers per forward pass. Interleaved rounds, each round the max over ranks, the median over rounds.
@@ -23,7 +25,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m course_lib.bench", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("what", choices=["ddp", "zero3", "raydata"], help="which benchmark")
+    parser.add_argument(
+        "what", choices=["ddp", "ddp-exposure", "zero3", "raydata"], help="which benchmark"
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     parser.add_argument("--bucket-cap-mb", type=float, default=4.0, help="ddp only")
@@ -39,6 +43,15 @@ def main(argv=None) -> None:
         from .experiments.ray_data import benchmark
 
         print(benchmark())
+        return
+    if ns.what == "ddp-exposure":
+        from .experiments.ddp import exposed_communication
+        from .launch import spawn
+
+        kwargs = dict(bucket_cap_mb=ns.bucket_cap_mb, rounds=ns.rounds or 7)
+        res = spawn(exposed_communication, ns.world, kwargs=kwargs, timeout=1800)[0]
+        print(res.exposure_table())
+        print(res)
         return
     if ns.what == "ddp":
         res = ddp_benchmark(

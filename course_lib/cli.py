@@ -1,4 +1,8 @@
-"""``course-lib`` command line: doctor | quiz | exam | progress | check | smoke | run-notebooks."""
+"""``course-lib`` command line: doctor | quiz | exam | progress | check | smoke.
+
+Notebooks are executed by one executor, ``tools/build_notebooks.py`` (``make notebooks``, ``make
+course``), which needs the repository's notebook sources; the package has no command of its own.
+"""
 
 from __future__ import annotations
 
@@ -58,36 +62,6 @@ def doctor() -> int:
     return 0 if ok else 1
 
 
-def run_notebooks(paths: list[str], inplace: bool, timeout: int) -> int:
-    """Execute notebooks headless, printing each one's runtime."""
-    import nbformat
-    from nbclient import NotebookClient
-
-    files = []
-    for p in paths:
-        p = Path(p)
-        files += sorted(p.glob("[0-9][0-9]_*.ipynb")) if p.is_dir() else [p]
-    out_dir = Path(os.environ.get("COURSE_LIB_CACHE", ".cache")) / "executed"
-    total = 0.0
-    for f in files:
-        nb = nbformat.read(f, as_version=4)
-        t0 = time.perf_counter()
-        NotebookClient(
-            nb,
-            timeout=timeout,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(f.parent)}},
-        ).execute()
-        dt = time.perf_counter() - t0
-        total += dt
-        target = f if inplace else out_dir / f.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, target)
-        print(f"{f.name:<40} {dt:7.1f} s  -> {target}", flush=True)
-    print(f"{'all notebooks':<40} {total:7.1f} s")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="course-lib", description="Hands-On Distributed Training companion CLI"
@@ -134,12 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="only these chapters, by topic or number (e.g. --chapter ddp or --chapter 02)",
     )
-    r = sub.add_parser("run-notebooks", help="execute notebooks headless and print each runtime")
-    r.add_argument("paths", nargs="*", default=["notebooks"])
-    r.add_argument(
-        "--inplace", action="store_true", help="store outputs in the notebooks themselves"
-    )
-    r.add_argument("--timeout", type=int, default=900, help="per-cell timeout (s)")
     ns = parser.parse_args(argv)
 
     if ns.cmd == "doctor":
@@ -189,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(format_smoke(rows))
         return 0 if all(r.status == "pass" for r in rows) else 1
-    if ns.cmd == "run-notebooks":
-        return run_notebooks(ns.paths, ns.inplace, ns.timeout)
     return 2
 
 

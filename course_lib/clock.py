@@ -86,11 +86,17 @@ def models_time(device_type: str, force: bool = False) -> bool:
 
 
 def format_rate(flops_per_s: float) -> str:
-    """``2e9`` → ``"2.0 GFLOP/s"``, ``5e8`` → ``"0.5 GFLOP/s"``, ``3e13`` → ``"30.0 TFLOP/s"``."""
+    """``2e9`` → ``"2.0 GFLOP/s"``, ``5e8`` → ``"0.5 GFLOP/s"``, ``3e13`` → ``"30.0 TFLOP/s"``,
+    ``6.4e3`` → ``"6.4 kFLOP/s"`` (the tiny stages of chapter 05 sleep milliseconds on a few FLOPs)."""
     if flops_per_s >= 1e12:
         return f"{flops_per_s / 1e12:.1f} TFLOP/s"
-    g = flops_per_s / 1e9
-    return f"{g:.1f} GFLOP/s" if g >= 1 else f"{g:.2g} GFLOP/s"
+    if flops_per_s >= 1e8:
+        g = flops_per_s / 1e9
+        return f"{g:.1f} GFLOP/s" if g >= 1 else f"{g:.2g} GFLOP/s"
+    for scale, unit in ((1e6, "MFLOP/s"), (1e3, "kFLOP/s")):
+        if flops_per_s >= scale:
+            return f"{flops_per_s / scale:.2g} {unit}"
+    return f"{flops_per_s:.2g} FLOP/s"
 
 
 # --------------------------------------------------------------------------- counting FLOPs
@@ -322,7 +328,7 @@ class AcceleratorClock:
                 flops += LOSS_FLOPS_PER_LOGIT * _local(outs[at[0]]).numel()
             anchor = torch.empty(0, device=outs[at[0]].device)
             timed = _Cost.apply(self, name, flops, anchor, *[outs[i] for i in at])
-            for i, t in zip(at, timed):
+            for i, t in zip(at, timed, strict=True):
                 outs[i] = t
             if isinstance(output, torch.Tensor):
                 return outs[0]
@@ -389,11 +395,11 @@ def calibrate(
         finally:
             for h in handles:
                 h.remove()
-        real, flops = zip(*[_time_block(m, seen[n], repeats) for n, m in blocks])
+        real, flops = zip(*[_time_block(m, seen[n], repeats) for n, m in blocks], strict=True)
     for _, m in blocks:  # the timing runs left gradients on the blocks' parameters
         for p in m.parameters():
             p.grad = None
     modelled_at_1 = [(1 + BACKWARD_FACTOR) * f for f in flops]  # seconds at 1 FLOP/s
-    rate = min(m / (ratio * margin * r) for m, r in zip(modelled_at_1, real))
-    worst = min(m / rate / r for m, r in zip(modelled_at_1, real))
+    rate = min(m / (ratio * margin * r) for m, r in zip(modelled_at_1, real, strict=True))
+    worst = min(m / rate / r for m, r in zip(modelled_at_1, real, strict=True))
     return Calibration(rate, worst, list(real), list(flops))

@@ -170,5 +170,5 @@ class GradBuckets:
             [p.grad is not None or p in self.fired for p in order], dtype=torch.uint8, device=dev
         )
         comm.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, tag="used")
-        self._finish(dict(zip(order, map(bool, used.tolist()))), t_end_compute)
+        self._finish(dict(zip(order, map(bool, used.tolist()), strict=True)), t_end_compute)
         self.reset()

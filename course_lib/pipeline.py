@@ -18,9 +18,11 @@ Read top to bottom:
    (Megatron-LM, Narayanan et al. 2021 §2.2.2). :func:`check_schedule` (one stage's rules) and
    :func:`simulate` (the dependencies across stages, with unit costs) reject a schedule that cannot run.
 3. **The runner** — :class:`PipelineRunner` executes a schedule with real activations sent forward
-   and gradients sent backward (``comm.isend`` / ``comm.irecv``, so :class:`~course_lib.comm.CommLog`
-   counts the bytes), accumulates gradients over micro-batches and divides them by ``m`` (torch's
-   ``scale_grads=True``). It measures nothing itself.
+   and gradients sent backward, accumulates gradients over micro-batches and divides them by ``m``
+   (torch's ``scale_grads=True``). Before each action it posts the previous action's send and this
+   action's receive **together** (``dist.batch_isend_irecv``, as Megatron-LM does), through
+   ``comm``'s wrappers so that :class:`~course_lib.comm.CommLog` counts the bytes. It measures
+   nothing itself.
 4. **Observers** — what measures a step attaches from outside through :class:`PipelineObserver`
    (hooks around every F, B and wait, and a context around every forward): :class:`Timeline`
    (:class:`Event` s, for :func:`bubble_fractions` and Gantt charts), :class:`LiveMicrobatches` and
@@ -29,10 +31,16 @@ Read top to bottom:
    micro-batches and 1F1B's ``≤ p`` show up in bytes. :func:`measured_step` runs a step with all
    three and returns a :class:`StepStats`.
 
-Why sends are asynchronous: on gloo a blocking ``send`` returns only once the receiver has posted its
-``recv``. In 1F1B stage 0 sends micro-batch 1's activation while stage 1 sends micro-batch 0's
-gradient back — both blocking, each waiting for the other: a deadlock. With ``isend`` a stage never
-waits for its own sends until the end of the step; it only waits for data it needs.
+Why sends are asynchronous and posted with the next receive: on gloo a blocking ``send`` returns
+only once the receiver has posted its ``recv``. In 1F1B stage 0 sends micro-batch 1's activation
+while stage 1 sends micro-batch 0's gradient back — both blocking, each waiting for the other: a
+deadlock. With ``isend`` a stage never waits for its own sends until the end of the step. On NCCL
+even an ``isend`` of a large tensor runs as a kernel that waits for the peer's receive, and a receive
+posted after it queues behind it on the same stream: the two crossing messages of 1F1B can still
+hang. Posting the send and the receive as one batch (``batch_isend_irecv``: one NCCL group) lets
+both progress at once. On gloo (no coalescing) the batch is the same ``isend`` / ``irecv`` calls in
+the same order, so nothing changes there. NCCL also requires one collective on the group before the
+first batched p2p: the runner runs a one-element all-reduce when it is built on such a backend.
 
 Why receives are posted in the sender's order: p2p messages between two ranks are matched in the
 order they were posted (there is no message tag in ``comm``'s wrappers). In interleaved 1F1B both
@@ -49,6 +57,7 @@ import weakref
 from typing import Callable, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -87,6 +96,7 @@ __all__ = [
     "peak_live_microbatches",
     "bubble_fractions",
     "PipelineRunner",
+    "post_together",
     "PipelineObserver",
     "Timeline",
     "LiveMicrobatches",
@@ -202,6 +212,49 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # =========================================================================== the runner
 
 
+class _Counted:
+    """What a ``dist.P2POp`` calls, posting through ``comm`` (so :class:`~course_lib.comm.CommLog` counts it).
+
+    ``dist.batch_isend_irecv`` calls each op's ``.op(tensor, group=, tag=, group_src= | group_dst=)``
+    inside one coalescing group on NCCL, one call after another on gloo. ``P2POp`` accepts only
+    ``dist.isend`` / ``dist.irecv`` when it is built, so :func:`post_together` builds it with those
+    and then swaps in this callable, which turns the group peer back into a global rank and calls
+    ``comm.isend`` or ``comm.irecv`` (which call ``dist.isend`` / ``dist.irecv``) with its label.
+    """
+
+    def __init__(self, kind: str, label: str):
+        self.kind, self.label = kind, label
+
+    def __call__(self, tensor, group=None, tag=0, group_dst=None, group_src=None):
+        peer = group_dst if group_dst is not None else group_src
+        peer = dist.get_global_rank(group, peer) if group is not None else peer
+        post = comm.isend if self.kind == "send" else comm.irecv
+        return post(tensor, peer, tag=self.label)
+
+
+def _p2p_op(kind: str, tensor: torch.Tensor, peer: int, label: str) -> dist.P2POp:
+    op = dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer)
+    op.op = _Counted(kind, label)
+    return op
+
+
+def post_together(messages: Sequence[tuple[str, torch.Tensor, int, str]]) -> list:
+    """Post ``(kind "send" | "recv", tensor, global rank, label)`` messages as one batch.
+
+    ``dist.batch_isend_irecv`` of one ``P2POp`` per message: one NCCL group (sends and receives
+    progress together, in any order), or on gloo the same ``isend`` / ``irecv`` in list order.
+    Returns one entry per message: the works to wait on before its buffer may be read (one shared
+    work for a coalesced batch, the message's own on gloo).
+    """
+    if not messages:
+        return []
+    ops = [_p2p_op(kind, t, peer, label) for kind, t, peer, label in messages]
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == len(messages):
+        return [[w] for w in works]
+    return [list(works) for _ in messages]
+
+
 class PipelineObserver:
     """What a :class:`PipelineRunner` tells the outside while it runs a step (here: nothing).
 
@@ -291,6 +344,9 @@ class PipelineRunner:
         self.loss_fn, self.shape, self.dtype = loss_fn, tuple(activation_shape), dtype
         self.device = device if device is not None else next(self.chunks[0].parameters()).device
         self.params = [q for c in self.chunks for q in c.parameters()]
+        if self.p > 1 and dist.get_backend() != "gloo":
+            # NCCL: batched p2p must not be the first call on the group (torch's batch_isend_irecv)
+            dist.all_reduce(torch.zeros(1, device=self.device))
         # The order in which each peer sends to this rank: (kind, microbatch, virtual stage it is for).
         self._incoming = {
             peer: [msg for msg, dst in self._sends_of(peer) if dst == stage]
@@ -312,18 +368,24 @@ class PipelineRunner:
                 out.append((("grad", a.microbatch, s - 1), (s - 1) % self.p))
         return out
 
-    def _recv(self, key: tuple, peer: int, posted: dict, cursor: dict):
-        """Post irecvs from ``peer`` in its send order up to ``key``; return ``key``'s (work, buffer)."""
-        queue = self._incoming[peer]
-        while key not in posted:
+    def _receives(self, key: tuple, peer: int, posted: dict, cursor: dict) -> list:
+        """The receives from ``peer`` still to post for ``key``: its messages to this rank in its
+        send order, up to ``key`` (none if ``key`` is posted already), each with a fresh buffer."""
+        out, queue = [], self._incoming[peer]
+        while key not in posted and (not out or out[-1][0] != key):
             msg = queue[cursor[peer]]
             cursor[peer] += 1
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            posted[msg] = (
-                comm.irecv(buf, self.ranks[peer], tag="activation" if msg[0] == "act" else "grad"),
-                buf,
-            )
-        return posted.pop(key)
+            out.append((msg, torch.empty(self.shape, dtype=self.dtype, device=self.device)))
+        return out
+
+    def _needs(self, a: Action) -> tuple | None:
+        """The message action ``a`` waits for, ``(key, peer stage)``, or None."""
+        s, last = self._virtual(a.chunk), self.p * self.v - 1
+        if a.op == "F" and s > 0:
+            return ("act", a.microbatch, s), (s - 1) % self.p
+        if a.op == "B" and s < last:
+            return ("grad", a.microbatch, s), (s + 1) % self.p
+        return None
 
     def step(
         self,
@@ -338,22 +400,37 @@ class PipelineRunner:
         obs = _Fanout(observers)
         posted, cursor = {}, {peer: 0 for peer in self._incoming}
         stage_in, stage_out, sends, losses = {}, {}, [], []
+        pending = []  # the last action's send: [("send", tensor, global rank, label)]
 
-        def wait_for(key, peer):
+        def post(recvs):
+            """The pending send and these receives as one batch."""
+            msgs = pending + [
+                ("recv", buf, self.ranks[peer], "activation" if msg[0] == "act" else "grad")
+                for msg, buf, peer in recvs
+            ]
+            works = post_together(msgs)
+            sent, got = works[: len(pending)], works[len(pending) :]
+            sends.extend((w, t) for (_, t, _, _), w in zip(pending, sent, strict=True))
+            for (msg, buf, _), w in zip(recvs, got, strict=True):
+                posted[msg] = (w, buf)
+            pending.clear()
+
+        def wait_for(key):
             obs.begin("wait", key[1], -1)
-            work, buf = self._recv(key, peer, posted, cursor)
-            work.wait()
+            works, buf = posted.pop(key)
+            for w in works:
+                w.wait()
             obs.end("wait", key[1], -1)
             return buf
 
         for a in self.schedules[self.stage]:
             s, mod, key = self._virtual(a.chunk), self.chunks[a.chunk], (a.microbatch, a.chunk)
             try:
+                need = self._needs(a)
+                recvs = [] if need is None else self._receives(*need, posted, cursor)
+                post([(msg, buf, need[1]) for msg, buf in recvs])
                 if a.op == "F":
-                    if s == 0:
-                        x = x_mb[a.microbatch]
-                    else:
-                        x = wait_for(("act", a.microbatch, s), (s - 1) % p).requires_grad_()
+                    x = x_mb[a.microbatch] if s == 0 else wait_for(need[0]).requires_grad_()
                     obs.begin("F", a.microbatch, a.chunk)
                     with obs.forward():
                         out = mod(x)
@@ -364,33 +441,28 @@ class PipelineRunner:
                     if s == last:
                         losses.append(out.item())
                     else:
-                        sends.append(
-                            (
-                                comm.isend(out.detach(), self.ranks[(s + 1) % p], tag="activation"),
-                                out,
-                            )
+                        pending.append(
+                            ("send", out.detach(), self.ranks[(s + 1) % p], "activation")
                         )
                 else:
-                    grad = None if s == last else wait_for(("grad", a.microbatch, s), (s + 1) % p)
+                    grad = None if s == last else wait_for(need[0])
                     obs.begin("B", a.microbatch, a.chunk)
                     out, x = stage_out.pop(key), stage_in.pop(key)
                     torch.autograd.backward(out, grad_tensors=grad)
                     obs.end("B", a.microbatch, a.chunk)
                     if s > 0:
-                        sends.append(
-                            (comm.isend(x.grad, self.ranks[(s - 1) % p], tag="grad"), x.grad)
-                        )
+                        pending.append(("send", x.grad, self.ranks[(s - 1) % p], "grad"))
                     del out, x
             except Exception as exc:
                 raise RuntimeError(
                     f"pipeline stage {s} (rank {self.ranks[self.stage]}) failed in {a!r}: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-        for work, _ in sends:  # keep each sent tensor alive until its send completed
-            work.wait()
-        for q in (
-            self.params
-        ):  # accumulated over m micro-batches of mean losses → the mean over the batch
+        post([])  # the last action's send
+        for works, _ in sends:  # keep each sent tensor alive until its send completed
+            for w in works:
+                w.wait()
+        for q in self.params:  # accumulated over m micro-batches of mean losses → the batch mean
             if q.grad is not None:
                 q.grad.div_(m)
         return losses

@@ -28,6 +28,14 @@ usable memory (``gpu_memory_gb`` minus a ``reserve`` for the CUDA context, commu
 5. the same with **full activation recompute** (one more forward per step, ≈ +33 % compute);
 6. nothing fits: :class:`PlanError` says what is missing (how many GPUs, or that activations alone are too big).
 
+**Which is fastest.** The ladder picks by traffic; :func:`rank` then predicts the step of every
+layout that fits (:func:`candidates`: TP inside a node × PP × data parallel) with the course's
+step-time model on a named GPU node (``step_time.layout_step`` on ``step_time.H100_NODE`` by
+default: published FLOP/s and link bandwidths, an assumed MFU — not the laptop's α–β), as
+compute + exposed communication + bubble for one global batch, and orders them.
+:func:`recommend` puts that ranking in the plan (``Plan.ranking``, ``Plan.fastest``,
+``Plan.fastest_reason()``): memory decides what fits, the step-time model what is fastest among it.
+
 Inputs that break a rule raise :class:`PlanError` naming it, e.g. ``num_heads=6 is not divisible by tp_size=4``.
 All sizes are decimal (1 GB = 10⁹ bytes), as in the ZeRO paper.
 
@@ -46,6 +54,7 @@ from .formulas import (
     pipeline_bubble,
     zero_model_state_breakdown,
 )
+from .step_time import H100_NODE, NodeProfile, Prediction, layout_step
 
 __all__ = [
     "PlanError",
@@ -59,6 +68,10 @@ __all__ = [
     "zero_paper_table",
     "ZERO_NAMES",
     "check_layout",
+    "candidates",
+    "rank",
+    "step_parts",
+    "H100_NODE",
 ]
 
 GB = 1e9
@@ -320,7 +333,13 @@ def zero_paper_table(psi: float = 7.5e9, world_size: int = 64) -> dict[str, floa
 
 @dataclass
 class Plan:
-    """What :func:`recommend` found: the ``layout``, its ``memory`` (bytes), ``reasons``, every candidate tried."""
+    """What :func:`recommend` found: the ``layout``, its ``memory`` (bytes), ``reasons``, every candidate tried.
+
+    ``layout`` is the ladder's choice (the least communication that fits). ``ranking`` orders every
+    layout that fits by predicted step time on ``profile`` (:func:`rank`), fastest first, as
+    ``(Layout, memory dict, Prediction)``; ``fastest`` is its first layout. ``unranked`` says why
+    the ranking is empty when it is.
+    """
 
     model: Model
     cluster: Cluster
@@ -332,6 +351,15 @@ class Plan:
     alternatives: list = field(default_factory=list)  # (Layout, memory dict, note) that also fit
     micro_batch: int = 1
     num_microbatches: int = 8
+    ranking: list = field(default_factory=list)  # (Layout, memory dict, Prediction), fastest first
+    profile: NodeProfile | None = None
+    global_batch: int | None = None
+    unranked: str = ""
+
+    @property
+    def fastest(self) -> Layout | None:
+        """The layout with the shortest predicted step among those that fit (None if unranked)."""
+        return self.ranking[0][0] if self.ranking else None
 
     def table(self) -> str:
         lines = [
@@ -346,6 +374,78 @@ class Plan:
             )
         return "\n".join(lines)
 
+    def _unit(self) -> tuple[float, str]:
+        """Seconds, or milliseconds when the fastest step is under a second."""
+        return (1.0, "s") if self.ranking[0][2].total >= 1 else (1e3, "ms")
+
+    def ranking_table(self) -> str:
+        """Rank, layout, GB per GPU, micro-batches per replica, predicted step (s) and its parts."""
+        if not self.ranking:
+            return f"no ranking: {self.unranked}"
+        k, unit = self._unit()
+        lines = [
+            f"{'#':>2} {'layout':<34} {'GB/GPU':>6} {'m':>4} {'step ' + unit:>8} {'compute':>8} "
+            f"{'exp. comm':>9} {'bubble':>7}"
+        ]
+        for i, (lay, mem, pred) in enumerate(self.ranking, 1):
+            c, e, b = (k * v for v in step_parts(pred).values())
+            m = self.global_batch // (lay.dp * self.micro_batch)
+            mark = " ← ladder" if lay == self.layout else ""
+            lines.append(
+                f"{i:>2} {lay.name():<34} {mem['total'] / GB:>6.1f} {m:>4} {k * pred.total:>8.3f} "
+                f"{c:>8.3f} {e:>9.3f} {b:>7.3f}{mark}"
+            )
+        lines.append(
+            f"(m: micro-batches per replica in a step of {self.global_batch} sequences; "
+            f"step = compute + exposed communication + bubble, in {unit})"
+        )
+        return "\n".join(lines)
+
+    def fastest_reason(self) -> str:
+        """The fastest layout that fits, why (its parts against the next), on which node."""
+        if not self.ranking:
+            return f"no ranking: {self.unranked}"
+        (lay, _, pred), n = self.ranking[0], len(self.ranking)
+        parts = step_parts(pred)
+        k, unit = self._unit()
+        lines = [
+            f"fastest predicted of the {n} layout{'s' if n > 1 else ''} that fit: {lay.name()}, "
+            f"{k * pred.total:.3f} {unit} per step of {self.global_batch} sequences = "
+            + " + ".join(f"{name} {k * v:.3f} {unit}" for name, v in parts.items())
+        ]
+        computes = [step_parts(p)["compute"] for _, _, p in self.ranking]
+        if max(computes) - min(computes) <= 1e-9 * max(computes):
+            lines.append(
+                f"every layout that fits computes the same FLOPs per GPU "
+                f"({k * computes[0]:.3f} {unit}): exposed communication and the bubble decide"
+            )
+        if n > 1:
+            nxt_lay, _, nxt = self.ranking[1]
+            gaps = [
+                f"{name} {k * (v - parts[name]):+.3f} {unit}"
+                + (f" (its largest: {_largest_comm(nxt, k, unit)})" if "comm" in name else "")
+                for name, v in step_parts(nxt).items()
+                if abs(v - parts[name]) >= 1e-4 * pred.total
+            ]
+            lines.append(
+                f"next: {nxt_lay.name()}, {k * (nxt.total - pred.total):+.3f} {unit} "
+                f"({nxt.total / pred.total - 1:+.1%}): " + ", ".join(gaps or ["no part differs"])
+            )
+        if lay != self.layout:
+            i = next(i for i, (la, _, _) in enumerate(self.ranking, 1) if la == self.layout)
+            lines.append(
+                f"the ladder's choice (least traffic that fits), {self.layout.name()}, ranks {i} "
+                f"({k * self.ranking[i - 1][2].total:.3f} {unit})"
+            )
+        prof = self.profile
+        lines.append(
+            f"a model, not a measurement: the course's step-time model (step_time.layout_step) "
+            f"on {prof.name}: {prof.flops / 1e12:.0f} TFLOP/s peak per GPU at an assumed "
+            f"{prof.mfu:.0%} MFU, {prof.intra_bw / 1e9:.0f} GB/s inside a node and "
+            f"{prof.inter_bw / 1e9:.0f} GB/s across nodes each way"
+        )
+        return "\n  - ".join(lines)
+
     def __str__(self) -> str:
         mem = self.memory
         lines = [
@@ -359,9 +459,121 @@ class Plan:
         lines += [f"  - {r}" for r in self.reasons]
         for lay, m, note in self.alternatives:
             lines.append(f"also fits: {lay.name()}: {m['total'] / GB:.1f} GB per GPU — {note}")
-        return "\n".join(lines + ["tried:", self.table()])
+        lines += ["tried:", self.table()]
+        if self.profile is not None:
+            lines += [
+                f"step time: {self.fastest_reason()}",
+                f"ranked by predicted step time on {self.profile.name}:",
+                self.ranking_table(),
+            ]
+        return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def step_parts(pred: Prediction) -> dict[str, float]:
+    """A predicted step in three parts: ``compute``, ``exposed communication``, ``bubble``.
+
+    ``compute`` includes a ``recompute`` part; exposed communication is the rest of the total.
+    """
+    compute = pred.parts.get("compute", 0.0) + pred.parts.get("recompute", 0.0)
+    bubble = pred.parts.get("bubble", 0.0)
+    return {
+        "compute": compute,
+        "exposed communication": pred.total - compute - bubble,
+        "bubble": bubble,
+    }
+
+
+def _largest_comm(pred: Prediction, scale: float = 1.0, unit: str = "s") -> str:
+    """``pred``'s largest exposed-communication part, named, with its time (s × ``scale``)."""
+    comm = {k: v for k, v in pred.parts.items() if k not in ("compute", "recompute", "bubble")}
+    k = max(comm, key=comm.get)
+    return f"{k} {scale * comm[k]:.3f} {unit}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: Model, cluster: Cluster, recompute: str = "selective") -> list[Layout]:
+    """Every layout of the course's techniques on ``cluster`` that :func:`check_layout` accepts.
+
+    TP t inside a node (t divides ``gpus_per_node``, the heads, hidden and sequence), PP p
+    dividing the layers, data parallel over the rest: DDP, ZeRO-2 or ZeRO-3 without a pipeline,
+    ZeRO-1 with one (pipeline engines accumulate gradients over micro-batches; ZeRO-1 is what
+    they pair with). ZeRO-1 without a pipeline sends ZeRO-2's bytes and saves less: left out,
+    as the ladder leaves it out.
+    """
+    out = []
+    for t in _divisors(cluster.gpus_per_node):
+        if model.heads % t or model.hidden % t or model.seq_len % t:
+            continue
+        for p in _divisors(model.layers):
+            if (cluster.gpus // t) % p:
+                continue
+            d = cluster.gpus // (t * p)
+            stages = (0,) if d == 1 else (0, 2, 3) if p == 1 else (1,)
+            out += [Layout(dp=d, tp=t, pp=p, zero=z, recompute=recompute) for z in stages]
+    return out
+
+
+def rank(
+    model: Model,
+    cluster: Cluster,
+    layouts: list[Layout] | None = None,
+    *,
+    profile: NodeProfile = H100_NODE,
+    micro_batch: int = 1,
+    global_batch: int | None = None,
+    num_microbatches: int = 8,
+    reserve: float = 0.1,
+    recompute: str = "selective",
+) -> list[tuple[Layout, dict, Prediction]]:
+    """The ``layouts`` that fit, fastest predicted first: ``(Layout, memory dict, Prediction)``.
+
+    Memory decides what fits (:func:`memory_per_gpu` ≤ the usable memory, as :func:`recommend`);
+    among what fits, :func:`~course_lib.step_time.layout_step` on ``profile`` predicts a step:
+    compute + exposed communication + bubble. ``layouts``: default :func:`candidates` (at
+    ``recompute``); given ones must use all the cluster's GPUs (a TP group may cross nodes here,
+    to see what that costs). Every layout trains the same ``global_batch`` sequences per step,
+    default ``num_microbatches · micro_batch · gpus`` (the data-parallel-only layouts
+    accumulate ``num_microbatches`` micro-batches); a pipeline's memory counts the micro-batches
+    it then runs per replica.
+    """
+    _positive_int("micro_batch", micro_batch)
+    _positive_int("num_microbatches", num_microbatches)
+    if not 0 <= reserve < 1:
+        raise PlanError(f"reserve={reserve!r} must be in [0, 1)")
+    if profile.gpus_per_node != cluster.gpus_per_node:
+        raise PlanError(
+            f"profile {profile.name!r} has {profile.gpus_per_node} GPUs per node, the cluster "
+            f"{cluster.gpus_per_node}: pass a NodeProfile of the cluster's node"
+        )
+    g = num_microbatches * micro_batch * cluster.gpus if global_batch is None else global_batch
+    _positive_int("global_batch", g)
+    if g % (micro_batch * cluster.gpus):
+        raise PlanError(
+            f"global_batch={g} must be a multiple of micro_batch × GPUs = "
+            f"{micro_batch} × {cluster.gpus}: every data-parallel size must split it evenly"
+        )
+    usable = cluster.gpu_memory_gb * GB * (1 - reserve)
+    fits = []
+    for lay in candidates(model, cluster, recompute) if layouts is None else layouts:
+        check_layout(model, lay)
+        if lay.world != cluster.gpus:
+            raise PlanError(
+                f"{lay.name()} uses dp × tp × pp = {lay.world} GPUs; the cluster has {cluster.gpus}"
+            )
+        m = g // (lay.dp * micro_batch)
+        mem = memory_per_gpu(model, lay, micro_batch=micro_batch, num_microbatches=m)
+        if mem["total"] <= usable:
+            fits.append((lay, mem))
+    preds = [
+        layout_step(model, lay, profile, global_batch=g, micro_batch=micro_batch) for lay, _ in fits
+    ]
+    order = sorted(range(len(fits)), key=lambda i: preds[i].total)
+    return [(*fits[i], preds[i]) for i in order]
 
 
 def _tp_size(model: Model, cluster: Cluster) -> int:
@@ -433,12 +645,19 @@ def recommend(
     micro_batch: int = 1,
     num_microbatches: int = 8,
     reserve: float = 0.1,
+    profile: NodeProfile | None = H100_NODE,
+    global_batch: int | None = None,
 ) -> Plan:
     """Walk the ladder (module docstring) and return the first layout that fits, with the reasons.
 
     ``reserve``: the fraction of each GPU's memory kept free for the CUDA context, communication buffers
     and fragmentation. ``num_microbatches``: micro-batches per step of a pipeline (the 3D alternative's
     bubble). Raises :class:`PlanError` when nothing fits, saying what is missing.
+
+    Then :func:`rank` orders every candidate that fits (at the recompute the ladder needed) by
+    predicted step time on ``profile`` (a named GPU node; ``None``: no ranking) for ``global_batch``
+    sequences per step: ``Plan.ranking``, ``Plan.fastest``, ``Plan.fastest_reason()``. A cluster
+    whose nodes are not the profile's size is not ranked (``Plan.unranked`` says so).
     """
     _positive_int("micro_batch", micro_batch)
     _positive_int("num_microbatches", num_microbatches)
@@ -486,8 +705,33 @@ def recommend(
                             f"at m = {num_microbatches}",
                         )
                     )
+            if profile is not None:
+                _rank_plan(plan, profile, global_batch, reserve)
             return plan
     raise PlanError(_missing(model, cluster, usable, micro_batch, reserve))
+
+
+def _rank_plan(plan: Plan, profile: NodeProfile, global_batch: int | None, reserve: float):
+    """Fill ``plan.ranking`` (or ``plan.unranked``) with :func:`rank` on ``profile``."""
+    c, mb, m = plan.cluster, plan.micro_batch, plan.num_microbatches
+    plan.profile = profile
+    plan.global_batch = m * mb * c.gpus if global_batch is None else global_batch
+    if profile.gpus_per_node != c.gpus_per_node:
+        plan.unranked = (
+            f"the profile's nodes ({profile.name}) have {profile.gpus_per_node} GPUs, this "
+            f"cluster's {c.gpus_per_node}; pass profile= a NodeProfile of the cluster's node"
+        )
+        return
+    plan.ranking = rank(
+        plan.model,
+        c,
+        profile=profile,
+        micro_batch=mb,
+        global_batch=plan.global_batch,
+        num_microbatches=m,
+        reserve=reserve,
+        recompute=plan.layout.recompute,
+    )
 
 
 def _missing(

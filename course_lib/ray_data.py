@@ -42,7 +42,13 @@ __all__ = [
 # ``ray.init(_system_config=KEEP_WORKERS)``: keep idle task worker processes alive instead of killing those above
 # ``num_cpus`` after 1 s. Ray Data's 0.5-CPU tasks run 4 at a time on 2 CPUs; on a busy 2-core laptop starting a
 # worker process takes seconds, and every Ray Data run would pay it again (measured: ~20 s per run at load 15).
-KEEP_WORKERS = {"num_workers_soft_limit": 8, "idle_worker_killing_time_threshold_ms": 600_000}
+# (The raylet's "N PYTHON worker processes have been started" notice, which 0.5-CPU tasks, two Train workers,
+# their controller and the dataset coordinator trigger on 2 CPUs, is kept out of the notebook by
+# ``ray_train.start(quiet=True)``; Ray still starts at most 2 worker processes at once, its default here.)
+KEEP_WORKERS = {
+    "num_workers_soft_limit": 8,
+    "idle_worker_killing_time_threshold_ms": 600_000,
+}
 
 
 def quiet() -> None:

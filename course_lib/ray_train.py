@@ -4,8 +4,9 @@ The notebooks call the real Ray API (``@ray.remote``, ``ray.get``, ``TorchTraine
 ``ray.train.report``); this module only does what every Ray cell would otherwise repeat:
 
 * :func:`start` — ``ray.init`` of a **local, single-machine** cluster (it never joins another one), with the
-  settings this course needs on a laptop: ``num_cpus`` fixed (a known-size local cluster),
-  ``log_to_driver=False`` (workers never print into the notebook), no dashboard, and a *short* temp dir of its
+  settings this course needs on a laptop: ``num_cpus`` fixed (a known-size local cluster), **quiet**
+  (:data:`QUIET_ENV` and below: no Ray log line reaches a notebook cell; errors still raise), no dashboard,
+  and a *short* temp dir of its
   own (Ray puts Unix sockets there, and rejects socket paths longer than 107 bytes). Note: Ray's internal gRPC
   servers listen on all interfaces and Ray maps 127.0.0.1 to the machine's address on purpose (so other nodes
   could join); on an untrusted network keep the machine's firewall closed to incoming connections;
@@ -21,14 +22,17 @@ The notebooks call the real Ray API (``@ray.remote``, ``ray.get``, ``TorchTraine
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 import warnings
 
 __all__ = [
     "ENV",
+    "QUIET_ENV",
     "start",
     "stop",
     "run_config_kwargs",
@@ -49,6 +53,19 @@ ENV = {
     "PYTHONWARNINGS": "ignore",
 }
 
+# Ray's logs, silenced at their source (start(quiet=True)). Three paths reach a notebook cell:
+# 1. workers' stdout/stderr, forwarded to the driver: ray.init(log_to_driver=False);
+# 2. messages the raylet *pushes* to the driver ("(raylet) A worker died or was killed ...", "(raylet) WARNING:
+#    N PYTHON worker processes have been started ..."): the driver's error-listener thread prints them through
+#    ray._private.worker.print_worker_logs, which Ray's own switch _worker_logs_enabled turns off (ray.util.rpdb
+#    flips it while a debugger is attached). They are notices: the error itself still raises (ray.get, fit());
+# 3. the driver's C++ core worker writes ERROR lines ("[... E ...] core_worker.cc:...") to fd 2, which Jupyter
+#    shows as a cell's stderr: RAY_BACKEND_LOG_LEVEL=fatal (Ray's C++ processes log fatal errors only).
+# Python-side: logging_level="ERROR" for the "ray" loggers, warnings filtered.
+QUIET_ENV = {"RAY_BACKEND_LOG_LEVEL": "fatal"}
+# The one line RAY_BACKEND_LOG_LEVEL itself makes the driver print (before its logger exists) while ray.init runs.
+_LEVEL_NOTE = "Set ray log level from environment variable RAY_BACKEND_LOG_LEVEL"
+
 _state: dict = {}
 
 
@@ -62,12 +79,20 @@ def auto_use_gpu(num_workers: int = 2) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= num_workers
 
 
-def start(num_cpus: int = 2, **init_kwargs):
+def start(num_cpus: int = 2, quiet: bool = True, **init_kwargs):
     """``ray.init`` a local, localhost-only Ray with ``num_cpus`` logical CPUs; returns the ``ray`` module.
 
-    Idempotent: a second call while this course's Ray runs returns it unchanged.
+    ``quiet`` (the default): no Ray log line reaches the notebook — worker output stays in Ray's files, the
+    raylet's pushed notices are not printed, Ray's C++ logs only fatal errors (:data:`QUIET_ENV`); exceptions
+    raise as always. ``quiet=False`` keeps Ray's own defaults (for debugging). Idempotent: a second call while
+    this course's Ray runs returns it unchanged.
     """
     os.environ.update(ENV)
+    for key, value in QUIET_ENV.items():
+        if quiet:
+            os.environ[key] = value
+        elif os.environ.get(key) == value:
+            del os.environ[key]  # Ray's default level again
     import ray
 
     if ray.is_initialized():
@@ -75,21 +100,23 @@ def start(num_cpus: int = 2, **init_kwargs):
     if not isinstance(num_cpus, int) or num_cpus < 1:
         raise ValueError(f"num_cpus must be an integer >= 1, got {num_cpus!r}")
     warnings.filterwarnings("ignore", module="ray")
+    _worker_module()._worker_logs_enabled = not quiet  # the raylet's notices (see QUIET_ENV)
     for attempt in range(3):
         temp_dir = tempfile.mkdtemp(
             prefix="ray", dir="/tmp"
         )  # short: Ray's socket paths must stay < 108 bytes
         try:
-            ray.init(
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                log_to_driver=False,
-                _temp_dir=temp_dir,
-                configure_logging=True,
-                logging_level="ERROR",
-                runtime_env={"env_vars": dict(ENV)},
-                **init_kwargs,
-            )
+            with _fd2_filtered(os.path.join(temp_dir, "driver-init.err"), quiet):
+                ray.init(
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    log_to_driver=not quiet,
+                    _temp_dir=temp_dir,
+                    configure_logging=True,
+                    logging_level="ERROR",
+                    runtime_env={"env_vars": dict(ENV)},
+                    **init_kwargs,
+                )
             break
         except Exception as exc:  # noqa: BLE001
             # On a busy machine Ray's agents can miss the raylet's fixed 15 s start-up wait (ray-project/ray#65983):
@@ -103,12 +130,46 @@ def start(num_cpus: int = 2, **init_kwargs):
     return ray
 
 
+def _worker_module():
+    """Ray's driver module (``ray._private.worker``); its switch ``_worker_logs_enabled`` must exist."""
+    from ray._private import worker
+
+    if not hasattr(worker, "_worker_logs_enabled"):
+        raise RuntimeError(
+            "ray._private.worker._worker_logs_enabled is gone in this Ray version: course_lib.ray_train "
+            "cannot keep the raylet's notices out of the notebook (see QUIET_ENV's comment)"
+        )
+    return worker
+
+
+@contextlib.contextmanager
+def _fd2_filtered(path: str, active: bool):
+    """While ray.init runs: fd 2 into ``path``; then every line but RAY_BACKEND_LOG_LEVEL's note goes to stderr."""
+    if not active:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "wb") as sink:
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        with open(path, errors="replace") as f:
+            kept = [line for line in f.read().splitlines() if _LEVEL_NOTE not in line]
+        if kept:  # anything else Ray wrote (an error while starting) still shows
+            print("\n".join(kept), file=sys.stderr)
+
+
 def stop() -> None:
     """``ray.shutdown()``, then remove Ray's temp dir and this session's run storage."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    _worker_module()._worker_logs_enabled = True
     for key in ("temp_dir", "storage"):
         if _state.get(key):
             shutil.rmtree(_state.pop(key), ignore_errors=True)

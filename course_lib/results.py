@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
 
@@ -52,6 +52,7 @@ __all__ = [
     "Row",
     "Result",
     "Measured",
+    "MappingReader",
     "FieldAccess",
 ]
 
@@ -76,7 +77,7 @@ class Tolerance:
 
     def assert_close(self, got, want, msg: str = "") -> None:
         """Raise ``AssertionError`` naming the worst element (key, |Δ|, bound) when not :meth:`ok`."""
-        for key, (g, w) in zip(_keys(want), _pairs(got, want)):
+        for key, (g, w) in zip(_keys(want), _pairs(got, want), strict=True):
             if not _close(g, w, self):
                 diff = (_tensor(g) - _tensor(w)).abs()
                 bound = self.atol + self.rtol * _tensor(w).abs()
@@ -220,7 +221,9 @@ class Result:
 
     @property
     def passed(self) -> bool:
-        return all(r.verdict for r in self.checks())
+        """Every row passed, and there is at least one: a table with nothing checked passed nothing."""
+        rows = self.checks()
+        return bool(rows) and all(r.verdict for r in rows)
 
     def claims(self) -> dict[str, bool]:
         return {r.quantity: r.verdict for r in self.checks()}
@@ -230,6 +233,10 @@ class Result:
 
     def table(self) -> str:
         """The rows as an aligned text table (what ``print(result)`` shows)."""
+        lines = [self.title] if self.title else []
+        rows = self.checks()
+        if not rows:
+            return "\n".join(lines + ["(no rows)"])
         head = ("quantity", "measured", "reference", "tolerance", "verdict")
         body = [
             (
@@ -244,13 +251,14 @@ class Result:
                 r.tolerance,
                 "PASS" if r.verdict else "FAIL",
             )
-            for r in self.checks()
+            for r in rows
         ]
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(5)]
-        lines = [self.title] if self.title else []
-        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip())
         lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
+        lines += [
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in body
+        ]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -260,7 +268,9 @@ class Result:
         p.text(self.table())
 
     def assert_passed(self) -> None:
-        """Raise ``AssertionError`` listing every failed row."""
+        """Raise ``AssertionError`` listing every failed row, or saying that no rows were checked."""
+        if not self.checks():
+            raise AssertionError(f"{self.title or type(self).__name__}: no rows were checked")
         bad = self.failures()
         if bad:
             raise AssertionError(
@@ -283,35 +293,57 @@ class Result:
 # These two keep that working while the rows carry the checks.
 
 
+class MappingReader:
+    """Mix into a :class:`Result` dataclass whose numbers sit in one field, to read it like that field.
+
+    ``_reads`` names the field (a dict, or a list of rows); ``res[key]``, ``key in res``,
+    ``iter(res)``, ``len(res)``, ``keys()``, ``items()`` and ``get()`` read it. A missing key raises
+    ``KeyError`` with :meth:`_missing`'s text. :class:`Measured` and
+    :class:`~course_lib.timing.Timings` share this one reader.
+    """
+
+    _reads: ClassVar[str] = "values"
+
+    def _view(self):
+        return getattr(self, self._reads)
+
+    def _missing(self, key) -> object:
+        """What a ``KeyError`` for ``key`` says (the key itself, as a dict's would)."""
+        return key
+
+    def __getitem__(self, key):
+        try:
+            return self._view()[key]
+        except KeyError:
+            raise KeyError(self._missing(key)) from None
+
+    def __contains__(self, key) -> bool:
+        return key in self._view()
+
+    def __iter__(self):
+        return iter(self._view())
+
+    def __len__(self) -> int:
+        return len(self._view())
+
+    def keys(self):
+        return self._view().keys()
+
+    def items(self):
+        return self._view().items()
+
+    def get(self, key, default=None):
+        return self._view().get(key, default)
+
+
 @dataclass
-class Measured(Result):
+class Measured(MappingReader, Result):
     """A :class:`Result` that also reads as the numbers it measured: ``res["loss"]``, ``res[0]``, ``len(res)``.
 
     ``values`` is what a notebook plots and prints (a dict, or a list of rows); the rows are the checks.
     """
 
     values: dict | list = field(default_factory=dict)
-
-    def __getitem__(self, key):
-        return self.values[key]
-
-    def __contains__(self, key) -> bool:
-        return key in self.values
-
-    def __iter__(self):
-        return iter(self.values)
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def keys(self):
-        return self.values.keys()
-
-    def items(self):
-        return self.values.items()
-
-    def get(self, key, default=None):
-        return self.values.get(key, default)
 
 
 class FieldAccess:

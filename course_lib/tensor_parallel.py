@@ -42,7 +42,8 @@ Read top to bottom:
    used on a sequence shard (LayerNorm weights, position embedding, row biases) get *partial* gradients:
    :func:`allreduce_sequence_parallel_grads` sums them over the TP group.
 
-6. :func:`tensor_parallel_gpt` builds the TP form of a tiny GPT from its full weights.
+6. :func:`tensor_parallel_gpt` builds the TP form of a tiny GPT from its full weights. Dropout > 0
+   is refused (:func:`check_no_dropout`): it would need a model-parallel RNG tracker.
 
 7. **The same plan with DTensor** (torchtitan style): :func:`dtensor_plan` is the
    ``parallelize_module`` plan for the GPT, :func:`parallelize_gpt` applies it to a "tp" mesh, and
@@ -61,6 +62,7 @@ import torch.nn.functional as F
 from . import comm
 
 __all__ = [
+    "check_no_dropout",
     "copy_to_tp",
     "reduce_from_tp",
     "gather_last_dim",
@@ -81,6 +83,23 @@ __all__ = [
     "parallelize_gpt",
     "dtensor_sequence_parallel_plan",
 ]
+
+
+def check_no_dropout(config, where: str) -> None:
+    """Refuse ``dropout > 0``: TP dropout needs a model-parallel RNG, which this course's TP has not.
+
+    The rule (Megatron-LM's ``get_cuda_rng_tracker``): dropout on a *split* activation (attention
+    probabilities of my heads, the MLP's hidden block) must draw a *different* mask on every TP rank,
+    and dropout on a *replicated* activation (the residual stream) the *same* mask on every rank, or
+    the ranks' copies of the residual stream drift apart. Two generators, forked per region, do that.
+    """
+    if getattr(config, "dropout", 0.0) > 0:
+        raise ValueError(
+            f"{where}: dropout={config.dropout} > 0 is refused — tensor parallelism needs a "
+            "model-parallel RNG (Megatron's RNG tracker): split activations must draw different masks "
+            "on each TP rank and replicated ones the same mask on every rank; this course's TP has no "
+            "such tracker, so use dropout=0 (parallel_config())"
+        )
 
 
 def _size_rank(group) -> tuple[int, int]:
@@ -474,6 +493,7 @@ class TensorParallelGPT(nn.Module):
     def __init__(self, gpt: nn.Module, process_group=None, sequence_parallel: bool = False):
         super().__init__()
         c = gpt.config
+        check_no_dropout(c, "TensorParallelGPT")
         t, _ = _size_rank(process_group)
         for what, n in (
             ("n_head", c.n_head),
@@ -539,7 +559,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, process_group=None) -> i
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, group=process_group, tag="sp_grad")
-        for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+        for g, v in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(v.view_as(g))
     return len(grads)
 
@@ -577,6 +597,7 @@ def parallelize_gpt(gpt: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.M
     """``parallelize_module(gpt, tp_mesh, dtensor_plan(...))``; refuses a tied GPT (it would silently untie)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    check_no_dropout(gpt.config, "parallelize_gpt")
     if gpt.lm_head.weight is gpt.wte.weight:
         raise ValueError(
             "tied embedding and head: parallelize_module re-wraps the second module's parameter and "

@@ -162,9 +162,10 @@ def reference_run(
     losses, norms = [], []
     clip = None
     if max_norm is not None:
-        clip = lambda: norms.append(
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-        )  # noqa: E731
+
+        def clip():
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+
     for step in range(steps):
         losses.append(
             train_step(model, opt, *step_batch(step, config, batch_size, dev), after_backward=clip)

@@ -142,9 +142,10 @@ def _bar_chart_png(psi: float, n: int, precision: str, k: float, stage: int) -> 
     for part in ("params", "grads", "optimizer"):
         heights = [r[part] / dec for r in rows]
         bars = ax.bar(x, heights, bottom=bottom, label=part, color=colors[part])
-        for bar, r in zip(bars, rows):  # the chosen stage in full colour, the others faded
+        # the chosen stage in full colour, the others faded
+        for bar, r in zip(bars, rows, strict=True):
             bar.set_alpha(1.0 if r["stage"] == stage else 0.45)
-        bottom = [b + h for b, h in zip(bottom, heights)]
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     for i, total in enumerate(bottom):
         ax.annotate(
             f"{total:,.1f}",
@@ -451,7 +452,7 @@ def stacked_bars(
             if horizontal
             else ax.bar(labels, vals, bottom=base, label=part)
         )
-        base = [b + v for b, v in zip(base, vals)]
+        base = [b + v for b, v in zip(base, vals, strict=True)]
     if errors:
         for i, lb in enumerate(labels):
             if lb in errors:
@@ -505,7 +506,10 @@ def scaling_curves(
             ax.errorbar(
                 x,
                 ys,
-                yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
+                yerr=[
+                    [y - a for y, a in zip(ys, lo, strict=True)],
+                    [b - y for y, b in zip(ys, hi, strict=True)],
+                ],
                 marker="o",
                 capsize=3,
                 label=name,
@@ -544,7 +548,10 @@ def alpha_beta_plot(rows: list[dict], fit, ax=None, title: str | None = None):
         ax.errorbar(
             xs,
             med,
-            yerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
+            yerr=[
+                [m - a for m, a in zip(med, lo, strict=True)],
+                [b - m for m, b in zip(med, hi, strict=True)],
+            ],
             fmt="o",
             color=f"C{i}",
             capsize=3,

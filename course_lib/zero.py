@@ -124,12 +124,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Stage 2: as soon as every gradient of a bucket is ready *during backward* (post-accumulate-grad
     hooks), the bucket is reduce-scattered asynchronously and the full ``.grad`` tensors are
-    freed; each rank keeps only its partition's averaged gradient. Memory (fp32 AdamW, Ψ =
+    freed; each rank keeps only its partition's averaged gradient. At most
+    :attr:`MAX_IN_FLIGHT` reduce-scatters are in flight: launching another waits for the oldest
+    and frees its staging bucket. Memory (fp32 AdamW, Ψ =
     padded count): stage 1 ``4Ψ params + 4Ψ grads + 8Ψ/N state``; stage 2 ``4Ψ + 4Ψ/N + 8Ψ/N``.
 
     After ``step()`` in stage 1 only this rank's slice of each ``p.grad`` holds the averaged
     gradient; in stage 2 ``p.grad`` is None (the gradient lives in the partition).
     """
+
+    #: Stage 2: reduce-scatters in flight at once. Launching one more first waits for the oldest and
+    #: frees its full-size staging bucket, so backward holds at most this many staging buckets (plus
+    #: the one filling), not all of them until backward ends.
+    MAX_IN_FLIGHT = 2
 
     def __init__(
         self,
@@ -172,7 +179,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(groups):
             self.flat_params.append(self._flatten_group(gi, group["params"], cap))
         self._offset_of = {
-            p: off for b in self.buckets for p, off in zip(b.params, b.offsets)
+            p: off for b in self.buckets for p, off in zip(b.params, b.offsets, strict=True)
         }  # p → flat offset
 
         # 2. This rank's partition, as one segment Parameter per (parameter ∩ owned slice),
@@ -197,7 +204,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._grad_slot = {
                 p: self.flat_grads[b.group][off : off + p.numel()].view_as(p)
                 for b in self.buckets
-                for p, off in zip(b.params, b.offsets)
+                for p, off in zip(b.params, b.offsets, strict=True)
             }
         else:
             sizes = [0] * len(groups)
@@ -284,13 +291,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             start += padded
         flat = torch.zeros(start, dtype=torch.float32, device=self.device)
         for b in layout:
-            for p, off in zip(b.params, b.offsets):
+            for p, off in zip(b.params, b.offsets, strict=True):
                 flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
         # Every rank starts from rank 0's weights: the partitions only fit together if they agree.
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         comm.broadcast(flat, src=src, group=self.process_group, tag="init")
         for b in layout:
-            for p, off in zip(b.params, b.offsets):
+            for p, off in zip(b.params, b.offsets, strict=True):
                 p.data = flat[off : off + p.numel()].view_as(
                     p
                 )  # the Parameter now lives in the flat buffer
@@ -305,7 +312,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         own_lo, own_hi = self._owned_range(b)
         flat = self.flat_params[b.group]
         segs = []
-        for p, off in zip(b.params, b.offsets):
+        for p, off in zip(b.params, b.offsets, strict=True):
             lo, hi = max(off, own_lo), min(off + p.numel(), own_hi)
             if lo < hi:
                 segs.append(_Segment(self._index_of[p], b, lo, hi, nn.Parameter(flat[lo:hi])))
@@ -355,18 +362,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             out, staging, group=self.process_group, async_op=True, tag="grad"
         )
         self._inflight.append((b, work, out, staging))  # staging must live until the work is done
+        while len(self._inflight) > self.MAX_IN_FLIGHT:  # the oldest is done: free its staging
+            self._land(*self._inflight.pop(0))
+
+    def _land(self, b: _Bucket, work, out: torch.Tensor, staging: torch.Tensor) -> None:
+        """Stage 2: wait for bucket b's reduce-scatter and keep this rank's averaged slice.
+
+        Dropping the last reference to ``staging`` here frees the full-size bucket at once."""
+        work.wait()
+        self._owned_grad(b).add_(out.div_(self.world_size))  # sum/N = average; += accumulates
 
     def _finish_backward(self, used_anywhere: dict, t_end_compute: float) -> None:
-        """Stage 2, end of backward: wait for every bucket, keep this rank's averaged slices."""
+        """Stage 2, end of backward: wait for the buckets still in flight, keep this rank's slices."""
         for p, used in used_anywhere.items():
             if used:
                 self._used[self._index_of[p]] = 1
-        for b, work, out, _staging in self._inflight:
-            work.wait()
-            self._owned_grad(b).add_(
-                out.div_(self.world_size)
-            )  # sum/N = average; += for accumulation
-        self._inflight = []
+        while self._inflight:
+            self._land(*self._inflight.pop(0))
 
     # ------------------------------------------------------------------ stage 1: reduce after backward
 
@@ -391,7 +403,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )  # in place: output is a slice of input
         comm.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, tag="used")
         self._used |= used
-        for b, work in zip(self.buckets, works):
+        for b, work in zip(self.buckets, works, strict=True):
             work.wait()
             self._owned_grad(b).div_(self.world_size)
         self._reduced = True

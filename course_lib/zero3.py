@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,7 @@ class _Use:
     unit: Unit
     forward_pass: _ForwardPass | None
     buffer: torch.Tensor | None = None  # storage freed (resized to 0) between forward and backward
+    slots: tuple = ()  # (module, attribute, parameter index): where the full weights go while it runs
 
 
 @dataclass(eq=False)
@@ -300,7 +302,8 @@ class Zero3(nn.Module):
             trigger.register_forward_hook(self._after_forward)
         # prefetch plan: the next unit in forward order (learned from each forward; at first, units' order)
         blocks = [u for u in self.units if u is not self._root]
-        self._next_forward = dict(zip([self._root] + blocks if self._root else blocks, blocks))
+        first = [] if self._root is None else [self._root]  # the root unit runs first
+        self._next_forward = dict(pairwise(first + blocks))
         self._seen: list[Unit] = []
 
     def forward(self, *args, **kwargs):
@@ -317,7 +320,7 @@ class Zero3(nn.Module):
                 self._put_back(self._live[-1][0])
             if self.prefetch and self._seen:  # the order to prefetch in next time
                 order = list(dict.fromkeys(self._seen))
-                self._next_forward = dict(zip(order, order[1:]))
+                self._next_forward = dict(pairwise(order))
             self._drop_in_flight()
 
     # ------------------------------------------------------------------ gather / free
@@ -388,6 +391,13 @@ class Zero3(nn.Module):
         self._land(flight, use)
         for obs in self._observers:
             obs.gathered(use.unit, use.buffer)
+        # the full weights back in the modules until the unit's gradients are in: activation
+        # checkpointing re-runs the module's forward here, and must not see the shards
+        fulls = use.unit.full_views(use.buffer)
+        for sub, attr, i in use.slots:  # leaves that require grad, as in forward (same saves)
+            sub._parameters[attr] = (
+                fulls[i].detach().requires_grad_(use.unit.params[i].shard.requires_grad)
+            )
         if self.prefetch:
             fp = use.forward_pass
             if (
@@ -397,7 +407,7 @@ class Zero3(nn.Module):
                 seq = [u for u in seq if u.unit is self._root] + [
                     u for u in seq if u.unit is not self._root
                 ]
-                fp.next_backward = dict(zip(seq, seq[1:]))
+                fp.next_backward = dict(pairwise(seq))
             nxt = fp.next_backward.get(use)
             if (
                 nxt is not None
@@ -430,12 +440,14 @@ class Zero3(nn.Module):
         """All of this use's gradients are in: free its weights, add the gradients; after the last use, reduce.
 
         Called by :class:`_GatherUnit`'s backward."""
+        for sub, attr, i in use.slots:  # the shards back in place (regather lent the full weights)
+            sub._parameters[attr] = use.unit.params[i].shard
         self._free(use)  # every op that read this use of the weights has finished its backward
         unit, fp, n = use.unit, use.forward_pass, self.world_size
         grad_in = fp.grad_in.get(unit)
         if grad_in is None:  # copy-in: (N, S), row r = what rank r will receive
             grad_in = fp.grad_in[unit] = torch.zeros(n, unit.shard_numel, device=self.device)
-        for g, o, s in zip(grads, unit.offsets, unit.sizes):
+        for g, o, s in zip(grads, unit.offsets, unit.sizes, strict=True):
             if g is not None:
                 unit.add_grad(grad_in, o, s, g)
         fp.pending[unit] -= 1
@@ -458,7 +470,7 @@ class Zero3(nn.Module):
         for unit, work, out, _ in self._reductions:
             work.wait()
             out.div_(self.world_size)
-            for sp, g in zip(unit.params, out.split(unit.sizes)):
+            for sp, g in zip(unit.params, out.split(unit.sizes), strict=True):
                 if not sp.shard.requires_grad:
                     continue
                 if sp.shard.grad is None:
@@ -483,7 +495,7 @@ class Zero3(nn.Module):
             )
         uses = []
         for unit, slots in self._triggers[trigger]:
-            use = _Use(unit, fp if unit.requires_grad else None)
+            use = _Use(unit, fp if unit.requires_grad else None, slots=tuple(slots))
             if use.forward_pass is not None:
                 fp.pending[unit] = fp.pending.get(unit, 0) + 1
                 fp.order.append(use)
@@ -501,7 +513,7 @@ class Zero3(nn.Module):
 
     def _put_back(self, trigger: nn.Module) -> list[_Use]:
         _, uses = self._live.pop()
-        for (unit, slots), use in zip(self._triggers[trigger], uses):
+        for (unit, slots), use in zip(self._triggers[trigger], uses, strict=True):
             for sub, attr, i in slots:
                 sub._parameters[attr] = unit.params[
                     i
@@ -530,7 +542,7 @@ class Zero3(nn.Module):
             i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad
         ]
         wrapped = _RegatherBeforeBackward.apply(needs, self, *[outs[i] for i in grad_idx])
-        for i, w in zip(grad_idx, wrapped):
+        for i, w in zip(grad_idx, wrapped, strict=True):
             outs[i] = w
         return outs[0] if isinstance(output, torch.Tensor) else type(output)(outs)
 

@@ -103,14 +103,17 @@ class Unit:
     def blocks(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's padded full tensor in the full buffer, viewed ``(N, s_i)`` (copy-out targets)."""
         n = buffer.numel() // self.shard_numel
-        return [buffer[n * o : n * (o + s)].view(n, s) for o, s in zip(self.offsets, self.sizes)]
+        return [
+            buffer[n * o : n * (o + s)].view(n, s)
+            for o, s in zip(self.offsets, self.sizes, strict=True)
+        ]
 
     def full_views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each parameter's full tensor (unpadded, in its shape) in the full buffer."""
         n = buffer.numel() // self.shard_numel
         return tuple(
             buffer[n * o : n * o + sp.numel].view(sp.shape)
-            for o, sp in zip(self.offsets, self.params)
+            for o, sp in zip(self.offsets, self.params, strict=True)
         )
 
     @staticmethod

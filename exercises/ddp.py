@@ -5,9 +5,14 @@
 (b) ``BucketedReducer(module, bucket_cap_mb)`` — launch *asynchronous* all-reduces of gradient
     buckets from hooks **while backward is still running**, then ``finish()`` waits and writes
     the averages back: the two ideas (overlap + bucketing) inside ``course_lib.ddp.DDP``.
+(c) stretch, CS336 A2's ``DDPBucketed``: ``OverlappedDDP(module, bucket_size_mb)`` — a whole
+    wrapper: broadcast rank 0's weights, overlap bucketed all-reduces with backward, and
+    ``finish_gradient_synchronization()`` before ``optimizer.step()``.
 
 Check: ``course-lib check allreduce_gradients`` / ``course-lib check bucketed_reducer``
-(or ``check("allreduce_gradients")`` in a notebook).
+(or ``check("allreduce_gradients")`` in a notebook); (c) with
+``spawn(course_lib.checks.ddp.check_overlapped_ddp, 2, args=(OverlappedDDP,))``.
+Stuck? ``course_lib.checks.ddp.hint(name, level)``: level 1 the idea, 2 the API (never the code).
 """
 
 import torch
@@ -24,11 +29,11 @@ def allreduce_gradients(module: nn.Module) -> None:
     ``module.parameters()`` yields it once, so it is reduced once.
     """
     world = dist.get_world_size()  # noqa: F841
-    # TODO: for each parameter with a gradient: sum it over ranks in place with
-    # comm.all_reduce(p.grad, tag="grad"), then divide by the world size.
+    # TODO: make every trainable gradient the mean of that gradient over all ranks.
     raise NotImplementedError(
-        "allreduce_gradients: implement it (hint: for p in module.parameters(), skip "
-        "p.grad is None, comm.all_reduce(p.grad, tag='grad'), then p.grad.div_(world))"
+        "allreduce_gradients: implement it. Idea: each rank's gradient is its shard's; the "
+        "full-batch gradient is their mean over ranks. "
+        "More: course_lib.checks.ddp.hint('allreduce_gradients', 2)"
     )
 
 
@@ -80,19 +85,58 @@ class BucketedReducer:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Hook: ``p.grad`` is final for this backward. Copy it in; launch the bucket when complete."""
-        # TODO: copy p.grad into self.slot[p]; count it off self.pending[i] (i = self.bucket_of[p]);
-        # when the bucket is complete, divide self.flat[i] by the world size and launch
-        # comm.all_reduce(self.flat[i], async_op=True, tag="grad"); keep (i, work) in self.works.
+        # TODO: put p's gradient into its bucket; once the bucket holds all of its gradients,
+        # start that bucket's reduction without waiting for it, and remember it for finish().
         raise NotImplementedError(
-            "BucketedReducer._on_grad_ready: implement it (hint: copy the grad into its "
-            "slot, and when pending[i] reaches 0 launch an async all-reduce of flat[i])"
+            "BucketedReducer._on_grad_ready: implement it. Idea: a bucket can travel as soon "
+            "as its last gradient is in, while backward goes on. "
+            "More: course_lib.checks.ddp.hint('bucketed_reducer', 2)"
         )
 
     def finish(self) -> None:
         """Wait for every bucket, copy the averaged gradients into ``.grad``, reset for the next step."""
-        # TODO: for each (i, work) in self.works: work.wait(), then copy each slot back into p.grad.
-        # Then reset self.works and self.pending for the next backward.
+        # TODO: wait for what was launched, put the averages where the optimizer reads them,
+        # and make the reducer ready for the next backward.
         raise NotImplementedError(
-            "BucketedReducer.finish: implement it (hint: work.wait(), then "
-            "p.grad.copy_(self.slot[p]) for the bucket's parameters; reset the counters)"
+            "BucketedReducer.finish: implement it. Idea: the optimizer reads .grad, so the "
+            "averages must be there after finish(). "
+            "More: course_lib.checks.ddp.hint('bucketed_reducer', 2)"
+        )
+
+
+class OverlappedDDP(nn.Module):
+    """Stretch (CS336 A2's ``DDPBucketed``): a data-parallel wrapper that overlaps communication.
+
+    Usage, every step::
+
+        loss = ddp(x, y)[1]
+        loss.backward()                          # the all-reduces start during backward
+        ddp.finish_gradient_synchronization()    # wait; .grad holds the average over ranks
+        optimizer.step()
+
+    Must: start every rank from rank 0's weights; pack the trainable parameters (reverse
+    registration order, at most ``bucket_size_mb`` MiB per bucket, a larger parameter alone) into
+    buckets; launch each bucket's all-reduce (``comm.all_reduce(..., async_op=True, tag="grad")``)
+    from a gradient hook as soon as the bucket is complete — none after ``backward()`` returns;
+    leave frozen parameters without a gradient; work for many steps.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 0.03):
+        super().__init__()
+        self.module = module
+        raise NotImplementedError(
+            "OverlappedDDP: implement it. Idea: BucketedReducer plus two things — the same "
+            "start on every rank, and the wait inside the wrapper. "
+            "More: course_lib.checks.ddp.hint('overlapped_ddp', 2)"
+        )
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce; leave each trainable ``.grad`` the mean over ranks."""
+        raise NotImplementedError(
+            "OverlappedDDP.finish_gradient_synchronization: implement it. Idea: what "
+            "BucketedReducer.finish does. "
+            "More: course_lib.checks.ddp.hint('overlapped_ddp', 2)"
         )

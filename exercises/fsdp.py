@@ -28,8 +28,8 @@ def wrap_blocks(model: nn.Module, mesh, reshard_after_forward: bool = True) -> n
     """
     # TODO: one fully_shard per block, then one on the whole model.
     raise NotImplementedError(
-        "wrap_blocks: implement it (hint: for block in model.blocks: fully_shard(block, "
-        "mesh=mesh, reshard_after_forward=...), then fully_shard(model, ...) last)"
+        "wrap_blocks: implement it (hints in layers, the idea then the API: "
+        "course_lib.checks.fsdp.hint('fsdp2_wrap_blocks', 1), then level 2)"
     )
 
 
@@ -47,8 +47,8 @@ class ShardedCheckpoint:
         """
         # TODO
         raise NotImplementedError(
-            "ShardedCheckpoint.save: implement it (hint: model_sd, optim_sd = "
-            "get_state_dict(model, optimizer); dcp.save({...}, checkpoint_id=path))"
+            "ShardedCheckpoint.save: implement it (hints in layers, the idea then the API: "
+            "course_lib.checks.fsdp.hint('sharded_checkpoint', 1), then level 2)"
         )
 
     @staticmethod
@@ -61,6 +61,6 @@ class ShardedCheckpoint:
         """
         # TODO
         raise NotImplementedError(
-            "ShardedCheckpoint.load: implement it (hint: get_state_dict for the layout, "
-            "dcp.load(state, checkpoint_id=path), then set_state_dict)"
+            "ShardedCheckpoint.load: implement it (hints in layers, the idea then the API: "
+            "course_lib.checks.fsdp.hint('sharded_checkpoint', 1), then level 2)"
         )

@@ -26,6 +26,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int, stage: int) -> 
     # then alternate Action("F", next micro-batch) and Action("B", oldest micro-batch),
     # then the remaining backwards.
     raise NotImplementedError(
-        "one_f_one_b_schedule: implement it (hint: warmup = min(p - 1 - stage, m) forwards, "
-        "then F/B pairs, then the remaining B's)"
+        "one_f_one_b_schedule: implement it (the hint: a stage runs forwards until it holds as many "
+        "micro-batches as the stages after it can still take, then alternates one backward with one "
+        "forward; notebook 05's exercise section states what the checker compares)"
     )

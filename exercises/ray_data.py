@@ -26,20 +26,24 @@ VOCAB = {f"w{i:02d}": i for i in range(32)}
 
 def tokenize_batch(batch: dict) -> dict:
     """``{"id": (n,), "text": (n,) str}`` → ``{"id": (n,), "x": (n, T), "y": (n, T)}`` (int64 token ids)."""
-    # TODO: split every text into words, map each word with VOCAB, stack the rows into an (n, T+1) int64
-    # array, and return the ids with x = all but the last token, y = all but the first.
+    # Hint 1 (the idea): a text is T+1 words; each word is one token id. The model reads tokens 0..T-1 and
+    #   predicts tokens 1..T, so x and y are the same row shifted by one.
+    # Hint 2 (the API): str.split() gives the words, VOCAB maps a word to its id, np.array(..., dtype=np.int64)
+    #   stacks equal-length rows into an (n, T+1) array, and numpy slicing on the last axis gives x and y.
     raise NotImplementedError(
-        "tokenize_batch: implement it (hint: np.array([[VOCAB[w] for w in t.split()] "
-        "for t in batch['text']]), then x = tokens[:, :-1], y = tokens[:, 1:])"
+        "tokenize_batch: still a TODO (hints in exercises/ray_data.py: words -> ids with VOCAB, "
+        "then x and y are the rows shifted by one)"
     )
 
 
 def fit_with_ray_data(folder: str, train_loop, num_workers: int = 2):
     """Read ``folder``'s Parquet files, ``map_batches(tokenize_batch)``, fit a TorchTrainer on it; return the Result."""
-    # TODO: ds = ray.data.read_parquet(folder).map_batches(...)
-    #       TorchTrainer(train_loop, datasets={"train": ds}, scaling_config=ScalingConfig(...), run_config=...)
+    # Hint 1 (the idea): the dataset is a lazy plan — read the files, add your step, and give the plan to the
+    #   trainer; each worker reads its own shard inside train_loop (already written for you).
+    # Hint 2 (the API): ray.data.read_parquet, Dataset.map_batches(fn, batch_size=..., num_cpus=...),
+    #   ray.train.torch.TorchTrainer(train_loop, datasets={...}, scaling_config=ray.train.ScalingConfig(
+    #   num_workers=..., resources_per_worker=...), run_config=ray.train.RunConfig(...)), trainer.fit().
     raise NotImplementedError(
-        "fit_with_ray_data: implement it (hint: map_batches(tokenize_batch, batch_size=16, "
-        "num_cpus=0.5); ScalingConfig(num_workers=num_workers, resources_per_worker="
-        "{'CPU': 0.5}); datasets={'train': ds}; return trainer.fit())"
+        "fit_with_ray_data: still a TODO (hints in exercises/ray_data.py: read, map_batches with half a CPU "
+        "per task, a TorchTrainer whose workers ask for half a CPU, fit)"
     )

@@ -65,8 +65,6 @@ def ray_train_loop(config: dict) -> None:
     # TODO: copy plain_loop here and make the four changes (prepare_model, prepare_data_loader with the
     # per-worker batch, set_epoch, a report with a checkpoint from rank 0 after every epoch).
     raise NotImplementedError(
-        "ray_train_loop: hint — model = prepare_model(GPT(...)); loader = prepare_data_loader("
-        "DataLoader(..., batch_size=config['global_batch'] // world_size, shuffle=True)); "
-        "loader.sampler.set_epoch(epoch) every epoch; after each epoch ray.train.report("
-        "{'epoch': epoch, 'loss': loss}, checkpoint=...) with model.pt saved by rank 0"
+        "ray_train_loop: hint — start from plain_loop: the same model, optimizer and loop, with the four "
+        "changes this module's docstring lists (notebook 07, §10 has two hints: the idea, then the API)"
     )

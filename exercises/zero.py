@@ -61,12 +61,12 @@ class Zero1Step:
         padded = -(-total // self.world_size) * self.world_size  # round up to a multiple of N
         self.flat_params = torch.zeros(padded, dtype=torch.float32, device=self.params[0].device)
         with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
+            for p, off in zip(self.params, self.offsets, strict=True):
                 self.flat_params[off : off + p.numel()].copy_(p.reshape(-1))
         # every rank starts from rank 0's weights: the slices only fit together if the ranks agree
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         comm.broadcast(self.flat_params, src=src, group=process_group, tag="init")
-        for p, off in zip(self.params, self.offsets):
+        for p, off in zip(self.params, self.offsets, strict=True):
             p.data = self.flat_params[off : off + p.numel()].view_as(p)
         self.flat_grads = torch.zeros_like(self.flat_params)
         size = padded // self.world_size  # S
@@ -78,7 +78,7 @@ class Zero1Step:
     @torch.no_grad()
     def _copy_grads_in(self) -> None:
         """``flat_grads`` ← this rank's local gradients (zeros for a parameter without one)."""
-        for p, off in zip(self.params, self.offsets):
+        for p, off in zip(self.params, self.offsets, strict=True):
             slot = self.flat_grads[off : off + p.numel()]
             if p.grad is None:
                 slot.zero_()
@@ -98,13 +98,11 @@ class Zero1Step:
         Steps 1 + 3 move (N−1)/N · 2 · Ψ elements per rank: one all-reduce's worth.
         """
         self._copy_grads_in()
-        # TODO: (1) grad = torch.empty(S) and comm.reduce_scatter(grad, self.flat_grads, group=self.process_group,
-        # tag="grad"), then divide by the world size; (2) self.shard.grad = grad; self.optimizer.step();
-        # (3) comm.all_gather(self.flat_params, self.shard.detach(), group=self.process_group, tag="param").
+        # TODO: the three steps of the docstring. Stuck? hint("zero1_step", 1) is the idea,
+        # hint("zero1_step", 2) the API (from course_lib.checks.zero import hint).
         raise NotImplementedError(
-            "Zero1Step.step: implement it (hint: reduce_scatter flat_grads into an S-element "
-            "tensor and divide by N, set shard.grad, optimizer.step(), then all_gather "
-            "shard into flat_params)"
+            "Zero1Step.step: implement it (hints: course_lib.checks.zero.hint('zero1_step', 1), "
+            "then level 2)"
         )
 
     def zero_grad(self) -> None:
@@ -123,24 +121,22 @@ class _ShardedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, shard, layer):
-        # TODO: weight = layer.gather_weight(); y = F.linear(x, weight); layer.free_weight();
-        # save x for backward (ctx.save_for_backward(x)) and keep ctx.layer = layer; return y.
+        # TODO: gather the weight, compute y, free the weight; keep for backward only what
+        # backward cannot get again. hint("sharded_linear", 1), then 2.
         raise NotImplementedError(
-            "_ShardedLinearFunction.forward: implement it (hint: gather the weight, "
-            "compute F.linear(x, weight), free the weight, save only x)"
+            "_ShardedLinearFunction.forward: implement it (hints: "
+            "course_lib.checks.zero.hint('sharded_linear', 1), then level 2)"
         )
 
     @staticmethod
     def backward(ctx, grad_y):
         (x,) = ctx.saved_tensors
         layer = ctx.layer  # noqa: F841
-        # TODO: re-gather the weight; grad_x = grad_y @ weight; free the weight again;
-        # grad_weight = grad_y.reshape(-1, layer.out_features).T @ x.reshape(-1, layer.in_features);
-        # return grad_x, layer.reduce_scatter_grad(grad_weight), None  (one gradient per forward input).
+        # TODO: the input's gradient needs the whole weight again; the weight's gradient goes
+        # to the shard, averaged over ranks. hint("sharded_linear", 1), then 2.
         raise NotImplementedError(
-            "_ShardedLinearFunction.backward: implement it (hint: gather_weight() again, "
-            "grad_x = grad_y @ weight, free_weight(), grad_weight = grad_yᵀ·x over all "
-            "leading dims, return grad_x, layer.reduce_scatter_grad(grad_weight), None)"
+            "_ShardedLinearFunction.backward: implement it (hints: "
+            "course_lib.checks.zero.hint('sharded_linear', 1), then level 2)"
         )
 
 
@@ -197,12 +193,10 @@ class ShardedLinear(nn.Module):
         then ``comm.all_gather(self.full_weight, self.shard.detach(), tag="param")`` writes
         rank r's shard at ``[r·S, (r+1)·S)``. Drop the padding and reshape.
         """
-        # TODO: resize full_weight's storage back to numel · element_size bytes, all-gather every rank's
-        # shard into it (tag "param"), return full_weight[:self.numel] viewed as [out_features, in_features].
+        # TODO: what the docstring says. hint("sharded_linear", 2) names the calls.
         raise NotImplementedError(
-            "ShardedLinear.gather_weight: implement it (hint: "
-            "self.full_weight.untyped_storage().resize_(nbytes), then comm.all_gather("
-            "self.full_weight, self.shard.detach(), group=self.process_group, tag='param'))"
+            "ShardedLinear.gather_weight: implement it (hints: "
+            "course_lib.checks.zero.hint('sharded_linear', 1), then level 2)"
         )
 
     @torch.no_grad()

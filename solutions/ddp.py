@@ -5,9 +5,14 @@
 (b) ``BucketedReducer(module, bucket_cap_mb)`` — launch *asynchronous* all-reduces of gradient
     buckets from hooks **while backward is still running**, then ``finish()`` waits and writes
     the averages back: the two ideas (overlap + bucketing) inside ``course_lib.ddp.DDP``.
+(c) stretch, CS336 A2's ``DDPBucketed``: ``OverlappedDDP(module, bucket_size_mb)`` — a whole
+    wrapper: broadcast rank 0's weights, overlap bucketed all-reduces with backward, and
+    ``finish_gradient_synchronization()`` before ``optimizer.step()``.
 
 Check: ``course-lib check allreduce_gradients`` / ``course-lib check bucketed_reducer``
-(or ``check("allreduce_gradients")`` in a notebook).
+(or ``check("allreduce_gradients")`` in a notebook); (c) with
+``spawn(course_lib.checks.ddp.check_overlapped_ddp, 2, args=(OverlappedDDP,))``.
+Stuck? ``course_lib.checks.ddp.hint(name, level)``: level 1 the idea, 2 the API (never the code).
 """
 
 import torch
@@ -94,3 +99,35 @@ class BucketedReducer:
                 p.grad.copy_(self.slot[p])
         self.works = []
         self.pending = [len(b) for b in self.buckets]
+
+
+class OverlappedDDP(nn.Module):
+    """Stretch (CS336 A2's ``DDPBucketed``): a data-parallel wrapper that overlaps communication.
+
+    Usage, every step::
+
+        loss = ddp(x, y)[1]
+        loss.backward()                          # the all-reduces start during backward
+        ddp.finish_gradient_synchronization()    # wait; .grad holds the average over ranks
+        optimizer.step()
+
+    Must: start every rank from rank 0's weights; pack the trainable parameters (reverse
+    registration order, at most ``bucket_size_mb`` MiB per bucket, a larger parameter alone) into
+    buckets; launch each bucket's all-reduce (``comm.all_reduce(..., async_op=True, tag="grad")``)
+    from a gradient hook as soon as the bucket is complete — none after ``backward()`` returns;
+    leave frozen parameters without a gradient; work for many steps.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 0.03):
+        super().__init__()
+        self.module = module
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=0)  # every replica starts from rank 0's weights
+        self.reducer = BucketedReducer(module, bucket_cap_mb=bucket_size_mb)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce; leave each trainable ``.grad`` the mean over ranks."""
+        self.reducer.finish()

@@ -61,12 +61,12 @@ class Zero1Step:
         padded = -(-total // self.world_size) * self.world_size  # round up to a multiple of N
         self.flat_params = torch.zeros(padded, dtype=torch.float32, device=self.params[0].device)
         with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
+            for p, off in zip(self.params, self.offsets, strict=True):
                 self.flat_params[off : off + p.numel()].copy_(p.reshape(-1))
         # every rank starts from rank 0's weights: the slices only fit together if the ranks agree
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         comm.broadcast(self.flat_params, src=src, group=process_group, tag="init")
-        for p, off in zip(self.params, self.offsets):
+        for p, off in zip(self.params, self.offsets, strict=True):
             p.data = self.flat_params[off : off + p.numel()].view_as(p)
         self.flat_grads = torch.zeros_like(self.flat_params)
         size = padded // self.world_size  # S
@@ -78,7 +78,7 @@ class Zero1Step:
     @torch.no_grad()
     def _copy_grads_in(self) -> None:
         """``flat_grads`` ← this rank's local gradients (zeros for a parameter without one)."""
-        for p, off in zip(self.params, self.offsets):
+        for p, off in zip(self.params, self.offsets, strict=True):
             slot = self.flat_grads[off : off + p.numel()]
             if p.grad is None:
                 slot.zero_()

@@ -128,7 +128,7 @@ class TwoHosts:
                 _sh("ip", "netns", "add", ns)
                 self._made.append(ns)
             _sh("ip", "link", "add", self.veths[0], "type", "veth", "peer", "name", self.veths[1])
-            for ns, veth, ip in zip(self.names, self.veths, self.ips):
+            for ns, veth, ip in zip(self.names, self.veths, self.ips, strict=True):
                 _sh("ip", "link", "set", veth, "netns", ns)
                 _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", veth)
                 _sh("ip", "netns", "exec", ns, "ip", "link", "set", veth, "up")

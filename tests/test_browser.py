@@ -22,6 +22,8 @@ import pytest
 
 from course_lib.quiz import UI as QUIZ_UI
 from course_lib.quiz import exam_items, load_bank
+from course_lib.quiz.bank import is_numeric
+from course_lib.quiz.grading import format_number
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("COURSE_LIB_CACHE", ROOT / ".cache")) / "test-artifacts" / "browser"
@@ -64,12 +66,14 @@ def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
     )  # the kernel's clicks record nothing real
     exam = exam_items(n=14)
     with lab_driver.Lab(
-        {"quiz.ipynb": lab_driver.quiz_notebook(("en", "ko"), exam_n=14)}, env=env
+        {"quiz.ipynb": lab_driver.quiz_notebook(("en", "ko"), exam_n=14, numeric=True)}, env=env
     ) as lab:
         found = lab_driver.check_quiz(lab, "quiz.ipynb", ("en", "ko"), items, ARTIFACTS)
-        exam_shown = lab_driver.answer(
-            lab.page, 2, 0, exam[0]["answer"]
-        )  # the final exam's widget, cell 3
+        exam_shown = lab_driver.answer(  # the final exam's widget, cell 3: graded only at the end
+            lab.page, 2, 0, exam[0]["answer"], shown=f"1 answered · {len(exam) - 1} left"
+        )
+        number = load_bank("collectives", kind="numeric")[0]  # cell 4: typed into its box, checked
+        number_shown = lab_driver.answer_number(lab.page, 3, 0, format_number(number["answer"]))
         text, font = lab_driver.statement(
             lab.page, 1, 3
         )  # statement 3 of the Korean quiz (not a seed item)
@@ -92,11 +96,23 @@ def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
         assert found["screenshots"][lang].stat().st_size > 10_000
     assert "✔ 정답" not in found["en"] and "✔ correct" not in found["ko"]
 
-    assert "\nFinal O/X exam — chapters 00–09 (14 statements, form 0)\n" in exam_shown, exam_shown[
-        :200
-    ]
-    assert "✔ correct" in exam_shown and "Score 1/1 · 13 left" in exam_shown
-    assert exam[0]["explanation"]["en"][:40] in exam_shown
+    computations = sum(is_numeric(item) for item in exam)
+    assert computations == 3 and len(exam) == 14 + computations, [item["id"] for item in exam]
+    heading = (
+        f"\nFinal O/X exam — chapters 00–09 (14 statements, form 0) + {computations} computations\n"
+    )
+    assert heading in exam_shown, exam_shown[:200]
+    # mid-exam: the answer is taken, with no verdict and no explanation (it could answer a later one)
+    assert f"you said {exam[0]['answer']} — graded" in exam_shown
+    assert (
+        "✔" not in exam_shown.split("Final O/X exam")[1]
+        and "✘" not in exam_shown.split("Final O/X exam")[1]
+    )
+    assert exam[0]["explanation"]["en"][:40] not in exam_shown
+
+    # a numeric question: the typed number reached the kernel, was graded right, and explained
+    assert f"{lab_driver.UI['en']['right']} " in number_shown, number_shown
+    assert number["explanation"]["en"][:40] in number_shown, number_shown
 
     assert text == items[2]["statement"]["ko"]
     assert pixels["vs_boxes"] > 0.02 and pixels["vs_other_syllables"] > 0.02, (

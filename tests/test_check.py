@@ -1,12 +1,25 @@
-"""The exercise checker: solutions pass, shipped exercises are reported unsolved, wrong answers fail clearly."""
+"""The exercise checker: solutions pass, shipped exercises are reported unsolved, wrong answers fail clearly.
 
+Every exercise's checker runs on its solution and on its shipped stub. A ``check()`` call spawns fresh
+ranks per world size (what a learner runs); here the spawn-launcher checkers share ranks instead: one
+spawn per world size runs every checker of that size on the solutions, one spawn of 2 ranks runs every
+stub's checker (a spawn costs seconds: 20 of them were a third of this file). ``check()`` itself — loading
+the learner's file, one spawn per world size, a pass, an unsolved stub, a failure, an error — is tested
+through its own path below, once per launcher and outcome.
+"""
+
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
 
 from course_lib.check import EXERCISES, check
+from course_lib.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
+SPAWNED = sorted(n for n, ex in EXERCISES.items() if ex.launcher == "spawn")
+PARENT = sorted(n for n, ex in EXERCISES.items() if ex.launcher == "parent")
 
 
 def test_exercises_and_solutions_mirror_each_other():
@@ -15,33 +28,103 @@ def test_exercises_and_solutions_mirror_each_other():
     assert ex == sol
 
 
+def _run_checkers(names: list, package: str) -> dict:
+    """Rank function: each named exercise's checker on ``package``'s answer, one after another.
+
+    Per exercise: ``("ok", problems)`` or, when the checker raised, ``(type name, message)``. The stubs
+    raise at the same point on every rank (before any collective they would leave unmatched).
+    """
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    out = {}
+    for name in names:
+        ex = EXERCISES[name]
+        fn = getattr(importlib.import_module(f"{package}.{ex.module}"), ex.function)
+        try:
+            out[name] = ("ok", list(ex.runner(fn) or []))
+        except Exception as exc:  # noqa: BLE001 - a stub's NotImplementedError is the result
+            out[name] = (type(exc).__name__, str(exc))
+    return out
+
+
+@pytest.fixture(scope="module")
+def solved() -> dict:
+    """``{(name, world): rank 0's result}``: each world size of every checker, on its solution."""
+    out = {}
+    for world in sorted({w for n in SPAWNED for w in EXERCISES[n].world_sizes}):
+        names = [n for n in SPAWNED if world in EXERCISES[n].world_sizes]
+        per_rank = spawn(_run_checkers, world, args=(names, "solutions"), timeout=280)
+        for name in names:
+            results = [r[name] for r in per_rank]
+            kinds = {kind for kind, _ in results}
+            problems = [p for kind, ps in results if kind == "ok" for p in ps]
+            out[name, world] = (kinds, problems, results)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stubs() -> list:
+    """Every rank's result of every spawn-launcher checker on its shipped stub (2 ranks, as check())."""
+    return spawn(_run_checkers, 2, args=(SPAWNED, "exercises"), timeout=200)
+
+
+@pytest.mark.parametrize("name", SPAWNED)
+def test_solution_passes_on_every_world_size(name, solved):
+    for world in EXERCISES[name].world_sizes:
+        kinds, problems, results = solved[name, world]
+        assert kinds == {"ok"}, f"world_size={world}: {results}"
+        assert problems == [], f"world_size={world}: {problems[0]}"
+
+
+@pytest.mark.parametrize("name", SPAWNED)
+def test_shipped_stub_raises_not_implemented_with_its_hint(name, stubs):
+    """What check() reports as unsolved: NotImplementedError on the ranks, its message the hint."""
+    ex = EXERCISES[name]
+    for rank, results in enumerate(stubs):
+        kind, message = results[name]
+        assert kind == "NotImplementedError", f"rank {rank}: {kind}: {message}"
+        hint = message.removeprefix("_")  # _ShardedLinearFunction: the ShardedLinear exercise
+        assert hint.startswith(ex.function), f"rank {rank}: the hint names the function: {message}"
+
+
+def test_check_passes_a_solution_on_its_world_sizes():
+    """check()'s own path for a pass: load solutions/, spawn per world size, the sentence."""
+    result = check("one_f_one_b_schedule", package="solutions")
+    assert result.passed, str(result)
+    assert str(result) == "[PASS] one_f_one_b_schedule: matches the reference on world sizes 2"
+
+
+def test_check_reports_a_shipped_exercise_unsolved_with_its_hint():
+    """check()'s own path for a spawned stub: the rank's NotImplementedError becomes 'unsolved'."""
+    result = check("count_model_state_bytes")
+    assert result.status == "unsolved", str(result)
+    assert result.message.startswith("not implemented yet — count_model_state_bytes: "), str(result)
+    assert "data_ptr" not in result.message  # the hint points at the notebook, never at the code
+
+
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray session for every launcher="parent" (Ray) check in this module: the runners use a running one."""
+    """One local Ray session for every launcher="parent" (Ray) check in this module: the runners use a
+    running one."""
     ray_train = pytest.importorskip("course_lib.ray_train")
     ray_train.start(num_cpus=2)
     yield
     ray_train.stop()
 
 
-def _session_for(name, request):
-    if EXERCISES[name].launcher == "parent":
-        request.getfixturevalue("ray_session")
-
-
-@pytest.mark.parametrize("name", sorted(EXERCISES))
-def test_solution_passes(name, request):
-    _session_for(name, request)
+@pytest.mark.parametrize("name", PARENT)
+def test_parent_solution_passes(name, ray_session):
     result = check(name, package="solutions")
     assert result.passed, str(result)
 
 
-@pytest.mark.parametrize("name", sorted(EXERCISES))
-def test_shipped_exercise_is_reported_unsolved(name, request):
-    _session_for(name, request)
+@pytest.mark.parametrize("name", PARENT)
+def test_parent_shipped_exercise_is_reported_unsolved(name, ray_session):
+    """ray_train_loop's stub raises inside a Ray worker (Ray wraps it); ray_data's in this process."""
     result = check(name, package="exercises")
     assert result.status == "unsolved", str(result)
-    assert "hint" in result.message or "implement" in result.message
+    assert result.message.startswith("not implemented yet — "), str(result)
+    assert "hint" in result.message, str(result)
 
 
 def test_wrong_answer_names_rank_tensor_and_error(learner_answer):

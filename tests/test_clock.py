@@ -38,7 +38,10 @@ def batch(step: int = 0, size: int = BATCH):
 def block_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """Each block's input in ``model(x)`` (detached)."""
     seen = []
-    keep = lambda module, args: seen.append(args[0].detach())
+
+    def keep(module, args):
+        seen.append(args[0].detach())
+
     handles = [b.register_forward_pre_hook(keep) for b in model.blocks]
     with torch.no_grad():
         model(x)
@@ -70,7 +73,7 @@ def test_calibrated_blocks_sleep_at_least_ten_times_their_real_compute():
     clock.apply(model)
     _, loss = model(x, y)
     loss.backward()
-    for i, (block, h) in enumerate(zip(model.blocks, block_inputs(model, x))):
+    for i, (block, h) in enumerate(zip(model.blocks, block_inputs(model, x), strict=True)):
         modelled = clock.seconds[f"blocks.{i} fwd"] + clock.seconds[f"blocks.{i} bwd"]
         clock.rate = float("inf")  # the clocked path (FLOP counter, Function), sleeping 0 s
         real = fwd_bwd_seconds(block, h)
@@ -171,7 +174,7 @@ def test_clock_on_and_off_give_bit_identical_losses_and_gradients():
     losses_off, grads_off = run_steps(GPT(CFG))
     assert clock.calls["blocks.1 bwd"] == 3  # the clock did run
     EXACT.assert_close(losses_on, losses_off)
-    for g_on, g_off in zip(grads_on, grads_off):
+    for g_on, g_off in zip(grads_on, grads_off, strict=True):
         EXACT.assert_close(dict(enumerate(g_on)), dict(enumerate(g_off)))
 
 
@@ -260,7 +263,7 @@ def test_our_ddp_and_torch_ddp_run_under_the_same_clock(two_ranks):
         EXACT.assert_close(ours["modelled"], theirs["modelled"])  # the same model, the same costs
         for r in (ours, theirs):
             assert min(r["modelled"]) > 0.01
-            for t, m in zip(r["times"], r["modelled"]):
+            for t, m in zip(r["times"], r["modelled"], strict=True):
                 assert t >= m, f"rank {rank}: a step took {t:.4f} s < modelled {m:.4f} s"
         SGD.assert_close(ours["losses"], theirs["losses"], f"rank {rank} losses")
         SGD.assert_close(ours["params"], theirs["params"], f"rank {rank} parameters")
@@ -317,3 +320,13 @@ def test_sleeps_are_labelled_for_the_profiler():
         model(*batch())[1].backward()
     names = {e.name for e in prof.events()}
     assert {"clock: blocks.0 fwd", "clock: blocks.0 bwd", "clock: lm_head fwd"} <= names
+
+
+def test_format_rate_names_tiny_and_huge_rates_in_readable_units():
+    from course_lib.clock import format_rate
+
+    assert format_rate(2e9) == "2.0 GFLOP/s"
+    assert format_rate(5e8) == "0.5 GFLOP/s"
+    assert format_rate(3e13) == "30.0 TFLOP/s"
+    assert format_rate(2.5e6) == "2.5 MFLOP/s"
+    assert format_rate(6.4e3) == "6.4 kFLOP/s"

@@ -23,7 +23,7 @@ from course_lib.ddp import (
     torch_ddp,
     trainable_parameters,
 )
-from course_lib.experiments.ddp import DDPTimeline
+from course_lib.experiments.ddp import EXPOSURE_VARIANTS, DDPTimeline
 from course_lib.launch import spawn
 from course_lib.models import GPT, equality_config
 from course_lib.results import ADAMW, BF16, EXACT, FP16, SGD, for_optimizer, max_abs_diff
@@ -331,8 +331,71 @@ def _refusal_case():
     return out
 
 
+def _solutions_ddp():
+    """solutions/ddp.py loaded by path (a rank's sys.path need not hold the repository root)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "solutions" / "ddp.py"
+    spec = importlib.util.spec_from_file_location("_solutions_ddp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _ReducesAfterBackward(nn.Module):
+    """A wrong stretch answer: correct averages, but every all-reduce after backward (no overlap)."""
+
+    def __init__(self, module, bucket_size_mb=0.03):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_synchronization(self):
+        naive_allreduce_gradients(self.module)
+
+
+class _NoBroadcast(nn.Module):
+    """A wrong stretch answer: overlapped, but every rank keeps its own init."""
+
+    def __init__(self, module, bucket_size_mb=0.03):
+        super().__init__()
+        self.module = module
+        self.reducer = _solutions_ddp().BucketedReducer(module, bucket_cap_mb=bucket_size_mb)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_synchronization(self):
+        self.reducer.finish()
+
+
+def _stretch_case():
+    from course_lib.checks.ddp import check_overlapped_ddp
+
+    return {
+        "solution": check_overlapped_ddp(_solutions_ddp().OverlappedDDP),
+        "after_backward": check_overlapped_ddp(_ReducesAfterBackward),
+        "no_broadcast": check_overlapped_ddp(_NoBroadcast),
+    }
+
+
+def _exposure_case():
+    from course_lib.experiments import ddp as bench
+
+    return bench.exposed_communication(
+        equality_config(**CFG), batch_size=2, bucket_cap_mb=0.03, rounds=1, timeline_steps=1
+    )
+
+
 def _suite(world_cases: dict) -> dict:
     runners = {
+        "stretch": _stretch_case,
+        "exposure": _exposure_case,
         "train": _train_case,
         "unused": _unused_case,
         "unused_default": _unused_default_case,
@@ -370,7 +433,7 @@ def all_cases(world: int) -> list[tuple]:
     cases += [("no_sync", cap, 3) for cap in (None, 0.03)]
     cases += [("broadcast",), ("naive", SGD_STEPS), ("timeline",), ("refusal",)]
     if world == 2:  # the notebook's rank functions, at the notebook's world size
-        cases += [("bench",), ("claims",)]
+        cases += [("bench",), ("claims",), ("stretch",), ("exposure",)]
     return cases
 
 
@@ -684,6 +747,51 @@ def test_bench_rank_functions_return_numbers_for_the_notebook():
     assert min(e[2] for e in tl["naive"] if e[0] == "comm") >= naive_backward_end, (
         "naive: comm after backward"
     )
+
+
+def test_stretch_checker_passes_the_solution_and_fails_wrong_answers():
+    for out in suite(2)[("stretch",)]:
+        assert out["solution"] == [], out["solution"]
+        assert any("after backward() returned" in p for p in out["after_backward"]), out
+        assert any("differs from one device" in p for p in out["no_broadcast"]), out
+
+
+def test_exposed_communication_counts_calls_and_orders_launches():
+    res = suite(2)[("exposure",)][0]
+    n = len(trainable_parameters(build_model("tied")))
+    calls = res["all_reduces"]
+    assert calls["blocking per-param"] == calls["overlapped per-param"] == n
+    assert calls["blocking bucketed"] == calls["overlapped bucketed"] < n
+    assert all(r.verdict for r in res["timelines"].checks()), res["timelines"].table()
+    assert set(res["exposed"]) == set(res["all_reduces"]) == {"compute only", *EXPOSURE_VARIANTS}
+    assert "exposed: predicted" in res.exposure_table()
+
+
+def test_hints_come_in_two_layers_and_never_hold_the_code():
+    from course_lib.checks.ddp import HINTS, hint
+
+    for name in HINTS:
+        assert hint(name, 1) != hint(name, 2)
+        assert "p.grad.div_(" not in hint(name, 2) and ".copy_(" not in hint(name, 2)
+    with pytest.raises(ValueError, match="no level with the code"):
+        hint("allreduce_gradients", 3)
+    with pytest.raises(ValueError, match="no hints"):
+        hint("nope")
+
+
+def test_one_device_replay_refuses_uneven_shards():
+    from course_lib.experiments.ddp import one_device_replay
+
+    model = build_model("tied")
+    with pytest.raises(ValueError, match="same number of micro-batches"):
+        one_device_replay(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            None,
+            [[[0, 1, 2, 3]], [[4, 5]]],
+            batch_size=2,
+            accumulation=1,
+        )
 
 
 def _chapter_claims():

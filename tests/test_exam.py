@@ -16,6 +16,7 @@ import pytest
 
 from course_lib import chapters as course
 from course_lib import quiz as q
+from course_lib.quiz.forms import BALANCE
 
 x = q  # the exam's API is the quiz package's
 
@@ -44,37 +45,82 @@ def key(form):
 # -- the form ---------------------------------------------------------------------------------------
 
 
+def ox(form):
+    return [item for item in form if item.get("kind") != "numeric"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_form_ends_with_three_computations_from_three_chapters(seed):
+    form = x.exam_items(seed=seed)
+    numeric = form[40:]
+    assert len(form) == 43 and ox(form) == form[:40]
+    assert all(i["kind"] == "numeric" for i in numeric)
+    assert len({i["chapter"] for i in numeric}) == 3
+    assert x.exam_items(seed=seed, computations=0) == form[:40]
+    item = numeric[0]
+    slack = item["tolerance"]
+    near, far = item["answer"] + slack / 2, item["answer"] + 10 * slack + 1
+    graded = x.grade_exam({item["id"]: str(near)}, seed=seed, record=False)
+    assert graded.score == 1 and graded.items[0].answer_text.endswith(")")
+    assert x.grade_exam({item["id"]: far}, seed=seed, record=False).score == 0
+    with pytest.raises(ValueError, match="a number is expected"):
+        x.grade_exam({item["id"]: "O"}, seed=seed, record=False)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_form_has_40_items_all_14_seeds_every_chapter_and_one_per_group(seed):
-    form = x.exam_items(n=40, seed=seed)
+    form = ox(x.exam_items(n=40, seed=seed))
     assert len(form) == 40 and len({i["id"] for i in form}) == 40
     assert sum(bool(i.get("seed")) for i in form) == 14
     assert {i["id"] for i in q.load_bank() if i.get("seed")} <= {i["id"] for i in form}
     groups = collections.Counter(i["group"] for i in form if i.get("group"))
     assert all(count == 1 for count in groups.values()), groups
-    per_chapter = collections.Counter(i["chapter"] for i in form)
+    per_chapter = collections.Counter(i["chapter"] for i in form if not i.get("seed"))
     assert set(per_chapter) == set(q.chapters())
-    assert max(per_chapter.values()) - min(per_chapter.values()) <= 1, per_chapter  # drawn evenly
-    order = [i["id"] for i in q.load_bank()]
-    assert [i["id"] for i in form] == sorted((i["id"] for i in form), key=order.index)  # bank order
-    small = x.exam_items(n=30, seed=seed)  # a shorter form: the same draw, stopped earlier
-    assert len(small) == 30 and {i["id"] for i in small} <= {i["id"] for i in form}
-    assert sum(bool(i.get("seed")) for i in small) == 14
+    # each chapter its share of the non-seed statements, whatever its seeds
+    assert max(per_chapter.values()) - min(per_chapter.values()) <= 1, per_chapter
+    small = ox(x.exam_items(n=30, seed=seed))
+    assert len(small) == 30 and sum(bool(i.get("seed")) for i in small) == 14
+
+
+@pytest.mark.parametrize("n", [27, 40, 60])  # 27: 13 others can just separate 14 seeds
+def test_forms_are_balanced_shuffled_and_keep_seed_statements_apart(n):
+    """Over many forms: O within ±3 of half, no two seeds side by side, not in bank order, and every
+    chapter's non-seed items reachable (chapter 05's four seeds once filled its whole quota)."""
+    order = {item["id"]: k for k, item in enumerate(q.load_bank())}
+    reached = collections.Counter()
+    for seed in range(150):
+        form = ox(x.exam_items(n=n, seed=seed))
+        o_count = sum(i["answer"] == "O" for i in form)
+        assert abs(o_count - n / 2) <= BALANCE, (seed, o_count)
+        seeds = [bool(i.get("seed")) for i in form]
+        assert not any(a and b for a, b in zip(seeds, seeds[1:], strict=False)), seed
+        ranks = [order[i["id"]] for i in form]
+        assert ranks != sorted(ranks)
+        reached.update(i["chapter"] for i in form if not i.get("seed"))
+    assert set(reached) == set(q.chapters()) and min(reached.values()) >= 150  # ≥ 1 a form
 
 
 def test_form_is_deterministic_varies_with_the_seed_and_reaches_every_grouped_item():
     assert x.exam_items(seed=5) == x.exam_items(seed=5)
     assert x.exam_items(seed=5) != x.exam_items(seed=6)
     drawn = {i["id"] for seed in range(60) for i in x.exam_items(n=60, seed=seed)}
-    assert set(GROUPED) <= drawn  # a group limits a form, not the bank: every member gets its turn
-    assert drawn == {i["id"] for i in q.load_bank()}
+    bank = q.load_bank(kind=None)  # numeric questions too
+    seed_groups = {i["group"] for i in bank if i.get("seed") and i.get("group")}
+    # every form has every seed, so an item that would give a seed away never appears
+    shadowed = {i["id"] for i in bank if i.get("group") in seed_groups and not i.get("seed")}
+    assert not drawn & shadowed
+    # a group limits a form, not the bank: every other member gets its turn
+    assert set(GROUPED) - shadowed <= drawn
+    assert drawn == {i["id"] for i in bank} - shadowed
 
 
 def test_form_size_bounds():
-    assert len(x.exam_items(n=14)) == 14 and all(i.get("seed") for i in x.exam_items(n=14))
-    largest = len(x.exam_items(n=None))  # every item the one-per-group rule allows
+    seeds_only = x.exam_items(n=14, computations=0)
+    assert len(seeds_only) == 14 and all(i.get("seed") for i in seeds_only)
+    largest = len(x.exam_items(n=None, computations=0))  # every item the group rule allows
     assert largest > 40
-    assert len(x.exam_items(n=largest)) == largest
+    assert len(x.exam_items(n=largest, computations=0)) == largest
     for bad in (13, largest + 1, 40.0, True, "40"):
         with pytest.raises(ValueError, match=r"between 14 \(the seed statements\) and"):
             x.exam_items(n=bad)
@@ -88,7 +134,7 @@ def test_grade_all_right_then_some_wrong_scores_per_topic_traps_and_reread(cours
     answers = key(form)
     perfect = x.grade_exam(answers, record=False)
     assert (
-        (perfect.score, perfect.total) == (40, 40)
+        (perfect.score, perfect.total) == (43, 43)
         and perfect.missed_traps == []
         and perfect.reread == ()
     )
@@ -96,17 +142,24 @@ def test_grade_all_right_then_some_wrong_scores_per_topic_traps_and_reread(cours
     for item in wrong:
         answers[item["id"]] = flipped(item["answer"]).lower()
     result = x.grade_exam(answers, record=False)
-    assert (result.score, result.total) == (37, 40)
+    assert (result.score, result.total) == (40, 43)
     assert result.missed == [i["id"] for i in wrong]
     assert result.missed_traps == list(dict.fromkeys(i["trap"] for i in wrong))
     assert result.reread == tuple(dict.fromkeys((i["trap"], q.section_of(i)) for i in wrong))
     assert all(where[:2].isdigit() and where[2] == "#" for _, where in result.reread)  # "NN#anchor"
     topics = result.by_topic()
-    assert sum(n for _, n in topics.values()) == 40
+    assert sum(n for _, n in topics.values()) == 43
     expected = collections.Counter(i["topic"] for i in form)
     assert {t: n for t, (_, n) in topics.items()} == dict(expected)
     for topic, (score, total) in topics.items():
         assert score == total - sum(i["topic"] == topic for i in wrong)
+    reported = result.reported_topics()  # small topics folded into their chapter
+    assert sum(n for _, n in reported.values()) == 43
+    for name, (_, total) in reported.items():
+        if not name.endswith("(other topics)"):
+            assert total >= q.grading.MIN_TOPIC_ITEMS and topics[name][1] == total
+    folded = {t for t, (_, n) in topics.items() if n < q.grading.MIN_TOPIC_ITEMS}
+    assert folded and not folded & set(reported)
     assert not (course_home / "progress.json").exists()  # record=False
 
 
@@ -118,7 +171,7 @@ def test_report_is_deterministic_and_names_topics_traps_and_sections(course_home
     text = repr(x.grade_exam(answers, seed=2, record=False))
     assert text == repr(x.grade_exam(dict(answers), seed=2, record=False))
     lines = text.splitlines()
-    assert lines[0] == "O/X exam result: 39/40 correct (98%)"
+    assert lines[0] == "O/X exam result: 42/43 correct (98%)"
     assert f"Missed traps: {miss['trap']}" in lines
     table_start = lines.index("Score by topic:")
     weakest = lines[table_start + 1].split()
@@ -129,7 +182,7 @@ def test_report_is_deterministic_and_names_topics_traps_and_sections(course_home
         line.startswith("By topic:") for line in lines
     )  # the table replaces the one-line summary
     korean = repr(x.grade_exam(answers, seed=2, lang="ko", record=False)).splitlines()
-    assert korean[0] == "O/X 시험 결과: 39/40 정답 (98%)" and korean[-1].startswith(
+    assert korean[0] == "O/X 시험 결과: 42/43 정답 (98%)" and korean[-1].startswith(
         "다시 읽을 곳: "
     )
     assert "주제별 점수:" in korean
@@ -138,8 +191,8 @@ def test_report_is_deterministic_and_names_topics_traps_and_sections(course_home
 def test_grade_accepts_a_list_in_form_order_and_rejects_bad_input():
     form = x.exam_items(n=20, seed=1)
     result = x.grade_exam([i["answer"] for i in form], n=20, seed=1, record=False)
-    assert result.score == result.total == 20
-    with pytest.raises(ValueError, match="20 statements but 2 answers"):
+    assert result.score == result.total == 23  # 20 O/X statements and 3 computations
+    with pytest.raises(ValueError, match="23 statements but 2 answers"):
         x.grade_exam(["O", "X"], n=20, seed=1)
     outside = next(i["id"] for i in q.load_bank() if i["id"] not in {f["id"] for f in form})
     with pytest.raises(
@@ -158,12 +211,14 @@ def test_grading_records_last_and_best_exam_score_beside_the_quizzes(course_home
     form = x.exam_items()
     q.grade(3, {i["id"]: i["answer"] for i in q.load_bank(3)})
     x.grade_exam(key(form))
-    half = {i["id"]: (i["answer"] if n % 2 else flipped(i["answer"])) for n, i in enumerate(form)}
+    half = {
+        i["id"]: (i["answer"] if n % 2 else flipped(i["answer"])) for n, i in enumerate(ox(form))
+    }
     x.grade_exam(half)
     stored = json.loads((course_home / "progress.json").read_text(encoding="utf-8"))
     assert stored["exam"] == {
-        "best": {"score": 40, "total": 40, "seed": 0},
-        "last": {"score": 20, "total": 40, "seed": 0},
+        "best": {"score": 43, "total": 43, "seed": 0},
+        "last": {"score": 20, "total": 40, "seed": 0},  # the computations left unanswered
         "attempts": 2,
     }
     assert stored["quiz"]["zero"]["attempts"] == 1  # the quiz section survives exam writes
@@ -172,21 +227,33 @@ def test_grading_records_last_and_best_exam_score_beside_the_quizzes(course_home
 # -- displays ---------------------------------------------------------------------------------------
 
 
-def test_widget_feedback_running_score_then_topics_traps_reread_and_record(course_home):
+def test_widget_grades_and_explains_only_at_the_end_then_topics_traps_reread_and_record(
+    course_home,
+):
     widget = x.final_exam(mode="widget")
-    assert isinstance(widget, x.ExamWidget) and len(widget.buttons) == 40
-    assert "Final O/X exam — chapters 00–09 (40 statements, form 0)" in widget.header.value
+    assert isinstance(widget, x.ExamWidget) and len(widget.buttons) == 43
+    assert (
+        "Final O/X exam — chapters 00–09 (40 statements, form 0) + 3 computations"
+        in widget.header.value
+    )
     items = widget.items
     o_button, x_button = widget.buttons[0]
     (x_button if items[0]["answer"] == "O" else o_button).click()  # wrong on purpose
-    assert "✘ wrong" in widget.feedback[0].value and "0/1" in widget.score_label.value
-    for index, item in enumerate(items[1:], start=1):
+    # mid-exam: no verdict, no explanation (it could answer a later statement), no running score
+    assert "wrong" not in widget.feedback[0].value and "graded" in widget.feedback[0].value
+    assert items[0]["explanation"]["en"] not in widget.feedback[0].value
+    assert "1 answered · 42 left" in widget.score_label.value
+    for index, item in enumerate(items[1:-1], start=1):
         widget.answer(index, item["answer"])
+    assert not any("correct" in f.value for f in widget.feedback)
+    widget.answer(len(items) - 1, items[-1]["answer"])
     assert widget.finished
+    assert "✘ wrong" in widget.feedback[0].value and "✔ correct" in widget.feedback[1].value
+    assert "42/43" in widget.score_label.value
     summary = widget.summary.value
-    assert "Final score 39/40" in summary and "Score by topic" in summary
+    assert "Final score 42/43" in summary and "Score by topic" in summary
     assert f"Reread: {q.section_of(items[0])}" in summary and items[0]["trap"] in summary
-    assert q.progress()["exam"]["last"] == {"score": 39, "total": 40, "seed": 0}
+    assert q.progress()["exam"]["last"] == {"score": 42, "total": 43, "seed": 0}
     widget.set_lang("ko")
     assert "최종 O/X 시험" in widget.header.value and "주제별 점수" in widget.summary.value
 
@@ -199,9 +266,13 @@ def test_widget_and_text_listings_are_deterministic():
     bundle = widget._repr_mimebundle_()
     assert bundle["text/plain"] == again._repr_mimebundle_()["text/plain"] == widget.text()
     lines = widget.text().splitlines()
+    cut = lines.index("")  # the statements, then the answer key for a reader without a kernel
+    lines, answer_key = lines[:cut], lines[cut + 1 :]
     form = x.exam_items()
-    assert lines[0] == "Final O/X exam — chapters 00–09 (40 statements, form 0)"
+    assert lines[0] == "Final O/X exam — chapters 00–09 (40 statements, form 0) + 3 computations"
     assert lines[-1] == q.WIDGET_HINT
+    assert answer_key[0].startswith("Answers and explanations")
+    assert answer_key[1].startswith(f" 1. {form[0]['answer']} — ")
     first_plain = next(n for n, i in enumerate(form) if not i.get("seed"))
     plain = form[first_plain]
     assert (
@@ -210,14 +281,15 @@ def test_widget_and_text_listings_are_deterministic():
     )
     shown = x.final_exam(seed=3)  # pytest is not a kernel: the text fallback
     assert isinstance(shown, x.ExamText)
-    assert repr(shown).splitlines()[-1] == (
+    text = repr(shown).splitlines()
+    widget_text = x.ExamWidget(x.exam_items(seed=3), "en", 3, record=False).text().splitlines()
+    cut = text.index("")
+    assert text[cut - 1] == (
         "(answer with grade_exam({item_id: 'O' or 'X'}, n=40, seed=3) or: "
         "course-lib exam -n 40 --seed 3)"
     )
-    assert (
-        repr(shown).splitlines()[1:-1]
-        == x.ExamWidget(x.exam_items(seed=3), "en", 3, record=False).text().splitlines()[1:-1]
-    )
+    assert text[cut:] == widget_text[cut:]  # the same answer key
+    assert text[1 : cut - 1] == widget_text[1 : cut - 1]
     assert repr(x.final_exam(lang="ko", mode="text")).startswith(
         "최종 O/X 시험 — 00–09장 전체 (40문항, 시험지 0)"
     )
@@ -241,6 +313,10 @@ def test_terminal_exam_with_scripted_input(course_home):
     )
     out = "\n".join(printed)
     assert (result.score, result.total) == (2, 3)
+    # the verdicts and explanations come after the last answer, none between the questions
+    last_question = max(i for i, line in enumerate(printed) if line.startswith("[3/17]"))
+    assert not any("why:" in line or "✔" in line for line in printed[:last_question])
+    assert form[0]["explanation"]["en"] in out
     assert "Please answer O or X" in out and "Final score 2/3" in out
     assert f"Missed traps: {form[1]['trap']}" in out and "Score by topic:" in out
     assert f"Reread: {q.section_of(form[1])} ({form[1]['trap']})" in out
@@ -261,14 +337,18 @@ def run_cli(args, stdin="", home=None):
 
 
 def test_cli_exam_and_progress(course_home):
-    form = x.exam_items(n=14, seed=4)
-    answers = "".join(f"{i['answer']}\n" for i in form[:-1]) + f"{flipped(form[-1]['answer'])}\n"
+    form = x.exam_items(n=14, seed=4)  # 14 seed statements, then 3 computations
+    statements, numeric = form[:14], form[14:]
+    answers = "".join(f"{i['answer']}\n" for i in statements[:-1])
+    answers += f"{flipped(statements[-1]['answer'])}\n"
+    answers += "not a number\n" + "".join(f"{i['answer']}\n" for i in numeric)
     done = run_cli(["exam", "-n", "14", "--seed", "4", "--lang", "ko"], answers, course_home)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("최종 O/X 시험 — 00–09장 전체 (14문항, 시험지 4)")
+    assert done.stdout.startswith("최종 O/X 시험 — 00–09장 전체 (14문항, 시험지 4) + 계산 문제 3개")
+    assert "숫자를 입력하세요" in done.stdout  # a reply that is not a number is asked again
     assert (
-        "최종 점수 13/14" in done.stdout
-        and f"다시 읽을 곳: {q.section_of(form[-1])}" in done.stdout
+        "최종 점수 16/17" in done.stdout
+        and f"다시 읽을 곳: {q.section_of(statements[-1])}" in done.stdout
     )
     bad = run_cli(["exam", "-n", "3"], "", course_home)
     assert bad.returncode == 2 and "between 14 (the seed statements)" in bad.stderr
@@ -281,7 +361,7 @@ def test_cli_exam_and_progress(course_home):
         line.startswith("  02 ") and line.endswith("10/17 (59%), 1 attempt(s)") for line in lines
     )
     assert any(line.startswith("  05 ") and line.endswith("not yet") for line in lines)
-    assert "Final exam: 13/14 (93%), 1 attempt(s)" in lines
+    assert "Final exam: 16/17 (94%), 1 attempt(s)" in lines
     assert lines[-1].startswith("Done: quizzes 1/10, exercises 0/")
 
 
@@ -360,12 +440,13 @@ def test_the_registry_is_data_and_imports_no_checker_until_one_is_used():
 
 
 def test_cli_quiz_takes_a_topic_or_a_number(course_home):
-    items = q.load_bank("ddp")
+    items = q.quiz_items("ddp")[1]  # the O/X statements, then 3 computations
     answers = "".join(f"{i['answer']}\n" for i in items)
     by_topic = run_cli(["quiz", "--chapter", "ddp"], answers, course_home)
     assert by_topic.returncode == 0, by_topic.stderr
     assert by_topic.stdout.startswith(
-        f"Chapter 02 O/X quiz — {q.chapter_title('ddp')} ({len(items)} statements)"
+        f"Chapter 02 O/X quiz — {q.chapter_title('ddp')} ({len(items) - 3} statements)"
+        " + 3 computations"
     )
     assert f"Final score {len(items)}/{len(items)}" in by_topic.stdout
     by_number = run_cli(["quiz", "--chapter", "2", "-n", "1"], "q\n", course_home)

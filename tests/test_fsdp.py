@@ -223,7 +223,10 @@ def _reference(optimizer: str, world: int):
     def record_slices():  # after backward, before the step: the weights this step's losses were taken at
         with torch.no_grad():
             slices.append(
-                [replay(xs, ys)[1].item() for xs, ys in zip(x.chunk(world), y.chunk(world))]
+                [
+                    replay(xs, ys)[1].item()
+                    for xs, ys in zip(x.chunk(world), y.chunk(world), strict=True)
+                ]
             )
 
     for step in range(STEPS):
@@ -600,3 +603,16 @@ def test_exercise_checker_explains_a_wrong_fsdp_answer(case_name, learner_answer
     result = learner_answer("fsdp", source)(name)
     assert result.status == "failed", str(result)
     assert words in result.message, result.message
+
+
+def test_exercise_hints_come_in_two_layers_and_never_the_code():
+    from course_lib.checks.fsdp import HINTS, hint
+
+    assert set(HINTS) == {"fsdp2_wrap_blocks", "sharded_checkpoint"}
+    for name in HINTS:
+        idea, api = hint(name, 1), hint(name, 2)
+        assert idea != api and "fully_shard" in hint("fsdp2_wrap_blocks", 2)
+    with pytest.raises(ValueError, match="no hints"):
+        hint("nope")
+    with pytest.raises(ValueError, match="level"):
+        hint("sharded_checkpoint", 3)

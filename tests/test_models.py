@@ -145,7 +145,7 @@ def test_init_is_deterministic_and_leaves_global_rng_alone():
     torch.manual_seed(123)
     a, b = GPT(tiny_config()), GPT(tiny_config())
     assert torch.rand(1) == before  # model construction drew nothing from the global RNG
-    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
     c = GPT(tiny_config(), seed=1)
     assert not torch.equal(a.wte.weight, c.wte.weight)

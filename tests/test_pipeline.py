@@ -335,6 +335,15 @@ def test_sleep_bubble_within_005_of_formula(sched, m):
     assert all(abs(b - row.reference) <= abs(row.measured - row.reference) for b in per_rank)
 
 
+def test_sleep_bubble_stages_are_costed_by_the_shared_clock():
+    res = suite(2)[0]["bubbles"]
+    assert res.clock.startswith("modelled accelerator clock") and res.clock in res.title
+    assert all(r["clock"] == res.clock for r in res.rows)
+    # every step of every m: m forwards of t_F and m backwards of t_B on each rank, 1 + 5 steps
+    want = 2 * (1 + 5) * sum((1, 2, 4, 8)) * (res.t_f + res.t_b)  # 2 schedules
+    assert res.slept == pytest.approx(want, rel=1e-9), "the clock slept every F and B"
+
+
 def test_bubble_result_survives_as_dict_and_back():
     res = suite(2)[0]["bubbles"]
     again = E.BubbleResult(**res.as_dict())
@@ -378,3 +387,26 @@ def test_exercise_checker_rejects_gpipe_order_naming_the_first_wrong_action(lear
     res = run("one_f_one_b_schedule")
     assert res.status == "failed"
     assert "p=1, m=2, stage=0: action 1 is F1, 1F1B runs B0" in res.message
+
+
+def _crossing_messages():
+    """Rank function: both ranks send a large tensor to each other in one batch (1F1B's crossing)."""
+    import torch.distributed as dist
+
+    from course_lib import comm
+    from course_lib.pipeline import post_together
+
+    rank, n = dist.get_rank(), 1 << 20  # 4 MiB each way
+    out = torch.full((n,), float(rank))
+    buf = torch.empty(n)
+    with comm.CommLog() as log:
+        works = post_together([("send", out, 1 - rank, "grad"), ("recv", buf, 1 - rank, "act")])
+        for ws in works:
+            for w in ws:
+                w.wait()
+    return buf[0].item(), log.total(op="send", tag="grad"), log.total(op="recv", tag="act")
+
+
+def test_sends_and_receives_posted_together_cross_and_are_counted():
+    got = spawn(_crossing_messages, 2, timeout=60)
+    assert got == [(1.0, 4 << 20, 4 << 20), (0.0, 4 << 20, 4 << 20)]

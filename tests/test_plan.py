@@ -9,6 +9,7 @@ from course_lib.experiments.common import bench_config, parallel_config, small_c
 from course_lib.launch import spawn
 from course_lib.results import REORDERED  # formulas summed in another order: a few ulps
 from course_lib.models import GPT
+from course_lib.step_time import H100_NODE, NodeProfile
 
 SEVEN_B = plan.Model(7e9, 32, 4096, 32, 2048, 32000)
 
@@ -106,6 +107,57 @@ def test_full_recompute_is_the_last_resort_and_says_so():
     )
 
 
+# --------------------------------------------------------------------------- ranked by step time
+
+
+def test_ranking_holds_every_candidate_that_fits_fastest_first():
+    result = plan.recommend(SEVEN_B, plan.Cluster(80, 8, 1))
+    ranked = [lay for lay, _, _ in result.ranking]
+    totals = [pred.total for _, _, pred in result.ranking]
+    assert totals == sorted(totals) and result.fastest == ranked[0]
+    fits = []
+    for lay in plan.candidates(SEVEN_B, result.cluster):
+        mem = plan.memory_per_gpu(SEVEN_B, lay, num_microbatches=64 // lay.dp)
+        if mem["total"] <= result.usable_bytes:
+            fits.append(lay)
+    assert sorted(ranked, key=repr) == sorted(fits, key=repr)
+    assert plan.Layout(dp=8) not in ranked  # DDP needs 121 GB per GPU: never ranked
+    assert result.layout in ranked  # the ladder's choice fits, so it is ranked too
+    for lay, mem, _ in result.ranking:  # the same memory as memory_per_gpu, bit for bit
+        assert mem == plan.memory_per_gpu(SEVEN_B, lay, num_microbatches=64 // lay.dp)
+    assert plan.rank(SEVEN_B, result.cluster, [plan.Layout(dp=8)]) == []
+
+
+def test_tensor_parallelism_across_nodes_ranks_last_its_all_reduces_dominate():
+    layouts = [
+        plan.Layout(tp=16),  # 4 all-reduces per layer over the network
+        plan.Layout(dp=16, zero=3),
+        plan.Layout(dp=2, tp=8, zero=2),
+        plan.Layout(dp=4, tp=4, zero=2),
+    ]
+    ranked = plan.rank(SEVEN_B, plan.Cluster(80, 8, 2), layouts)
+    last, _, pred = ranked[-1]
+    parts = plan.step_parts(pred)
+    assert last == plan.Layout(tp=16) and len(ranked) == 4
+    assert parts["exposed communication"] > parts["compute"]
+    assert all(lay.tp <= 8 for lay in plan.candidates(SEVEN_B, plan.Cluster(80, 8, 2)))
+
+
+def test_plan_text_names_the_profile_the_fastest_and_why():
+    result = plan.recommend(SEVEN_B, plan.Cluster(80, 8, 1))
+    text = str(result)
+    assert H100_NODE.name in text and "assumed 40% MFU" in text and "not a measurement" in text
+    assert f"that fit: {result.fastest.name()}," in text
+    assert f"next: {result.ranking[1][0].name()}," in text
+    assert result.ranking_table() in text
+    slow = NodeProfile("a test node", 100e12, 0.5, 100e9, 1e9, 8, 1e-5, 1e-5)
+    other = plan.recommend(SEVEN_B, plan.Cluster(80, 8, 1), profile=slow)
+    assert "a test node" in str(other) and "assumed 50% MFU" in str(other)
+    four = plan.recommend(SEVEN_B, plan.Cluster(80, 4, 2))  # H100_NODE has 8 GPUs per node
+    assert four.ranking == [] and "this cluster's 4" in str(four)
+    assert "step time" not in str(plan.recommend(SEVEN_B, plan.Cluster(80), profile=None))
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
@@ -147,6 +199,18 @@ def test_full_recompute_is_the_last_resort_and_says_so():
             lambda: plan.recommend(SEVEN_B, plan.Cluster(80), reserve=1.0),
             r"reserve=1.0 must be in \[0, 1\)",
         ),
+        (
+            lambda: plan.rank(SEVEN_B, plan.Cluster(80), global_batch=12),
+            "global_batch=12 must be a multiple of micro_batch × GPUs",
+        ),
+        (
+            lambda: plan.rank(SEVEN_B, plan.Cluster(80, 8, 2), [plan.Layout(dp=8)]),
+            "DDP \\(dp 8\\) uses dp × tp × pp = 8 GPUs; the cluster has 16",
+        ),
+        (
+            lambda: plan.rank(SEVEN_B, plan.Cluster(80, 4, 2)),
+            "has 8 GPUs per node, the cluster 4",
+        ),
     ],
     ids=[
         "heads-tp",
@@ -163,6 +227,9 @@ def test_full_recompute_is_the_last_resort_and_says_so():
         "precision",
         "fp32-needs-config",
         "reserve",
+        "global-batch",
+        "rank-world",
+        "rank-profile",
     ],
 )
 def test_bad_input_names_the_rule(make, message):
@@ -228,6 +295,20 @@ def test_review_suite_measures_every_technique_at_its_formula(suite):
     )  # gpipe and 1f1b at m = 1 and 4
     result.assert_passed()
     assert "PP (GPipe, 1F1B)" in R.comparison_table(R.comparison_rows(suite))
+
+
+def test_review_parts_split_the_suites_rows(suite):
+    """The parts together are every row once; the suite itself prints them; TP shrinks activations."""
+    whole = [r.quantity for r in suite.checks()]
+    parts = {p: R.review_result(suite, part=p) for p in R.REVIEW_PARTS}
+    assert sorted(q for p in parts.values() for q in p.claims()) == sorted(whole)
+    assert all("one device" in r.against for r in parts["equality"].checks())
+    assert {"TP t=2: activation bytes per rank", "TP + SP t=2: activation bytes per rank"} <= set(
+        parts["bytes"].claims()
+    )
+    assert suite.passed and suite["world_size"] == 2
+    with pytest.raises(ValueError, match="part='memory' is not one of"):
+        R.review_result(suite, part="memory")
 
 
 def test_planner_result_reproduces_the_zero_paper_and_the_fixed_cases():

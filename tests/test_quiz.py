@@ -42,6 +42,8 @@ SEED_DIGESTS = {
     "b39ffa0cc921795822e2ad0cf6ef38ac8875046dc0920bf983ea31dce9cd7841": "X",
 }
 ITEM_KEYS = {
+    "kind",
+    "tolerance",
     "id",
     "chapter",
     "statement",
@@ -103,7 +105,10 @@ def test_bank_file_schema(path):
         assert set(item) <= ITEM_KEYS, item["id"]
         assert re.fullmatch(rf"{chapter}-[a-z0-9-]+", item["id"]), item["id"]
         assert item["chapter"] == chapter, item["id"]
-        assert item["answer"] in ("O", "X"), item["id"]
+        if item.get("kind") == "numeric":  # a number the learner computes, with its slack
+            assert isinstance(item["answer"], (int, float)) and item["tolerance"] >= 0, item["id"]
+        else:
+            assert item["answer"] in ("O", "X") and "tolerance" not in item, item["id"]
         for name in ("statement", "explanation"):
             for lang in ("ko", "en"):
                 assert isinstance(item[name][lang], str) and item[name][lang].strip(), (
@@ -388,8 +393,11 @@ def test_grade_counts_wrong_answers_and_collects_their_traps():
 
 
 def test_grade_accepts_lower_case_and_a_list_in_bank_order():
-    items = q.load_bank(1)
-    as_list = [item["answer"].lower() for item in items]
+    items = q.quiz_items(1)[1]  # the O/X statements, then the numeric questions
+    as_list = [
+        item["answer"].lower() if isinstance(item["answer"], str) else item["answer"]
+        for item in items
+    ]
     result = q.grade(1, as_list, record=False)
     assert result.score == result.total == len(items)
 
@@ -647,19 +655,40 @@ def test_widget_text_plain_is_deterministic_and_lists_the_statements():
     view = "application/vnd.jupyter.widget-view+json"
     assert bundle_1[view]["model_id"] != bundle_2[view]["model_id"]  # why nbval must skip this one
     text = bundle_1["text/plain"].splitlines()
-    items = q.load_bank(2)
-    assert text[0] == f"Chapter 02 O/X quiz — {q.chapter_title(2, 'en')} ({len(items)} statements)"
+    cut = text.index("")  # the statements and the hint, then the answer key
+    text, answer_key = text[:cut], text[cut + 1 :]
+    items = q.quiz_items(2)[1]  # the O/X statements, then the numeric questions
+    k = sum(i.get("kind") == "numeric" for i in items)
+    assert text[0] == (
+        f"Chapter 02 O/X quiz — {q.chapter_title(2, 'en')} ({len(items) - k} statements)"
+        f" + {k} computations"
+    )
     expected = []
     for n, item in enumerate(items, 1):
         if item.get("seed"):  # the Korean exam statement verbatim, the English translation under it
             expected += [f"{n:2d}. {item['statement']['ko']}", f"    ({item['statement']['en']})"]
+        elif item.get("kind") == "numeric":
+            expected.append(f"{n:2d}. {item['statement']['en']} (compute it: answer with a number)")
         else:
             expected.append(f"{n:2d}. {item['statement']['en']}")
     assert text[1:-1] == expected
     assert text[-1] == "(interactive quiz: click O or X)"
+    assert answer_key[0] == "Answers and explanations (read them after answering every statement):"
+    numeric = [i for i in items if i.get("kind") == "numeric"]
+    assert numeric and items[-len(numeric) :] == numeric  # the computations come last
+    for n, item in enumerate(items, 1):
+        shown = item["answer"]
+        if item in numeric:
+            shown = f"{float(item['answer']):.6g} (± {float(item['tolerance']):.6g})"
+        assert f"{n:2d}. {shown} — {item['explanation']['en'].splitlines()[0]}" in answer_key
     korean = q.quiz(2, lang="ko", mode="widget").text().splitlines()
-    assert korean[0] == f"02장 O/X 퀴즈 — {q.chapter_title(2, 'ko')} ({len(items)}문항)"
-    assert korean[1:-1] == [f"{n:2d}. {item['statement']['ko']}" for n, item in enumerate(items, 1)]
+    korean = korean[: korean.index("")]
+    assert korean[0] == (
+        f"02장 O/X 퀴즈 — {q.chapter_title(2, 'ko')} ({len(items) - k}문항) + 계산 문제 {k}개"
+    )
+    assert korean[1 : 1 + len(items) - len(numeric)] == [
+        f"{n:2d}. {item['statement']['ko']}" for n, item in enumerate(items[: -len(numeric)], 1)
+    ]
 
 
 def test_displayed_widget_carries_the_deterministic_text():
@@ -668,9 +697,10 @@ def test_displayed_widget_carries_the_deterministic_text():
     formatter = formatters.DisplayFormatter()
     data_1, _ = formatter.format(q.quiz(0, mode="widget"))
     data_2, _ = formatter.format(q.quiz(0, mode="widget"))
-    compared = lambda data: {
-        k: v for k, v in data.items() if k != "application/vnd.jupyter.widget-view+json"
-    }
+
+    def compared(data):
+        return {k: v for k, v in data.items() if k != "application/vnd.jupyter.widget-view+json"}
+
     assert compared(data_1) == compared(data_2) == {"text/plain": q.quiz(0, mode="widget").text()}
 
 
@@ -685,6 +715,7 @@ def test_text_fallback_outside_a_kernel():
     shown = q.quiz(4, lang="en", n=3)  # pytest is not a Jupyter kernel
     assert isinstance(shown, q.QuizText)
     lines = repr(shown).splitlines()
+    lines = lines[: lines.index("")]  # the answer key follows the blank line
     assert lines[0].startswith("Chapter 04 O/X quiz") and lines[0].endswith("(3 statements)")
     assert lines[1:4] == [
         f"{n:2d}. {item['statement']['en']}" for n, item in enumerate(q.load_bank(4)[:3], 1)
@@ -825,10 +856,15 @@ def test_every_item_is_taught_by_an_anchor_in_its_notebook(chapter):
     assert not missing, "anchors missing from the notebooks: " + "; ".join(missing)
 
 
-def test_groups_have_at_least_two_members_and_seeds_carry_none():
+def test_groups_have_at_least_two_members_and_at_most_one_seed():
+    """A seed may share a group with the items that give it away (an exam form, which always has
+    every seed, then leaves those items out); two seeds in one group could never both be drawn."""
     groups = collections.Counter(item["group"] for item in q.load_bank() if item.get("group"))
     assert groups and all(count >= 2 for count in groups.values()), groups
-    assert not [item["id"] for item in q.load_bank() if item.get("seed") and item.get("group")]
+    seeds = collections.Counter(
+        item["group"] for item in q.load_bank() if item.get("seed") and item.get("group")
+    )
+    assert all(count == 1 for count in seeds.values()), seeds
 
 
 def test_every_item_has_a_topic_and_the_seed_topics_are_covered():
@@ -882,3 +918,29 @@ def test_anchor_reader_finds_html_anchors_and_headings_in_markdown_cells_only(tm
         "step-time-vs-bucket-size",
     } <= anchors
     assert "in-code" not in anchors and "not-a-heading-in-code" not in anchors
+
+
+def test_numeric_questions_in_the_widget_the_key_and_grading(course_home):
+    """Each chapter's quiz ends with numeric questions: a text box and Check in the widget, the
+    number with its slack in the answer key, graded within the tolerance."""
+    for chapter in q.chapters():
+        numeric = q.load_bank(chapter, kind="numeric")
+        assert 2 <= len(numeric) <= 3, chapter
+        assert all(i["tolerance"] >= 0 and not i.get("seed") for i in numeric)
+    widget = q.quiz(5, mode="widget", record=False)
+    index = next(k for k, i in enumerate(widget.items) if i.get("kind") == "numeric")
+    item = widget.items[index]
+    box, check = widget.buttons[index]
+    box.value = "about a fifth"
+    check.click()
+    assert "enter a number" in widget.feedback[index].value and item["id"] not in widget.answers
+    box.value = f"{item['answer'] + item['tolerance'] / 2}"
+    check.click()
+    assert "✔ correct" in widget.feedback[index].value and check.disabled
+    assert item["explanation"]["en"][:30] in widget.feedback[index].value
+    result = q.grade(5, {item["id"]: item["answer"] + 2 * item["tolerance"] + 1}, record=False)
+    assert result.score == 0 and "(± " in result.report()
+    with pytest.raises(ValueError, match="a number is expected"):
+        q.grade(5, {item["id"]: "X"}, record=False)
+    with pytest.raises(q.QuizBankError, match="needs tolerance"):
+        q.validate_bank([{**item, "tolerance": -1}])

@@ -6,6 +6,7 @@ The driver-side facts use ``streaming_split`` directly (what Ray Train's ``DataC
 
 import os
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -132,17 +133,23 @@ def test_a_raising_map_batches_function_names_the_operator_and_the_batch(local_r
     assert time.perf_counter() - t0 < 120, "fails, does not hang"
 
 
-def test_actor_pool_loads_the_tokenizer_once_per_actor(local_ray, corpus):
-    rows = E.build_actor_dataset(corpus["folder"], actors=2, cost_ms=0.0).take_all()
+def test_actor_pool_loads_the_tokenizer_once_per_actor(local_ray, corpus, capfd):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = E.build_actor_dataset(corpus["folder"], actors=2, cost_ms=0.0).take_all()
+    assert not [w for w in caught if "ray_remote_args" in str(w.message)], "no deprecation warning"
     calls = {}
     for r in rows:
         calls[r["actor_pid"]] = max(calls.get(r["actor_pid"], 0), r["actor_call"])
     # ActorPoolStrategy(size=2) starts 2 actors; on a busy machine one may start too late to get a batch.
     assert 1 <= len(calls) <= 2, "at most 2 actors, each loading the tokenizer once"
     assert sum(calls.values()) == 256 // 16, "16 batches, each a call on an already-loaded actor"
+    assert "max_restarts > 0" not in capfd.readouterr().err, (
+        "max_restarts=0: no restart warning per actor"
+    )
     plain = E.build_dataset(corpus["folder"], cost_ms=0.0).take_all()
     assert [r["id"] for r in rows] == [r["id"] for r in plain]
-    assert all(np.array_equal(a["x"], b["x"]) for a, b in zip(rows, plain))
+    assert all(np.array_equal(a["x"], b["x"]) for a, b in zip(rows, plain, strict=True))
 
 
 def test_standard_scaler_fits_on_train_and_transforms_another_dataset(local_ray, corpus):
@@ -162,7 +169,7 @@ def test_standard_scaler_fits_on_train_and_transforms_another_dataset(local_ray,
 def overlap(local_ray, corpus):
     shuffled = {"epochs": 2, "shuffle_buffer": 32, "seed": 11}
     extra = {
-        "serial_2ep": {"source": "serial", **shuffled},
+        "serial_2ep": {"source": "materialized", **shuffled},
         "streaming_2ep": {"source": "streaming", **shuffled},
     }
     valid = ray.data.range(40)
@@ -197,8 +204,26 @@ def test_streaming_and_serial_see_every_row_once_per_epoch_and_end_equal(overlap
 
 def test_streaming_is_faster_than_serial_and_waits_less(overlap):
     s = E.summarize(overlap)
+    f = s["floor"]
+    assert f["tasks"] == 2 and f["cpu_s"] == pytest.approx(256 * 4e-3), (
+        "2 CPUs - 2 workers × 0.5 = 1 CPU: two 0.5-CPU map tasks at once"
+    )
+    assert s["serial"]["wall_s"] >= f["preprocess_s"] + f["train_s"], (
+        "serial preprocesses its whole epoch, then trains: no sooner than both lower bounds together"
+    )
+    assert s["serial"]["wait_share"] > s["streaming"]["wait_share"], (
+        "serial's first step waits for the whole epoch's preprocessing"
+    )
     assert s["ratio"] < 1.0, (
         f"streaming/serial wall time {s['ratio']:.2f} (serial {s['serial']['wall_s']:.2f} s)"
     )
     assert s["streaming"]["steps"] == s["serial"]["steps"] == 256 // 32
+    assert s["clock"].startswith("modelled accelerator clock"), "the shared clock costs the steps"
+    for w in overlap["workers"]:
+        for name, r in w["runs"].items():  # every step of both epochs: a full batch, 0.06 s
+            assert r["slept_s"] == pytest.approx(len(r["steps"]) * 0.06, rel=1e-6), name
     assert "MapBatches(tokenize)" in overlap["stats"]
+    text = E.format_summary(s)
+    assert "lower bounds per epoch" in text and "streaming / serial wall time" in text
+    rows, labels = E.timelines(overlap)
+    assert len(rows) == 2 * len(E.RACED), "every raced variant drawn, one row per worker"

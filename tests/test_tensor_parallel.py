@@ -472,3 +472,13 @@ def test_bad_inputs_raise_errors_naming_the_rule(world, case):
     assert msg is not None and RULES[case] in msg, msg
     if case not in ("from_linear_type", "attention_shape", "mesh"):
         assert "not divisible by the tensor-parallel size" in msg
+
+
+@pytest.mark.parametrize("build", ["ours", "dtensor"])
+def test_dropout_is_refused_naming_the_model_parallel_rng_rule(build):
+    from course_lib.tensor_parallel import tensor_parallel_gpt
+
+    gpt = GPT(parallel_config(dropout=0.1), seed=0)
+    make = tensor_parallel_gpt if build == "ours" else (lambda g: parallelize_gpt(g, None))
+    with pytest.raises(ValueError, match=r"dropout=0.1 > 0 is refused .*model-parallel RNG"):
+        make(gpt)

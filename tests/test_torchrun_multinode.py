@@ -110,7 +110,7 @@ def test_ddp_and_fsdp2_under_torchrun_on_two_nodes_equal_the_single_node_run(two
             f"torchrun on two nodes did not finish in 400 s:\n{outs[1][1][-3000:]}\n{outs[0][1][-3000:]}"
         )
     multi_s = time.perf_counter() - t0
-    for (_out, err), p, node in zip(outs, procs, (1, 0)):
+    for (_out, err), p, node in zip(outs, procs, (1, 0), strict=True):
         assert p.returncode == 0, f"node {node}: torchrun exited {p.returncode}\n{err[-3000:]}"
     assert "rank 0:" in outs[1][0] and "rank 1:" in outs[1][0], outs[1][
         0

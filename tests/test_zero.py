@@ -172,7 +172,7 @@ def _train_zero_optimizer(c) -> dict:
                 _, loss = model(x, y, 0.1 if rank == 0 else 0.0)
                 loss.backward()
             else:
-                for xm, ym in zip(x.chunk(c["micro"]), y.chunk(c["micro"])):
+                for xm, ym in zip(x.chunk(c["micro"]), y.chunk(c["micro"]), strict=True):
                     _, loss = model(xm, ym)
                     (loss / c["micro"]).backward()
             if c["clip"]:
@@ -211,8 +211,8 @@ def _train_zero3(c) -> dict:
         "names": [n for n, _ in model.named_parameters()],
         "shards": [(p.dtype, p.numel()) for p in model.parameters()],
         "module_params_are_shards": [
-            a is b for a, b in zip(model.module.parameters(), model.parameters())
-        ]
+            a is b for a, b in zip(model.module.parameters(), model.parameters(), strict=False)
+        ]  # the lengths are compared next
         + [len(list(model.module.parameters())) == len(list(model.parameters()))],
         "overrides_named_parameters": "named_parameters" in type(model).__dict__,
         "records": [],
@@ -233,7 +233,7 @@ def _train_zero3(c) -> dict:
             opt.load_state_dict(saved["optim"])
         x, y = batch(step, world, rank)
         with comm.CommLog() as log:
-            for xm, ym in zip(x.chunk(c["micro"]), y.chunk(c["micro"])):
+            for xm, ym in zip(x.chunk(c["micro"]), y.chunk(c["micro"]), strict=True):
                 _, loss = model(xm, ym)
                 if (
                     step == 0
@@ -267,7 +267,7 @@ def _train_zero3(c) -> dict:
 
 def run_cases(names: list[str]) -> dict:
     """Rank function: every named configuration, one after the other, on this process group; then
-    chapter 03's experiments (``reports``: each stage's report; clipping and resume at stages 1, 2)
+    chapter 03's experiments (``reports``: each stage's report; clipping and resume at stages 1-3)
     and the LR-scheduler runs (``schedulers``)."""
     from course_lib.experiments.zero import zero_clip_and_resume, zero_stage_report
 
@@ -277,7 +277,7 @@ def run_cases(names: list[str]) -> dict:
     }
     out["reports"] = [zero_stage_report(stage) for stage in range(4)]
     out["reports"] += [zero_stage_report(3, zero3_unit="param")]
-    out["reports"] += [zero_clip_and_resume(stage=stage) for stage in (1, 2)]
+    out["reports"] += [zero_clip_and_resume(stage=stage) for stage in (1, 2, 3)]
     out["schedulers"] = {stage: _zero_with_lr_scheduler(stage) for stage in (1, 2)}
     return out
 
@@ -317,7 +317,7 @@ def reference(name: str, world: int) -> dict:
             _, loss = work(x, y)
         loss.backward()
         if work is not master:  # bf16 compute, fp32 master weights and gradients
-            for pm, pw in zip(master.parameters(), work.parameters()):
+            for pm, pw in zip(master.parameters(), work.parameters(), strict=True):
                 pm.grad, pw.grad = pw.grad.float(), None
         if c["clip"]:
             norms.append(
@@ -329,7 +329,7 @@ def reference(name: str, world: int) -> dict:
         opt.zero_grad()
         if work is not master:
             with torch.no_grad():
-                for pm, pw in zip(master.parameters(), work.parameters()):
+                for pm, pw in zip(master.parameters(), work.parameters(), strict=True):
                     pw.copy_(pm)
     return {"params": full_params(master), "norms": norms}
 
@@ -714,11 +714,11 @@ def test_zero_optimizer_is_a_torch_optimizer_that_lr_schedulers_drive(world, sta
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])
 def test_chapter_03_experiments_pass_every_row_on_every_rank(world):
-    """zero_stage_report (stages 0-3, per-parameter ZeRO-3) and zero_clip_and_resume (stages 1, 2):
+    """zero_stage_report (stages 0-3, per-parameter ZeRO-3) and zero_clip_and_resume (stages 1-3):
     bytes held and sent vs the formulas, weights vs one device, resume bit for bit."""
     results(world)
     reports = _REPORTS[world]
-    assert len(reports) == 7 * world
+    assert len(reports) == 8 * world
     for report in reports:
         report.assert_passed()
 

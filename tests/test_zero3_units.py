@@ -132,7 +132,7 @@ def _train(c) -> dict:
         x, y = common.shard_batch(*common.step_batch(step, cfg, BATCH, dev))
         opt.zero_grad(set_to_none=True)
         for xm, ym in zip(
-            x.chunk(c["micro"]), y.chunk(c["micro"])
+            x.chunk(c["micro"]), y.chunk(c["micro"]), strict=True
         ):  # micro > 1: accumulate gradients
             with comm.CommLog() as log_f:
                 _, loss = model(xm, ym)
@@ -189,7 +189,7 @@ def _errors() -> dict:
     def recovers():  # an exception inside the wrapped forward (the root is gathered): shards back, memory freed
         z = Zero3(gpt(), unit="block", prefetch=True)
         kind = catch(lambda: z(torch.zeros(2, 2, 2, dtype=torch.long, device=device())))[0]
-        back = all(a is b for a, b in zip(z.module.parameters(), z.parameters()))
+        back = all(a is b for a, b in zip(z.module.parameters(), z.parameters(), strict=True))
         return kind, f"shards back: {back}, gathered bytes: {z.gathered_bytes()}"
 
     nested = gpt()
@@ -249,9 +249,12 @@ def _any_models(steps: int = 4) -> dict:
         handle = z.add_observer(timeline)
         opt = torch.optim.SGD(z.parameters(), lr=0.1)
         xs, ys = common.shard_batch(x, y)
+        all_gathers = []
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(z(xs), ys).backward()
+            with comm.CommLog() as log:
+                nn.functional.mse_loss(z(xs), ys).backward()
+            all_gathers.append(log.count(op="all_gather"))
             opt.step()
         handle.remove()
         out[kind] = {
@@ -259,6 +262,7 @@ def _any_models(steps: int = 4) -> dict:
             "describe": z.describe(),
             "repr": repr(z),
             "gathers": timeline.count("gather"),
+            "all_gathers": all_gathers,  # per step, as CommLog saw them (prefetches included)
             "frees": timeline.count("free"),
             "freed_bytes": [e[2] for e in timeline.events if e[0] == "free"],
             "units_seen": sorted({e[1] for e in timeline.events}),
@@ -268,10 +272,33 @@ def _any_models(steps: int = 4) -> dict:
     return out
 
 
+def _recompute_grads_differ() -> float:
+    """Max |Δgrad| of two steps with every block checkpointed (recomputed in backward) vs without."""
+    import torch.distributed as dist
+
+    from course_lib.experiments.fsdp_race import Recompute
+    from course_lib.zero3 import Zero3
+
+    cfg = common.zero_config(n_layer=2)
+    x, y = common.shard_batch(*common.step_batch(0, cfg, 2 * dist.get_world_size(), "cpu"))
+    grads = []
+    for recompute in (False, True):
+        model = GPT(cfg, seed=0)
+        if recompute:
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = Recompute(block)
+        z = Zero3(model)
+        for _ in range(2):
+            z(x, y)[1].backward()
+        grads.append([p.grad.clone() for p in z.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
+
+
 def run_all(names: list[str]) -> dict:
     out = {name: _train(CASES[name]) for name in names}
     out["errors"] = _errors()
     out["any_model"] = _any_models()
+    out["recompute"] = _recompute_grads_differ()
     return out
 
 
@@ -286,6 +313,7 @@ def results(world: int) -> dict:
         }
         _RESULTS[world]["errors"] = per_rank[0]["errors"]
         _RESULTS[world]["any_model"] = per_rank[0]["any_model"]
+        _RESULTS[world]["recompute"] = [r["recompute"] for r in per_rank]
     return _RESULTS[world]
 
 
@@ -305,12 +333,12 @@ def reference(name: str) -> dict:
     for step in range(c["steps"]):
         _, loss = work(*common.step_batch(step, cfg, BATCH, "cpu"))
         loss.backward()
-        for pm, pw in zip(master.parameters(), work.parameters()):
+        for pm, pw in zip(master.parameters(), work.parameters(), strict=True):
             pm.grad, pw.grad = pw.grad.float(), None
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
-            for pm, pw in zip(master.parameters(), work.parameters()):
+            for pm, pw in zip(master.parameters(), work.parameters(), strict=True):
                 pw.copy_(pm)
     return {"params": master.state_dict(), "norms": [], "model": master}
 
@@ -492,6 +520,8 @@ def test_default_units_wrap_any_model_and_train_like_one_device(world, kind, uni
     # the observer saw each unit gathered twice per step (forward, backward) and freed as often, to 0 bytes
     assert got["gathers"] == got["frees"] == 2 * 4 * len(units) and set(got["freed_bytes"]) == {0}
     assert got["units_seen"] == sorted(units)
+    # no root unit (the Sequential): the first step too issues no extra all-gather (none prefetches itself)
+    assert got["all_gathers"] == [2 * len(units)] * 4
     model = any_model(kind)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, 10, generator=gen), torch.randn(BATCH, 5, generator=gen)
@@ -502,3 +532,9 @@ def test_default_units_wrap_any_model_and_train_like_one_device(world, kind, uni
         opt.step()
     assert list(got["params"]) == list(model.state_dict())
     SGD.assert_close(got["params"], model.state_dict())
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_activation_checkpointing_inside_units_gives_bit_identical_gradients(world):
+    """Recompute in backward must see the re-gathered full weights, not the shards."""
+    assert results(world)["recompute"] == [0.0] * world

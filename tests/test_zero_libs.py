@@ -41,8 +41,13 @@ def _zero1_and_profile(profile: bool) -> tuple:
     """Rank function: torch's ZeRO-1 memory, and (when asked) chapter 03's stage profile."""
     from course_lib.experiments import zero
 
-    stages = zero.zero_stage_profile(micro_batch=2, rounds=1) if profile else None
-    return torch_zero1_memory(), stages
+    if not profile:
+        return torch_zero1_memory(), None
+    stages = zero.zero_stage_profile(micro_batch=2, rounds=1)
+    four = zero.zero_stage_profile(
+        stages=(3,), micro_batch=2, rounds=0, config=zero.zero_config(n_layer=4)
+    )
+    return torch_zero1_memory(), (stages, four)
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +248,23 @@ def test_zero_stage_profile_time_peak_and_when_each_stage_communicates(spawned):
     """At N = 2: every stage timed; stage 2 reduce-scatters in backward bucket by bucket, stage 1 in
     step; stage 3 gathers each unit in forward and backward and holds at most one block + the root at once;
     activations are the same at every stage; the peak is above what is held after the step."""
-    r = spawned[2][0][1]
+    r, four = spawned[2][0][1]
     r.assert_passed()
+    four.assert_passed()  # stage 3 on 4 blocks: root + at most 2 blocks gathered at once
+    assert any(row.quantity.startswith("stage 3: gathered") for row in four.checks())
+    units4 = {u["name"]: u["gathered_bytes"] for u in four["units"]}
+    g4 = max(four["peak"][3][ph]["transient"] for ph in ("forward", "backward"))
+    assert len(units4) == 5 and g4 < units4["(root)"] + 4 * units4["blocks.0"]
+    # stage 2 frees each staging bucket once its reduce-scatter is done (at most MAX_IN_FLIGHT in
+    # flight): at the peak it stages a few buckets, well under the 4Ψ bytes of all of them
+    staged = r["peak"][2]["backward"]["transient"]
+    assert 0 < staged < 2 * r["psi"]
+    gap = (
+        r.stage2_gap()
+    )  # bucketed DDP's peak − ZeRO-2's: the formulas' difference less the staging
+    assert (
+        gap["measured"] > 0 and abs(gap["measured"] - gap["predicted"]) <= 0.01 * gap["predicted"]
+    )
     assert set(r["step_s"]) == {0, 1, 2, 3} and all(t > 0 for t in r["step_s"].values())
     nb = r["buckets_stage2"]
     assert nb > 1

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import nbformat
@@ -399,11 +400,16 @@ UI = {
 }
 
 
+NUMERIC_CELL = """from course_lib.quiz import QuizWidget, load_bank
+QuizWidget("collectives", load_bank("collectives", kind="numeric")[:1], "en", record=False)"""
+
+
 def quiz_notebook(
-    langs=("en", "ko"), n: int = 3, exam_n: int | None = None
+    langs=("en", "ko"), n: int = 3, exam_n: int | None = None, numeric: bool = False
 ) -> nbformat.NotebookNode:
     """One ``quiz('collectives', lang=..., n=n)`` cell per language, then (``exam_n``) a
-    ``final_exam(n=exam_n)`` cell."""
+    ``final_exam(n=exam_n)`` cell, then (``numeric``) a quiz of the chapter's first numeric question
+    alone (:data:`NUMERIC_CELL`)."""
     cells = [
         nbformat.v4.new_code_cell(
             f"from course_lib.quiz import quiz\nquiz('collectives', lang={lang!r}, n={n})"
@@ -416,6 +422,8 @@ def quiz_notebook(
                 f"from course_lib.quiz import final_exam\nfinal_exam(n={exam_n})"
             )
         )
+    if numeric:
+        cells.append(nbformat.v4.new_code_cell(NUMERIC_CELL))
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {
         "name": "python3",
@@ -450,8 +458,9 @@ def check_quiz(lab: Lab, notebook: str, langs, items, out_dir: Path | None = Non
         for cell, lang in enumerate(langs):
             _wait(
                 f"the {lang} quiz widget's buttons in cell {cell}'s output area",
-                lambda: page.js(
-                    f"({_output(cell)} || document.body).querySelectorAll('.widget-button').length >= 6"
+                partial(
+                    page.js,
+                    f"({_output(cell)} || document.body).querySelectorAll('.widget-button').length >= 6",
                 ),
                 lab.timeout,
                 0.5,
@@ -460,15 +469,15 @@ def check_quiz(lab: Lab, notebook: str, langs, items, out_dir: Path | None = Non
                 page.click(_button(cell, statement, value))
                 _wait(
                     f"feedback {statement + 1} in cell {cell}",
-                    lambda: page.js(
-                        f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length >= {statement + 1}"
+                    partial(
+                        page.js,
+                        f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length >= {statement + 1}",
                     ),
                     60,
                 )
+            score, text = UI[lang]["score"], f"{_output(cell)}.innerText"
             _wait(
-                f"the {lang} score line",
-                lambda: UI[lang]["score"] in page.js(f"{_output(cell)}.innerText"),
-                60,
+                f"the {lang} score line", lambda score=score, text=text: score in page.js(text), 60
             )
             found[lang] = page.js(f"{_output(cell)}.innerText")
             if out_dir is not None:
@@ -484,9 +493,16 @@ def check_quiz(lab: Lab, notebook: str, langs, items, out_dir: Path | None = Non
         raise
 
 
-def answer(page: DevTools, cell: int, statement: int, value: str, timeout: float = 60) -> str:
+def answer(
+    page: DevTools,
+    cell: int,
+    statement: int,
+    value: str,
+    timeout: float = 60,
+    shown: str | None = None,
+) -> str:
     """Click ``value`` (O/X) for ``statement`` (0-based) of the widget in ``cell``; return its output area's text
-    once the verdict is there."""
+    once the verdict is there (or, with ``shown``, once that text is: an exam grades only at its end)."""
     _wait(
         f"the widget's buttons in cell {cell}",
         lambda: page.js(
@@ -497,6 +513,35 @@ def answer(page: DevTools, cell: int, statement: int, value: str, timeout: float
     )
     before = page.js(f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length")
     page.click(_button(cell, statement, value))
+    if shown is not None:
+        _wait(
+            f"{shown!r} in cell {cell}",
+            lambda: shown in page.js(f"{_output(cell)}.innerText"),
+            timeout,
+        )
+        return page.js(f"{_output(cell)}.innerText")
+    _wait(
+        f"the verdict in cell {cell}",
+        lambda: page.js(f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length > {before}"),
+        timeout,
+    )
+    return page.js(f"{_output(cell)}.innerText")
+
+
+def answer_number(page: DevTools, cell: int, index: int, value: str, timeout: float = 60) -> str:
+    """Type ``value`` into the ``index``-th (0-based) number box of the widget in ``cell`` as a learner does
+    (a click, then the keys' text) and press its Check button; return the output area's text once the
+    verdict is there."""
+    box = f"{_output(cell)}.querySelectorAll('.widget-text input')[{index}]"
+    _wait(f"number box {index} in cell {cell}", lambda: page.js(f"!!{box}"), timeout, 0.5)
+    before = page.js(f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length")
+    page.click(box)
+    page.call("Input.insertText", text=value)
+    _wait(  # the box shows the text; ipywidgets sends it to the kernel as it is typed
+        f"{value!r} in number box {index}", lambda: page.js(f"{box}.value") == value, timeout
+    )
+    time.sleep(0.5)  # let the typed value reach the kernel before Check reads it
+    page.click(_button(cell, index, "Check"))
     _wait(
         f"the verdict in cell {cell}",
         lambda: page.js(f"({_output(cell)}.innerText.match(/[✔✘]/g) || []).length > {before}"),

@@ -1,9 +1,12 @@
-"""Chapter 02 checkers: naive DDP (``allreduce_gradients``) and the ``BucketedReducer``.
+"""Chapter 02 checkers: naive DDP (``allreduce_gradients``), the ``BucketedReducer``, and the
+stretch ``OverlappedDDP`` (CS336 A2's ``DDPBucketed``); and their hints, in layers (:func:`hint`).
 
-Both compare every gradient with an identical, independent model whose gradients are averaged
+The first two compare every gradient with an identical, independent model whose gradients are averaged
 with a plain ``dist.all_reduce`` (not counted by ``CommLog``), on this rank's own batch, within
 :data:`results.REORDERED` (the same sums, perhaps in another order). These checkers look at
 gradients after ``backward()``, so their loops call it themselves (no optimizer step is checked).
+:func:`check_overlapped_ddp` trains k AdamW steps and compares the weights with one device on the
+full batch, and fails if any all-reduce is launched after ``backward()`` returned.
 """
 
 from __future__ import annotations
@@ -11,13 +14,62 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .. import comm
-from ..configs import small_config
+from ..configs import make_optimizer, small_config
 from ..data import make_batch
 from ..launch import device
 from ..models import GPT
-from ..results import REORDERED, max_abs_diff
+from ..results import ADAMW, REORDERED, max_abs_diff
 
-__all__ = ["check_allreduce_gradients", "check_bucketed_reducer"]
+__all__ = [
+    "HINTS",
+    "hint",
+    "check_allreduce_gradients",
+    "check_bucketed_reducer",
+    "check_overlapped_ddp",
+]
+
+HINTS: dict[str, tuple[str, str]] = {
+    "allreduce_gradients": (
+        "Each rank's .grad is the gradient of its own shard's mean loss. The full-batch gradient "
+        "is the mean of the N shard gradients (the equation of section 1), so every rank must end "
+        "with that mean, for every parameter that has a gradient; frozen ones have none.",
+        "torch.distributed's all-reduce sums a tensor over ranks in place "
+        "(course_lib.comm.all_reduce takes the same arguments plus tag=, so CommLog counts the "
+        "bytes: the checker looks for tag 'grad'); dist.get_world_size() is N; a tied weight is "
+        "one Parameter and module.parameters() yields it once.",
+    ),
+    "bucketed_reducer": (
+        "Backward produces gradients last layer first, and the hook tells you the moment one is "
+        "final. A bucket needs nothing more once all of its gradients are in: send it then, "
+        "without waiting, and wait for everything only once, at the end (finish). Dividing by N "
+        "before the sum gives the mean after it.",
+        "The constructor already built self.buckets, self.flat (one flat tensor per bucket), "
+        "self.slot[p] (p's view into it), self.bucket_of and self.pending. An asynchronous "
+        "all-reduce is comm.all_reduce(tensor, async_op=True, tag='grad'); it returns a Work whose "
+        ".wait() blocks until the sum is in the tensor. The next backward must find the counters "
+        "as the constructor left them.",
+    ),
+    "overlapped_ddp": (
+        "Three things make a wrapper data parallel: every replica starts from the same weights, "
+        "each bucket's all-reduce starts while backward still runs (from a hook, never after "
+        "backward returns), and the optimizer steps only after every average has arrived.",
+        "dist.broadcast(t, src=0) over the parameters (and buffers) in __init__; your "
+        "BucketedReducer does the hooks and the buckets; finish_gradient_synchronization() is the "
+        "place to wait. The checker starts rank r from seed r, trains 3 AdamW steps on 2 ranks "
+        "and compares with one device on the full batch (AdamW tolerance).",
+    ),
+}
+
+
+def hint(name: str, level: int = 1) -> str:
+    """Hint ``level`` (1: the idea, 2: the API) for exercise ``name``; never the code."""
+    if name not in HINTS:
+        raise ValueError(f"no hints for {name!r}; exercises with hints: {sorted(HINTS)}")
+    if level not in (1, 2):
+        raise ValueError(
+            f"level={level!r}: 1 is the idea, 2 the API (there is no level with the code)"
+        )
+    return HINTS[name][level - 1]
 
 
 def _setup(rank: int, step: int):
@@ -108,4 +160,60 @@ def check_bucketed_reducer(cls) -> list[str]:
         problems += _compare_grads(model, want, rank, f"step {step} after finish()")
         if problems:
             break
+    return problems
+
+
+def check_overlapped_ddp(cls, steps: int = 3, bucket_size_mb: float = 0.03) -> list[str]:
+    """``steps`` AdamW steps of ``cls(model, bucket_size_mb)`` vs one device on the full batch.
+
+    Rank r builds its model from seed r (the wrapper must broadcast rank 0's weights) and trains
+    on its half of each global batch; one device (seed 0, same optimizer) trains on the whole of
+    it on the same rank. Fails if no all-reduce tagged 'grad' is launched during ``backward()``,
+    if any is launched after ``backward()`` returned (in ``finish_gradient_synchronization``:
+    no overlap), or if the weights differ beyond :data:`results.ADAMW`.
+    """
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
+    config = small_config()
+    model = GPT(config, seed=rank).to(dev)
+    model.wpe.weight.requires_grad_(False)
+    ref = GPT(config, seed=0).to(dev)
+    ref.wpe.weight.requires_grad_(False)
+    ddp = cls(model, bucket_size_mb=bucket_size_mb)
+    opt = make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    ref_opt = make_optimizer("adamw", [p for p in ref.parameters() if p.requires_grad])
+    problems = []
+    for step in range(steps):
+        x, y = make_batch(4 * world, config.block_size, config.vocab_size, seed=step)
+        x, y = x.to(dev), y.to(dev)
+        mine = slice(4 * rank, 4 * rank + 4)
+        opt.zero_grad(set_to_none=True)
+        with comm.CommLog() as log:
+            ddp(x[mine], y[mine])[1].backward()
+            during = log.count(op="all_reduce", tag="grad")
+            ddp.finish_gradient_synchronization()
+            after = log.count(op="all_reduce", tag="grad") - during
+        if during == 0:
+            problems.append(
+                f"rank {rank}, step {step}: no all-reduce tagged 'grad' was launched during "
+                "backward() — launch each bucket from a gradient hook"
+            )
+        if after:
+            problems.append(
+                f"rank {rank}, step {step}: {after} all-reduce(s) tagged 'grad' were launched "
+                "after backward() returned, in finish_gradient_synchronization(): no overlap"
+            )
+        if model.wpe.weight.grad is not None:
+            problems.append(f"rank {rank}: the frozen wpe.weight got a gradient")
+        if problems:
+            return problems
+        opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref(x, y)[1].backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if not ADAMW.ok(p.detach(), q.detach()):
+            problems.append(
+                f"rank {rank}: after {steps} AdamW steps {name} differs from one device on the "
+                f"full batch by max |error| {max_abs_diff(p.detach(), q.detach()):.3g} ({ADAMW})"
+            )
     return problems

@@ -18,7 +18,43 @@ from ..launch import device
 from ..models import GPT
 from ..results import EXACT, SGD
 
-__all__ = ["check_fsdp2_wrap_blocks", "check_sharded_checkpoint"]
+__all__ = ["HINTS", "hint", "check_fsdp2_wrap_blocks", "check_sharded_checkpoint"]
+
+HINTS: dict[str, tuple[str, str]] = {
+    "fsdp2_wrap_blocks": (
+        "Each fully_shard call makes one unit: gathered in one all-gather before it runs, "
+        "reduce-scattered in one after its backward. A call takes every parameter of the module "
+        "that no unit below it owns yet, so wrap the blocks first and the whole model last: the "
+        "root then holds only the embeddings, ln_f and the tied head. Wrap only the root and the "
+        "whole model is one unit, gathered at once.",
+        "from torch.distributed.fsdp import fully_shard; fully_shard(module, mesh=mesh, "
+        "reshard_after_forward=...) wraps in place (it also returns the module). model.blocks is "
+        "an nn.ModuleList; the root call must get the same reshard_after_forward, or its default "
+        "(None: the root keeps its parameters) changes the backward all-gather count.",
+    ),
+    "sharded_checkpoint": (
+        "Nobody gathers the model: every rank writes its own shards and a metadata file says "
+        "which slice of which tensor is where. Loading is in place: build the same sharded model "
+        "and optimizer, ask for their (empty) state layout, fill it from disk, hand it back. The "
+        "optimizer's state must be saved too, keyed by parameter name, or the resume drifts.",
+        "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) returns "
+        "(model_sd, optim_sd) and creates the optimizer's state; dcp.save(state, checkpoint_id=path) "
+        "and dcp.load(state, checkpoint_id=path) take the same dict, e.g. {'model': ..., 'optim': "
+        "...}; set_state_dict(model, optimizer, model_state_dict=..., optim_state_dict=...) "
+        "puts the loaded values in place.",
+    ),
+}
+
+
+def hint(name: str, level: int = 1) -> str:
+    """Hint ``level`` (1: the idea, 2: the API) for exercise ``name``; never the code."""
+    if name not in HINTS:
+        raise ValueError(f"no hints for {name!r}; exercises with hints: {sorted(HINTS)}")
+    if level not in (1, 2):
+        raise ValueError(
+            f"level={level!r}: 1 is the idea, 2 the API (there is no level with the code)"
+        )
+    return HINTS[name][level - 1]
 
 
 def check_fsdp2_wrap_blocks(fn) -> list[str]:

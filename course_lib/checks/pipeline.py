@@ -32,7 +32,8 @@ def _first_difference(fn) -> list[str]:
             want = one_f_one_b(q, m, stage)
             if got != want:
                 i = next(
-                    (i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                    # the first difference; either list may be the shorter
+                    (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
                     min(len(got), len(want)),
                 )
                 g = got[i] if i < len(got) else "(end of list)"

@@ -20,7 +20,48 @@ from ..models import GPT
 from ..results import ADAMW, REORDERED, Tolerance, max_abs_diff
 from ..train import shard_batch, step_batch, train_step
 
-__all__ = ["check_zero1_step", "check_sharded_linear"]
+__all__ = ["HINTS", "hint", "check_zero1_step", "check_sharded_linear"]
+
+HINTS: dict[str, tuple[str, str]] = {
+    "zero1_step": (
+        "An all-reduce is a reduce-scatter followed by an all-gather. Put the optimizer between "
+        "the two halves: after the first, rank r holds the summed gradient of its own slice only "
+        "(divide by N for the mean), so it can step that slice, and nothing else; the second half "
+        "then hands every rank every updated slice. The other ranks' optimizer state is never "
+        "needed, which is the whole saving.",
+        "self.flat_grads has the flat layout and _copy_grads_in() fills it; self.shard is a "
+        "Parameter viewing this rank's S elements of self.flat_params, and self.optimizer steps "
+        "only it (give it a .grad of S elements). comm.reduce_scatter(output, input, "
+        "group=self.process_group, tag='grad') takes an input of N·S elements and an output of S; "
+        "comm.all_gather(output, input, group=..., tag='param') the reverse, and can write "
+        "straight into flat_params. The checker counts exactly one of each per step and no "
+        "all-reduce.",
+    ),
+    "sharded_linear": (
+        "Between uses, a rank keeps only its 1/N of the weight. Forward needs the whole weight "
+        "for one matmul: gather it, use it, drop it. Backward needs it again for the input's "
+        "gradient, so gather it a second time; the weight's gradient is then the sum over ranks "
+        "that data parallelism wants, of which this rank keeps only the slice matching its shard "
+        "(divide by N for the mean).",
+        "gather_weight() fills full_weight by comm.all_gather(..., tag='param') into a storage "
+        "re-grown with untyped_storage().resize_(numel · element_size); free_weight() shrinks it "
+        "to 0 bytes. In the autograd.Function, grad_x = grad_y @ W and dL/dW = grad_yᵀ · x over "
+        "the flattened batch and time dimensions; reduce_scatter_grad pads it to N·S elements and "
+        "calls comm.reduce_scatter(..., tag='grad'). backward returns one gradient per forward "
+        "input (None for the layer itself).",
+    ),
+}
+
+
+def hint(name: str, level: int = 1) -> str:
+    """Hint ``level`` (1: the idea, 2: the API) for exercise ``name``; never the code."""
+    if name not in HINTS:
+        raise ValueError(f"no hints for {name!r}; exercises with hints: {sorted(HINTS)}")
+    if level not in (1, 2):
+        raise ValueError(
+            f"level={level!r}: 1 is the idea, 2 the API (there is no level with the code)"
+        )
+    return HINTS[name][level - 1]
 
 
 def _close(got, want, tol: Tolerance) -> tuple[bool, float]:
@@ -66,7 +107,7 @@ def check_zero1_step(cls) -> list[str]:
                 f"{where}: expected one all_gather tagged 'param' into flat_params ({padded} "
                 f"elements); CommLog saw {gathered or 'none'}"
             )
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             ok, err = _close(p, q, ADAMW)
             if not ok:
                 problems.append(
@@ -169,7 +210,8 @@ def check_sharded_linear(cls) -> list[str]:
                     f"{err:.3g}, beyond {REORDERED}"
                 )
         # the weight gradient data parallelism wants: the average over ranks of each rank's dL/dW
-        want = sum(g.reshape(-1, out_f).T @ xq.reshape(-1, in_f) for g, xq in zip(gs, xs)) / world
+        pairs = zip(gs, xs, strict=True)
+        want = sum(g.reshape(-1, out_f).T @ xq.reshape(-1, in_f) for g, xq in pairs) / world
         want = torch.cat([want.reshape(-1), torch.zeros(size * world - want.numel(), device=dev)])
         want = want[rank * size : (rank + 1) * size]
         if layer.shard.grad is None:

@@ -1,8 +1,9 @@
 """Chapter 00's measurements: collective timings, the α–β cost model, and when data parallelism pays.
 
 Rank functions (run them with ``launch.spawn``): :func:`bandwidth_benchmark` (nccl-tests style
-algbw / busbw per op and size, median of repeats with spread) and :func:`toy_data_parallel_step`
-(one linear layer trained data-parallel: compute shrinks with N, the gradient all-reduce does not).
+algbw / busbw per op and size, timed with ``timing.time_steps``: median of rounds with their
+spread) and :func:`scaling_race` (1 rank vs N on one linear layer, under the modelled clock:
+compute shrinks with N, the gradient all-reduce does not).
 Parent-side helpers: :func:`fit_alpha_beta` fits ``time = α + ring_factor · bytes / β`` per op to
 the sweep's rows; :func:`measure_alpha_beta` spawns a short sweep and fits it (a few seconds),
 so any notebook can re-derive the cost model it predicts with. :func:`busbw_table` formats rows.
@@ -17,17 +18,22 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from ..comm import ring_factor
+from ..clock import BACKWARD_FACTOR, AcceleratorClock, Calibration, calibrate, count_flops
 from ..launch import device, spawn
+from ..results import Measured, Result, Row
+from ..timing import Timings, format_seconds, time_steps
+from ..step_time import AlphaBeta, fit_alpha_beta
+from ..step_time import op_factor as _factor
 
 __all__ = [
     "AlphaBeta",
+    "BandwidthSweep",
     "bandwidth_benchmark",
     "busbw_table",
     "fit_alpha_beta",
     "measure_alpha_beta",
-    "toy_data_parallel_step",
     "OPS",
     "FIT_SIZES",
 ]
@@ -37,14 +43,40 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 FIT_SIZES = (2**10, 2**12, 2**16, 2**20, 2**22, 2**24)
 
 
-def _factor(op: str, n: int) -> float:
-    """Ring factor of ``op``; ``send_recv`` (one ring step: send right, receive left) moves its tensor once."""
-    return 1.0 if op == "send_recv" else ring_factor(op, n)
+def _op_call(op: str, full: torch.Tensor, part: torch.Tensor, inbox: torch.Tensor):
+    """The one call :func:`bandwidth_benchmark` times for ``op``, on these buffers."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+
+    def send_recv():
+        req = dist.isend(full, (rank + 1) % n)
+        dist.recv(inbox, (rank - 1) % n)
+        req.wait()
+
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
+        "all_gather": lambda: dist.all_gather_single(full, part),
+        "broadcast": lambda: dist.broadcast(full, src=0),
+        "send_recv": send_recv,
+    }
+    if op not in calls:
+        raise ValueError(f"bandwidth_benchmark: unsupported op {op!r}; choose from {sorted(calls)}")
+    return calls[op]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass
+class BandwidthSweep(Measured):
+    """:func:`bandwidth_benchmark`'s result: reads as its list of rows (``sweep[0]["busbw_GBps"]``).
+
+    ``header`` is what the timings stood on (:meth:`~course_lib.timing.Timings.header`);
+    ``print(sweep)`` shows it above :func:`busbw_table`.
+    """
+
+    header: str = ""
+
+    def table(self) -> str:
+        lines = [self.title] if self.title else []
+        return "\n".join(lines + [self.header, busbw_table(self.values)])
 
 
 def bandwidth_benchmark(
@@ -53,77 +85,52 @@ def bandwidth_benchmark(
     iters: int = 3,
     warmup: int = 2,
     repeats: int = 5,
-) -> list[dict]:
+) -> BandwidthSweep:
     """Rank function: time each op over message sizes (fp32), nccl-tests style.
 
-    Per (op, size): ``warmup`` untimed calls, then ``repeats`` timed repeats of ``iters`` calls
-    each; a repeat's time is the max over ranks of its mean per-call time (the slowest rank
-    sets the pace). Returns rows {op, bytes, world_size, time_s (median of the repeats),
-    time_lo_s / time_hi_s (min / max: the spread), times_s, algbw_GBps, busbw_GBps}.
-    ``algbw = bytes / time`` and ``busbw = algbw · ring_factor`` — busbw is comparable across
-    ops and world sizes. Ops: all_reduce, reduce_scatter, all_gather, broadcast and
-    send_recv (point-to-point, not a collective: every rank sends its tensor to rank+1 and
-    receives rank−1's — one step of a ring).
+    Per (op, size), :func:`course_lib.timing.time_steps`: ``warmup`` untimed calls, then
+    ``repeats`` rounds of ``iters`` calls each; a round's time is the max over ranks of its mean
+    per-call time (the slowest rank sets the pace). Returns a :class:`BandwidthSweep` reading as
+    rows {op, bytes, world_size, time_s (median of the rounds), time_lo_s / time_hi_s (min / max:
+    the spread), times_s, timing (the :class:`~course_lib.timing.Timing`), algbw_GBps,
+    busbw_GBps}. ``algbw = bytes / time`` and ``busbw = algbw · ring_factor`` — busbw is
+    comparable across ops and world sizes. Ops: all_reduce, reduce_scatter, all_gather,
+    broadcast and send_recv (point-to-point, not a collective: every rank sends its tensor to
+    rank+1 and receives rank−1's — one step of a ring).
     """
     if repeats < 1 or iters < 1:
         raise ValueError(f"bandwidth_benchmark: repeats={repeats} and iters={iters} must be ≥ 1")
     dev = device()
-    n, rank = dist.get_world_size(), dist.get_rank()
-    rows = []
+    n = dist.get_world_size()
+    rows, header = [], ""
     for op in ops:
         for size in sizes_bytes:
             numel = max(n, size // 4 // n * n)
             full = torch.ones(numel, device=dev)
             part = torch.ones(numel // n, device=dev)
             inbox = torch.empty(numel, device=dev)
-
-            def send_recv():
-                req = dist.isend(full, (rank + 1) % n)
-                dist.recv(inbox, (rank - 1) % n)
-                req.wait()
-
-            calls = {
-                "all_reduce": lambda: dist.all_reduce(full),
-                "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
-                "all_gather": lambda: dist.all_gather_single(full, part),
-                "broadcast": lambda: dist.broadcast(full, src=0),
-                "send_recv": send_recv,
-            }
-            if op not in calls:
-                raise ValueError(
-                    f"bandwidth_benchmark: unsupported op {op!r}; choose from {sorted(calls)}"
-                )
-            for _ in range(warmup):
-                calls[op]()
-            times = []
-            for _ in range(repeats):
-                _sync(dev)
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    calls[op]()
-                _sync(dev)
-                times.append((time.perf_counter() - t0) / iters)
-            worst = torch.tensor(times, dtype=torch.float64, device=dev)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            times = worst.tolist()
+            call = _op_call(op, full, part, inbox)
+            timed = time_steps(
+                {op: call}, rounds=repeats, steps_per_round=iters, warmup=warmup, device=dev
+            )
+            timing, header = timed[op], timed.header()
             nbytes = numel * 4
-            t = statistics.median(times)
-            algbw = nbytes / t / 1e9
+            algbw = nbytes / timing.median / 1e9
             rows.append(
                 {
                     "op": op,
                     "bytes": nbytes,
                     "world_size": n,
-                    "time_s": t,
-                    "time_lo_s": min(times),
-                    "time_hi_s": max(times),
-                    "times_s": times,
+                    "time_s": timing.median,
+                    "time_lo_s": timing.lo,
+                    "time_hi_s": timing.hi,
+                    "times_s": list(timing.samples),
+                    "timing": timing,
                     "algbw_GBps": algbw,
                     "busbw_GBps": algbw * _factor(op, n),
                 }
             )
-    return rows
+    return BandwidthSweep(title=f"bandwidth sweep on {n} ranks", values=rows, header=header)
 
 
 def busbw_table(rows: list[dict]) -> str:
@@ -141,97 +148,7 @@ def busbw_table(rows: list[dict]) -> str:
 
 
 # --------------------------------------------------------------------------- the α–β cost model
-
-
-@dataclass
-class AlphaBeta:
-    """The α–β cost model, one (α, β) per op: ``time = α + ring_factor(op, N) · bytes / β``.
-
-    ``alpha_s[op]`` is the fixed cost of one call (seconds: latency, launch, synchronisation);
-    ``beta_bytes_per_s[op]`` the bus bandwidth (bytes one rank sends per second, ring model).
-    ``bytes`` is the tensor size as nccl-tests and ``CommLog.tensor_bytes`` count it (the
-    all-reduce buffer, the reduce-scatter input, the all-gather output, the sent tensor).
-    """
-
-    alpha_s: dict[str, float]
-    beta_bytes_per_s: dict[str, float]
-    world_size: int
-    min_bytes: int
-    points: dict[str, int] = field(default_factory=dict)
-
-    def predict(self, op: str, nbytes: float, world_size: int | None = None) -> float:
-        """Predicted seconds for one ``op`` call on a ``nbytes`` tensor over ``world_size`` ranks."""
-        if op not in self.alpha_s:
-            raise ValueError(
-                f"AlphaBeta.predict: no fit for op {op!r}; fitted ops: {sorted(self.alpha_s)}"
-            )
-        n = self.world_size if world_size is None else world_size
-        if n < 1 or nbytes < 0:
-            raise ValueError(
-                f"AlphaBeta.predict: need world_size ≥ 1 and nbytes ≥ 0, got {n}, {nbytes}"
-            )
-        if n == 1:
-            return 0.0
-        return self.alpha_s[op] + _factor(op, n) * nbytes / self.beta_bytes_per_s[op]
-
-    def table(self) -> str:
-        """α (µs) and β (GB/s) per op, as a fixed-width table."""
-        lines = [f"{'op':<15}{'α (us)':>10}{'β (GB/s)':>11}{'points in β fit':>17}"]
-        for op in self.alpha_s:
-            lines.append(
-                f"{op:<15}{self.alpha_s[op] * 1e6:>10.1f}{self.beta_bytes_per_s[op] / 1e9:>11.3f}"
-                f"{self.points.get(op, 0):>17}"
-            )
-        return "\n".join(lines)
-
-
-def fit_alpha_beta(
-    rows: list[dict], min_bytes: int = 2**20, latency_bytes: int = 2**12
-) -> AlphaBeta:
-    """Fit the α–β model per op to measured rows, as :func:`bandwidth_benchmark` returns them.
-
-    Input: rows with at least ``op``, ``bytes`` and ``time_s`` (seconds per call, the median of
-    repeats) and ``world_size``. Output: an :class:`AlphaBeta` with ``alpha_s`` and
-    ``beta_bytes_per_s`` per op and ``predict(op, nbytes, world_size)``.
-
-    α is the smallest time of the latency regime (rows with ``bytes ≤ latency_bytes``, each
-    already a median of repeats; the smallest size if none) — a busy machine only ever adds
-    time, so the minimum is the robust estimate of the fixed cost; β is fitted on the
-    **bandwidth regime** only (``bytes ≥ min_bytes``): the slope of ``time − α`` against
-    ``ring_factor · bytes``, least squares in relative error.
-    Why two regimes: gloo switches algorithm with the message size, so one straight line
-    through all sizes fits neither end. Needs ≥ 1 bandwidth-regime row per op; all rows of
-    one fit must share one world size.
-    """
-    if not rows:
-        raise ValueError("fit_alpha_beta: no rows; pass bandwidth_benchmark's rows")
-    worlds = {r["world_size"] for r in rows}
-    if len(worlds) != 1:
-        raise ValueError(
-            f"fit_alpha_beta: rows from several world sizes {sorted(worlds)}; fit one at a time"
-        )
-    n = worlds.pop()
-    if n < 2:
-        raise ValueError("fit_alpha_beta: world_size 1 has no communication to fit")
-    alpha, beta, points = {}, {}, {}
-    for op in dict.fromkeys(r["op"] for r in rows):
-        mine = sorted((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
-        small = [r["time_s"] for r in mine if r["bytes"] <= latency_bytes] or [mine[0]["time_s"]]
-        big = [r for r in mine if r["bytes"] >= min_bytes]
-        if not big:
-            raise ValueError(
-                f"fit_alpha_beta: op {op!r} has no row with bytes ≥ min_bytes={min_bytes}; "
-                f"sweep larger messages (largest measured: {mine[-1]['bytes']})"
-            )
-        a = min(small)
-        xs = [_factor(op, n) * r["bytes"] for r in big]
-        ys = [max(r["time_s"] - a, 1e-12) for r in big]
-        ts = [r["time_s"] for r in big]
-        inv_beta = sum(x * y / t**2 for x, y, t in zip(xs, ys, ts)) / sum(
-            x * x / t**2 for x, t in zip(xs, ts)
-        )
-        alpha[op], beta[op], points[op] = a, 1.0 / inv_beta, len(big)
-    return AlphaBeta(alpha, beta, n, min_bytes, points)
+# AlphaBeta and fit_alpha_beta live in course_lib.step_time (the course's cost model); re-exported.
 
 
 def measure_alpha_beta(
@@ -242,7 +159,7 @@ def measure_alpha_beta(
     iters: int = 2,
     warmup: int = 1,
     min_bytes: int = 2**20,
-) -> tuple[AlphaBeta, list[dict]]:
+) -> tuple[AlphaBeta, BandwidthSweep]:
     """Spawn a short sweep on ``world_size`` ranks and fit it: ``(fit, rows)``. A few seconds on 2 cores.
 
     >>> fit, rows = measure_alpha_beta()          # doctest: +SKIP
@@ -265,119 +182,280 @@ def measure_alpha_beta(
 # --------------------------------------------------------------------------- "is distributed always faster?"
 
 
-def toy_data_parallel_step(
-    d_model: int = 512, global_batch: int = 64, steps: int = 10, warmup: int = 2
-) -> dict:
-    """Rank function: one data-parallel step of a ``d_model × d_model`` linear layer, timed.
+@dataclass
+class ScalingRace(Result):
+    """1 rank vs N ranks on one linear layer, under the modelled clock and once on the real clock.
 
-    Each rank computes forward + backward on ``global_batch / N`` rows (compute shrinks
-    with N), then all-reduces the ``d_model²`` gradient (communication does not shrink:
-    a ring moves 2(N−1)/N × 4·d_model² bytes per rank). With a small batch the gradient
-    all-reduce dominates and more ranks are *slower*; with a large batch compute dominates
-    and more ranks are faster. Returns mean seconds per step (max over ranks), split into
-    compute and communication.
+    ``clocked`` / ``real`` are :class:`~course_lib.timing.Timings` of the variants
+    ``"<case> · 1 rank"`` and ``"<case> · N ranks"`` (``real`` also ``"<case> · compute of
+    1/N"``: rank 0 alone on one rank's share, no all-reduce). Per case, ``compute_s`` /
+    ``comm_s`` are the model's parts (FLOPs / rate; the α–β all-reduce) and ``ratio`` the
+    modelled compute over the real compute of the same rows (the smaller of the two batches).
+    Rows: each clocked variant within ±20 % of its prediction, the 1-vs-N verdict the
+    prediction expects (ranges separate), and ``modelled ≥ 10× real compute`` for the cases in
+    ``require_ratio``.
     """
-    n = dist.get_world_size()
-    if global_batch % n:
-        raise ValueError(f"global_batch={global_batch} is not divisible by world_size={n}")
-    dev = device()
+
+    cases: dict = field(default_factory=dict)  # name -> (d_model, global_batch)
+    world_size: int = 1
+    rate: float = 0.0
+    clock: str = "real clock"
+    clocked: Timings | None = None
+    real: Timings | None = None
+    compute_s: dict = field(default_factory=dict)  # case -> {"1": s, "N": s} modelled compute
+    comm_s: dict = field(default_factory=dict)  # case -> α–β all-reduce seconds (N ranks)
+    real_s: dict = field(default_factory=dict)  # case -> {"1": s, "N": s} real compute alone
+    ratio: dict = field(default_factory=dict)  # case -> modelled / real compute
+    grad_bytes: dict = field(default_factory=dict)
+    beta: float = 0.0  # the fitted all-reduce β (bytes/s)
+    alpha: float = 0.0  # the all-reduce α after a sleep (s): gloo's threads woken first
+    require_ratio: tuple = ()
+
+    def name(self, case: str, variant: str) -> str:
+        """The variant's name in the timings: ``variant`` is ``"1"``, ``"N"`` or ``"share"``."""
+        n = self.world_size
+        return {
+            "1": f"{case} · 1 rank",
+            "N": f"{case} · {n} ranks",
+            "share": f"{case} · compute of 1/{n}",
+        }[variant]
+
+    def predicted(self, case: str) -> dict[str, float]:
+        """``{"1": s, "N": s}``: modelled + real compute (+ the α–β all-reduce on N ranks).
+
+        The clock sleeps *after* the real computation, so a step lasts both: the real part is
+        timed alone before the clocked run (``real_s``: the clock's hooks and FLOP counting
+        on, its rate ∞, so nothing sleeps)."""
+        c, r = self.compute_s[case], self.real_s[case]
+        comm = self.comm_s.get(case, 0.0)
+        return {"1": c["1"] + r["1"], "N": c["N"] + r["N"] + comm}
+
+    def expect(self, case: str) -> str:
+        """What the model predicts N ranks are against 1: ``"faster"`` or ``"slower"``."""
+        p = self.predicted(case)
+        return "faster" if p["N"] < p["1"] else "slower"
+
+    def crossover_batch(self, case: str) -> float:
+        """The global batch at which one rank's compute equals the all-reduce (N ≡ 1 rank)."""
+        d, batch = self.cases[case]
+        per_row = self.compute_s[case]["1"] / batch
+        return self.world_size * self.comm_s[case] / per_row
+
+    @property
+    def flop_per_byte(self) -> float:
+        """rate / β: the FLOPs the modelled accelerator does while the link moves one byte."""
+        return self.rate / self.beta
+
+    def verdict(self, case: str, timings: Timings | None = None) -> str:
+        """``Comparison.verdict`` of N ranks against 1 (under the clock unless ``timings``)."""
+        t = self.clocked if timings is None else timings
+        return t.compare(self.name(case, "N"), self.name(case, "1")).verdict
+
+    def checks(self):
+        rows = []
+        if self.clocked is not None:
+            rows += self.clocked.checks()
+        if self.clocked is not None and self.comm_s:
+            for case in self.cases:
+                a, b = self.name(case, "N"), self.name(case, "1")
+                c = self.clocked.compare(a, b)
+                want = -1 if self.expect(case) == "faster" else 1
+                rows.append(
+                    Row(
+                        f"{case}: {self.world_size} ranks {self.expect(case)} than 1",
+                        f"{c.timing_a} vs {c.timing_b}",
+                        None,
+                        "the prediction",
+                        "min–max ranges separate",
+                        c.sign == want,
+                    )
+                )
+        for case in self.require_ratio:
+            rows.append(
+                Row(
+                    f"{case}: modelled / real compute",
+                    self.ratio[case],
+                    10.0,
+                    "",
+                    "≥ 10×",
+                    self.ratio[case] >= 10,
+                )
+            )
+        return rows + list(self.checked)
+
+    def table(self) -> str:
+        """Per clock, each variant's median [min–max] (and the prediction); then the rows."""
+        lines = [self.title] if self.title else []
+        for t in (self.clocked, self.real):
+            if t is None:
+                continue
+            lines.append(t.header())
+            width = max(len(n) for n in t.timings)
+            for name, timing in t.timings.items():
+                pred = t.predicted.get(name)
+                tail = f"   predicted {format_seconds(pred)}" if pred is not None else ""
+                lines.append(f"  {name:<{width}}  {str(timing):<24}{tail}")
+        rows = self.checks()
+        if rows:
+            lines.append(Result(checked=rows).table())
+        return "\n".join(lines)
+
+
+def linear_model(d_model: int) -> nn.Sequential:
+    """The race's model: one ``d_model × d_model`` linear layer (bias-free), the same on every rank.
+
+    A Sequential, so :class:`~course_lib.clock.AcceleratorClock` costs its layer as a block."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(d_model, d_model, generator=gen).to(dev).requires_grad_()
-    x = torch.randn(global_batch, d_model, generator=gen).to(dev)
-    local = x.chunk(n)[dist.get_rank()]
-    t_comp = t_comm = 0.0
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = (local @ w).square().mean()
-        loss.backward()
-        _sync(dev)
-        t1 = time.perf_counter()
-        if n > 1:
-            dist.all_reduce(w.grad)
-        _sync(dev)
-        t2 = time.perf_counter()
-        w.grad = None
-        if i >= warmup:
-            t_comp += t1 - t0
-            t_comm += t2 - t1
-    times = torch.tensor([t_comp / steps, t_comm / steps], dtype=torch.float64, device=dev)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    comp, comm_t = times.tolist()
-    return {
-        "world_size": n,
-        "compute_s": comp,
-        "comm_s": comm_t,
-        "step_s": comp + comm_t,
-        "grad_bytes": 4 * d_model * d_model,
-        "rows_per_rank": global_batch // n,
+    model = nn.Sequential(nn.Linear(d_model, d_model, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(d_model, d_model, generator=gen) / d_model**0.5)
+    return model.to(device())
+
+
+def calibrate_rate(d_model: int, batch: int, ratio: float = 10.0) -> Calibration:
+    """:func:`course_lib.clock.calibrate` on :func:`linear_model` at ``batch`` rows, one thread.
+
+    The ranks compute on one thread each (``launch.spawn``), so the real compute is measured on
+    one thread too; the rate makes that block sleep ≥ ``ratio`` (× 2 margin) × its real compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = linear_model(d_model)
+        x = torch.randn(batch, d_model, generator=torch.Generator().manual_seed(1))
+        return calibrate(model, x.to(device()), ratio=ratio)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def idle_alpha(
+    ops=("all_reduce", "all_gather", "reduce_scatter"), gap_s: float = 0.005, calls: int = 12
+) -> dict[str, float]:
+    """Rank function piece: the fixed cost of one small call issued after ``gap_s`` of idling.
+
+    The sweep's α (:func:`~course_lib.experiments.collectives.bandwidth_benchmark`) times calls
+    back to back, while gloo's threads are awake. Under the clock a collective mostly comes after
+    a sleep: the worker thread, and the peer, must be woken and scheduled first — on 2 busy
+    cores that costs milliseconds (0.4–0.8 ms back to back, 2–4 ms after a 5 ms sleep, measured
+    at a load of 2). Median of ``calls`` 1 KiB calls per op, averaged over the ranks.
+    """
+    world = dist.get_world_size()
+    x = torch.zeros(256, device=device())
+    out = torch.zeros(256 * world, device=device())
+    run = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_gather": lambda: dist.all_gather_into_tensor(out, x),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(x, out),
     }
+    medians = []
+    for op in ops:
+        times = []
+        for _ in range(calls):
+            time.sleep(gap_s)
+            t0 = time.perf_counter()
+            run[op]()
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times))
+    t = torch.tensor(medians, dtype=torch.float64, device=device())
+    dist.all_reduce(t)
+    return dict(zip(ops, (t / world).tolist(), strict=True))
 
 
 def scaling_race(
-    cases: dict[str, tuple[int, int]], rounds: int = 5, steps: int = 3, warmup: int = 1
-) -> dict:
-    """Rank function: 1 rank vs all N ranks on the same linear-layer step, interleaved in rounds.
+    cases: dict[str, tuple[int, int]],
+    rounds: int = 5,
+    steps: int = 2,
+    warmup: int = 1,
+    rate: float | None = None,
+    fit: AlphaBeta | None = None,
+    require_ratio: Iterable[str] = (),
+) -> ScalingRace:
+    """Rank function: 1 rank vs all N ranks on one linear layer, timed with ``time_steps``.
 
-    ``cases[name] = (d_model, global_batch)``. Each round runs, per case, the 1-rank step (rank 0
-    alone on the whole batch, no communication; the other ranks wait in a barrier) and then the
-    N-rank data-parallel step (``global_batch / N`` rows each + the gradient all-reduce), so a
-    background load hits both alike. Returns ``{name: {"1": {...}, "N": {...}, "ratio": [...]}}``
-    with per-variant median step / compute / all-reduce seconds (max over ranks) and the per-round
-    ratio N-rank / 1-rank step time.
+    ``cases[name] = (d_model, global_batch)``. Per case, the 1-rank step (rank 0 alone on the
+    whole batch, no communication; the other ranks wait in the next barrier) and the N-rank
+    data-parallel step (``global_batch / N`` rows each, then the gradient all-reduce), all
+    variants interleaved in rounds. First on the real clock (``real``; each case's 1/N share
+    of the compute is also timed alone). Then, with ``rate``, under ``AcceleratorClock(rate)``:
+    the compute alone with the clock's hooks and FLOP counting but nothing sleeping (rate ∞:
+    ``real_s``), then the ``clocked`` timings, predicted from FLOPs / rate + ``real_s`` (+, with
+    ``fit``, the α–β all-reduce). ``require_ratio``: the cases whose modelled compute must be
+    ≥ 10× their real compute (a row each).
     """
     n, rank = dist.get_world_size(), dist.get_rank()
     dev = device()
-    out = {}
+    out = ScalingRace(cases=dict(cases), world_size=n, require_ratio=tuple(require_ratio))
+    models, batches = {}, {}
     for name, (d_model, global_batch) in cases.items():
         if global_batch % n:
             raise ValueError(
                 f"scaling_race: case {name!r}: global_batch={global_batch} not divisible by {n}"
             )
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(d_model, d_model, generator=gen).to(dev).requires_grad_()
-        x = torch.randn(global_batch, d_model, generator=gen).to(dev)
-        local = x.chunk(n)[rank]
+        models[name] = linear_model(d_model)
+        x = torch.randn(global_batch, d_model, generator=torch.Generator().manual_seed(1))
+        batches[name] = x.to(dev)
+        out.grad_bytes[name] = 4 * d_model * d_model
 
-        def step(rows, communicate):
-            t0 = time.perf_counter()
-            (rows @ w).square().mean().backward()
-            _sync(dev)
-            t1 = time.perf_counter()
-            if communicate:
-                dist.all_reduce(w.grad)
-                _sync(dev)
-            t2 = time.perf_counter()
-            w.grad = None
-            return t1 - t0, t2 - t1
+    def step(model, rows, communicate):
+        model(rows).square().mean().backward()
+        if communicate:
+            dist.all_reduce(model[0].weight.grad)
+        model[0].weight.grad = None
 
-        samples = {"1": [], "N": []}
-        for r in range(warmup + rounds):
-            for variant in ("1", "N"):
-                dist.barrier()
-                comp = comm_t = 0.0
-                if variant == "N" or rank == 0:
-                    for _ in range(steps):
-                        c, m = step(local if variant == "N" else x, variant == "N" and n > 1)
-                        comp, comm_t = comp + c / steps, comm_t + m / steps
-                t = torch.tensor([comp, comm_t, comp + comm_t], dtype=torch.float64, device=dev)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                if r >= warmup:
-                    samples[variant].append(t.tolist())
-        med = {
-            v: {
-                k: statistics.median(s[i] for s in samples[v])
-                for i, k in enumerate(("compute_s", "comm_s", "step_s"))
-            }
-            for v in samples
-        }
-        out[name] = {
-            **med,
-            "ratio": [b[2] / a[2] for a, b in zip(samples["1"], samples["N"])],
-            "world_size": n,
-            "grad_bytes": 4 * d_model * d_model,
-        }
+    def variants(share: bool) -> dict:
+        steps_ = {}
+        for name, x in batches.items():
+            m, local = models[name], x.chunk(n)[rank]
+            steps_[out.name(name, "1")] = lambda m=m, x=x: rank == 0 and step(m, x, False)
+            steps_[out.name(name, "N")] = lambda m=m, x=local: step(m, x, n > 1)
+            if share:
+                steps_[out.name(name, "share")] = lambda m=m, x=local: (
+                    rank == 0 and step(m, x, False)
+                )
+        return steps_
+
+    kw = dict(rounds=rounds, steps_per_round=steps, warmup=warmup)
+    out.real = time_steps(variants(True), **kw)
+    for name in batches:
+        one, share = out.real[out.name(name, "1")], out.real[out.name(name, "share")]
+        out.real_s[name] = {"1": one.median, "N": share.median}
+    if rate is None:
+        return out
+    clock = AcceleratorClock(rate)
+    for m in models.values():
+        clock.apply(m)
+    out.rate, out.clock = clock.rate, clock.name
+    if fit is not None:
+        # under the clock the all-reduce follows a sleep: gloo's threads must wake first
+        woken = AlphaBeta(
+            {
+                "all_reduce": max(
+                    fit.alpha_s["all_reduce"], idle_alpha(("all_reduce",))["all_reduce"]
+                )
+            },
+            {"all_reduce": fit.beta_bytes_per_s["all_reduce"]},
+            fit.world_size,
+            fit.min_bytes,
+        )
+        out.alpha = woken.alpha_s["all_reduce"]
+    # the real compute the sleeps follow, with the clock's hooks and FLOP counting, sleeping 0 s
+    clock.rate = float("inf")
+    alone = {k: f for k, f in variants(True).items() if not k.endswith(f"· {n} ranks")}
+    real = time_steps(alone, **kw)
+    clock.rate = out.rate
+    for name, x in batches.items():
+        r = {"1": real[out.name(name, "1")].median, "N": real[out.name(name, "share")].median}
+        out.real_s[name] = r
+        _, flops = count_flops(models[name], x)
+        full = (1 + BACKWARD_FACTOR) * flops / clock.rate
+        out.compute_s[name] = {"1": full, "N": full / n}
+        out.ratio[name] = min(full / r["1"], full / n / r["N"])  # the smaller batch: the worst
+        if fit is not None:
+            out.comm_s[name] = woken.predict("all_reduce", out.grad_bytes[name], n)
+            out.beta = fit.beta_bytes_per_s["all_reduce"]
+    predicted = {out.name(c, v): s for c in out.comm_s for v, s in out.predicted(c).items()}
+    out.clocked = time_steps(variants(False), clock=clock, predicted=predicted, **kw)
+    clock.remove()
     return out
 
 
-__all__ += ["scaling_race"]
+__all__ += ["ScalingRace", "calibrate_rate", "idle_alpha", "linear_model", "scaling_race"]

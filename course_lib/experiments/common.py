@@ -15,13 +15,12 @@ Defined here:
 
 * **Reductions over ranks** — :func:`mean_over_ranks`, :func:`max_over_ranks`.
 * **Differences** — :func:`max_abs_diff`, :func:`state_diff` (models or state dicts).
-* **Races** — :func:`race`: variants timed in interleaved rounds, each round the max over ranks.
+* **Races** — :func:`race`: :func:`course_lib.timing.time_steps`'s rounds as a plain dict.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -37,6 +36,7 @@ from ..configs import (
 )
 from ..launch import device
 from ..results import Result
+from ..timing import time_steps
 from ..train import check_global_batch, reference_run, shard_batch, step_batch, train_step
 
 __all__ = [
@@ -102,29 +102,13 @@ def race(
 ) -> dict[str, list[float]]:
     """Time ``{name: one_step()}`` fairly; returns seconds per step for each name and round.
 
-    * **interleaved rounds**: each round runs every variant once, in an order rotated by the
-      round, so a noisy neighbour or a thermal dip hits all of them alike;
-    * after a barrier (every rank starts together), a round's time is the **max over ranks**: a
-      synchronous step lasts as long as its slowest rank.
-    Report the median over rounds (:func:`median_times`), or ratios of medians.
+    :func:`course_lib.timing.time_steps` (warm-up, interleaved rounds in a rotated order, a barrier
+    before each block, the max over ranks), read as ``{name: [seconds per round]}``. Report the
+    median over rounds (:func:`median_times`), or call ``time_steps`` for ranges and verdicts.
     """
-    names = list(steps)
-    for name in names:
-        for _ in range(warmup):
-            steps[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            for _ in range(steps_per_round):
-                steps[name]()
-            times[name].append(
-                max_over_ranks((time.perf_counter() - t0) / steps_per_round, group=group)
-            )
-    return times
+    return time_steps(steps, rounds, steps_per_round, warmup, group=group).samples()
 
 
 def median_times(times: dict[str, list[float]]) -> dict[str, float]:
+    """``{name: median seconds}`` of :func:`race`'s rounds."""
     return {name: statistics.median(ts) for name, ts in times.items()}

@@ -3,9 +3,11 @@
 Rank functions (run them with ``launch.spawn``): :func:`equality_with_single_device`,
 :func:`accumulation_with_no_sync`, :func:`ddp_throughput`, :func:`bucket_size_sweep`,
 :func:`ddp_step_time`, :func:`ddp_timelines`. Parent-side helpers: :func:`ddp_benchmark`,
-:func:`scaling`, :func:`format_throughput`. Every race uses :func:`common.race` (interleaved
-rounds, max over ranks, median over rounds); every variant trains its own copy of the same model
-with the same data and optimizer, one :func:`common.train_step` at a time.
+:func:`scaling`, :func:`format_throughput`. Every step time is measured by
+:func:`course_lib.timing.time_steps` (warm-up, interleaved rounds, max over ranks, median with the
+min–max range; the results keep its :class:`~course_lib.timing.Timings` under ``"timings"``);
+every variant trains its own copy of the same model with the same data and optimizer, one
+:func:`common.train_step` at a time.
 
 :class:`DDPTimeline` is the instrument the timelines are drawn from: a :class:`ddp.DDPObserver`
 attached to our DDP from outside (``DDP(..., observer=DDPTimeline())``).
@@ -34,12 +36,12 @@ from ..ddp import (
 from ..launch import device
 from ..models import GPT, GPTConfig
 from ..results import SGD, Measured, for_optimizer
+from ..timing import time_steps
 from .common import (
     Result,
     bench_config,
     check_global_batch,
     make_optimizer,
-    race,
     shard_batch,
     small_config,
     step_batch,
@@ -61,6 +63,10 @@ __all__ = [
     "bucket_size_sweep",
     "ddp_step_time",
     "ddp_timelines",
+    "EXPOSURE_VARIANTS",
+    "ExposureResult",
+    "exposed_communication",
+    "one_device_replay",
     "ddp_benchmark",
     "scaling",
     "format_throughput",
@@ -293,7 +299,7 @@ def accumulation_with_no_sync(
 def _race_steps(
     entries: dict, config: GPTConfig, batch_size: int, optimizer_lr: float = 1e-3
 ) -> dict:
-    """``{name: one_step()}`` for :func:`common.race`: each variant its own SGD, rank-local batches."""
+    """``{name: one_step()}`` for :func:`time_steps`: each variant its own SGD, rank-local batches."""
     rank, dev = dist.get_rank(), device()
     counter = [0]
 
@@ -319,17 +325,20 @@ def ddp_throughput(
     rounds: int = 7,
     steps_per_round: int = 3,
     warmup: int = 2,
-) -> dict:
+) -> Measured:
     """Rank function: tokens/s of each variant of :data:`RACE_VARIANTS` (or the ones named).
 
     ``batch_size`` is per rank; tokens per step = world · batch_size · block_size. Both bucketed
-    variants use the same ``bucket_cap_mb`` (torch additionally caps its first bucket at 1 MiB).
-    Returns ``{variant: {"step_s", "tokens_per_s", "step_s_rounds"}, "world_size", "params", ...}``.
+    variants use the same ``bucket_cap_mb``; given explicitly, torch caps every bucket, the first
+    included, at it (its 1 MiB first bucket applies only when ``bucket_cap_mb`` is left unset).
+    Returns :class:`Measured` reading as ``{variant: {"step_s", "tokens_per_s", "step_s_rounds"},
+    "world_size", "params", ..., "timings"}`` (``"timings"``: the :class:`Timings`, for ranges
+    and verdicts).
     """
     config = config or bench_config()
     world, dev = dist.get_world_size(), device()
     entries = {v: _wrap(v, GPT(config, seed=0).to(dev), bucket_cap_mb) for v in variants}
-    times = race(_race_steps(entries, config, batch_size), rounds, steps_per_round, warmup)
+    timings = time_steps(_race_steps(entries, config, batch_size), rounds, steps_per_round, warmup)
     tokens = world * batch_size * config.block_size
     out = {
         "world_size": world,
@@ -337,11 +346,15 @@ def ddp_throughput(
         "tokens_per_step": tokens,
         "bucket_cap_mb": bucket_cap_mb,
         "params": GPT(config).num_params(),
+        "timings": timings,
     }
-    for v, ts in times.items():
-        med = statistics.median(ts)
-        out[v] = {"step_s": med, "tokens_per_s": tokens / med, "step_s_rounds": ts}
-    return out
+    for v, t in timings.items():
+        out[v] = {
+            "step_s": t.median,
+            "tokens_per_s": tokens / t.median,
+            "step_s_rounds": list(t.samples),
+        }
+    return Measured(title=f"DDP variants at world {world}: {timings.header()}", values=out)
 
 
 def bucket_size_sweep(
@@ -351,12 +364,13 @@ def bucket_size_sweep(
     rounds: int = 3,
     steps_per_round: int = 3,
     warmup: int = 1,
-) -> list[dict]:
+) -> Measured:
     """Rank function: own DDP step time for each ``bucket_cap_mb`` (None = one all-reduce per parameter).
 
-    Returns rows ``{"bucket_cap_mb", "n_buckets", "step_s", "tokens_per_s"}`` (max over ranks,
-    median over interleaved rounds). Small buckets pay the per-message latency many times; one
-    huge bucket cannot start until backward ends (no overlap).
+    Returns :class:`Measured` reading as a list of rows ``{"bucket_cap_mb", "n_buckets", "step_s",
+    "tokens_per_s", "timing"}`` (max over ranks, median over interleaved rounds; ``"timing"`` the
+    :class:`~course_lib.timing.Timing` with its range). Small buckets pay the per-message latency
+    many times; one huge bucket cannot start until backward ends (no overlap).
     """
     config = config or bench_config()
     world, dev = dist.get_world_size(), device()
@@ -365,17 +379,19 @@ def bucket_size_sweep(
         ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=cap)
         entries[str(cap)] = (ddp, None)
         n_buckets[str(cap)] = len(ddp.buckets)
-    times = race(_race_steps(entries, config, batch_size), rounds, steps_per_round, warmup)
+    timings = time_steps(_race_steps(entries, config, batch_size), rounds, steps_per_round, warmup)
     tokens = world * batch_size * config.block_size
-    return [
+    rows = [
         {
             "bucket_cap_mb": cap,
             "n_buckets": n_buckets[str(cap)],
-            "step_s": statistics.median(times[str(cap)]),
-            "tokens_per_s": tokens / statistics.median(times[str(cap)]),
+            "step_s": timings[str(cap)].median,
+            "tokens_per_s": tokens / timings[str(cap)].median,
+            "timing": timings[str(cap)],
         }
         for cap in bucket_sizes_mb
     ]
+    return Measured(title=f"bucket sizes at world {world}: {timings.header()}", values=rows)
 
 
 def ddp_step_time(
@@ -384,39 +400,51 @@ def ddp_step_time(
     bucket_cap_mb: float | None = 4.0,
     steps: int = 6,
     warmup: int = 2,
-) -> dict:
+) -> Measured:
     """Rank function: seconds per training step of own DDP with a *fixed global batch* (strong scaling).
 
     Each of N ranks gets ``global_batch / N`` sequences: more ranks → less compute each, but the
     same gradient bytes to all-reduce (and 2(N−1)/N of them on the wire per rank). Also reports
     the step time with the all-reduce left out (``compute_s``: forward, backward, optimizer only).
+    The two are timed in ``steps`` interleaved rounds of one step (:func:`time_steps`); returns
+    :class:`Measured` reading as ``{"world_size", "global_batch", "tokens_per_step", "step_s",
+    "compute_s", "tokens_per_s", "timings"}`` (medians over rounds).
     """
     config = config or bench_config()
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     check_global_batch(global_batch, world)
     local = global_batch // world
-    ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=bucket_cap_mb)
-    plain = GPT(config, seed=0).to(dev)
-    result = {
+    models = {
+        "ddp": DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=bucket_cap_mb),
+        "compute only": GPT(config, seed=0).to(dev),
+    }
+
+    def stepper(model):
+        opt, counter = torch.optim.SGD(model.parameters(), lr=1e-3), [0]
+
+        def one_step():
+            x, y = make_batch(
+                local, config.block_size, config.vocab_size, seed=100 * rank + counter[0]
+            )
+            counter[0] += 1
+            train_step(model, opt, x.to(dev), y.to(dev))
+
+        return one_step
+
+    timings = time_steps(
+        {name: stepper(m) for name, m in models.items()}, rounds=steps, warmup=warmup
+    )
+    tokens = global_batch * config.block_size
+    values = {
         "world_size": world,
         "global_batch": global_batch,
-        "tokens_per_step": global_batch * config.block_size,
+        "tokens_per_step": tokens,
+        "step_s": timings["ddp"].median,
+        "compute_s": timings["compute only"].median,
+        "tokens_per_s": tokens / timings["ddp"].median,
+        "timings": timings,
     }
-    for key, model in (("step_s", ddp), ("compute_s", plain)):
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        for i in range(warmup + steps):
-            if i == warmup:
-                dist.barrier()
-                t0 = time.perf_counter()
-            x, y = make_batch(local, config.block_size, config.vocab_size, seed=100 * rank + i)
-            train_step(model, opt, x.to(dev), y.to(dev))
-        elapsed = torch.tensor(
-            [(time.perf_counter() - t0) / steps], dtype=torch.float64, device=dev
-        )
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        result[key] = elapsed.item()
-    result["tokens_per_s"] = result["tokens_per_step"] / result["step_s"]
-    return result
+    return Measured(title=f"own DDP at world {world}: {timings.header()}", values=values)
 
 
 def _blocking_bucketed(model, bucket_cap_mb: float, events: list) -> None:
@@ -428,7 +456,7 @@ def _blocking_bucketed(model, bucket_cap_mb: float, events: list) -> None:
         t0 = time.perf_counter()
         flat = torch.cat([p.grad.reshape(-1) for p in bucket]).div_(world)
         comm.all_reduce(flat, tag="grad")
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+        for p, g in zip(bucket, flat.split([p.numel() for p in bucket]), strict=True):
             p.grad.copy_(g.view_as(p))
         events.append(("comm", f"bucket {i}", t0, time.perf_counter()))
 
@@ -490,40 +518,70 @@ class _Clock:
         model.register_forward_hook(lambda *_: self.t.__setitem__("backward", time.perf_counter()))
 
 
+def _median_events(steps: list[list]) -> list[tuple[str, str, float, float]]:
+    """Per event position, the median start and end over steps (every step has the same events)."""
+    if len({len(s) for s in steps}) != 1:
+        raise RuntimeError(f"steps recorded different numbers of events: {[len(s) for s in steps]}")
+    out = []
+    for evs in zip(*steps, strict=True):
+        kind, name = evs[0][0], evs[0][1]
+        out.append(
+            (
+                kind,
+                name,
+                statistics.median(e[2] for e in evs),
+                statistics.median(e[3] for e in evs),
+            )
+        )
+    return out
+
+
 def ddp_timelines(
-    config: GPTConfig | None = None, batch_size: int = 8, bucket_cap_mb: float = 2.0, steps: int = 3
+    config: GPTConfig | None = None,
+    batch_size: int = 8,
+    bucket_cap_mb: float = 2.0,
+    steps: int = 3,
+    clock=None,
 ) -> TimelineResult:
-    """Rank function: one step's compute/communication timeline for the four ways to average gradients.
+    """Rank function: a step's compute/communication timeline for the four ways to average gradients.
 
     Overlap and bucketing, each alone and together: ``"naive"`` (per parameter, blocking, after
     backward), ``"blocking_bucketed"`` (buckets, blocking, after backward), ``"per_param"`` (our DDP
     per parameter: async during backward), ``"overlapped"`` (our DDP with buckets: async during
-    backward). Events are ``(kind, name, t_start, t_end)`` in seconds from the start of that
-    step's forward (the last of ``steps`` SGD steps, after warm-up). Kinds: ``compute`` (forward,
-    backward), ``comm`` (one collective, launch to completion), ``wait`` (training thread blocked).
+    backward). Events are ``(kind, name, t_start, t_end)`` in seconds from the start of the
+    step's forward: the **median over** ``steps`` SGD steps after one warm-up step (with
+    ``steps=1``, that one step). Kinds: ``compute`` (forward, backward), ``comm`` (one collective,
+    launch to completion), ``wait`` (training thread blocked). ``clock`` (an
+    :class:`~course_lib.clock.AcceleratorClock`, optional) is applied to every model first.
     Returns a :class:`TimelineResult` (``res[variant]`` the events; its rows: who overlaps).
     """
     config = config or bench_config()
     rank, dev = dist.get_rank(), device()
     x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=rank)
     x, y = x.to(dev), y.to(dev)
-    out = {}
-    for key in (
-        "naive",
-        "blocking_bucketed",
-    ):  # backward first, then communicate, one blocking call at a time
+    warmup = 1 if steps > 1 else 0
+
+    def new_model():
         model = GPT(config, seed=0).to(dev)
-        opt, clock = torch.optim.SGD(model.parameters(), lr=1e-3), _Clock(model)
-        for _ in range(steps):
+        if clock is not None:
+            clock.apply(model)
+        return model
+
+    out = {}
+    for key in ("naive", "blocking_bucketed"):  # backward, then communicate, one call at a time
+        model = new_model()
+        opt, marks = torch.optim.SGD(model.parameters(), lr=1e-3), _Clock(model)
+        recorded = []
+        for step in range(warmup + steps):
             events = []
 
-            def communicate(model=model, key=key, events=events):
+            def communicate(model=model, key=key, events=events, marks=marks):
                 t_backward_end = time.perf_counter()
                 if key == "naive":
                     naive_allreduce_gradients(model, timeline=events)
                 else:
                     _blocking_bucketed(model, bucket_cap_mb, events)
-                t = clock.t
+                t = marks.t
                 events[:0] = [
                     ("compute", "forward", t["forward"], t["backward"]),
                     ("compute", "backward", t["backward"], t_backward_end),
@@ -531,63 +589,293 @@ def ddp_timelines(
 
             dist.barrier()
             train_step(model, opt, x, y, after_backward=communicate)
-        t0 = events[0][2]
-        out[key] = [(k, n, a - t0, b - t0) for k, n, a, b in events]
+            if step >= warmup:
+                t0 = events[0][2]
+                recorded.append([(k, n, a - t0, b - t0) for k, n, a, b in events])
+        out[key] = _median_events(recorded)
 
     for key, cap in (("per_param", None), ("overlapped", bucket_cap_mb)):
         timeline = DDPTimeline()
-        ddp = DDP(GPT(config, seed=0).to(dev), bucket_cap_mb=cap, observer=timeline)
+        ddp = DDP(new_model(), bucket_cap_mb=cap, observer=timeline)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        for _ in range(steps):
+        recorded = []
+        for step in range(warmup + steps):
             timeline.events.clear()
             dist.barrier()
             train_step(ddp, opt, x, y)
-        t0 = min(e[2] for e in timeline.events)
-        out[key] = [(k, n, a - t0, b - t0) for k, n, a, b in timeline.events]
+            if step >= warmup:
+                t0 = min(e[2] for e in timeline.events)
+                recorded.append([(k, n, a - t0, b - t0) for k, n, a, b in timeline.events])
+        out[key] = _median_events(recorded)
     result = TimelineResult(values=out)
     result.check_overlap()
     return result
 
 
+# --------------------------------------------------------------------------- exposed communication
+
+
+EXPOSURE_VARIANTS = {
+    "blocking per-param": "naive",
+    "blocking bucketed": "blocking_bucketed",
+    "overlapped per-param": "per_param",
+    "overlapped bucketed": "overlapped",
+}
+"""The four ways to average gradients of :func:`exposed_communication` → their timeline keys."""
+
+
+@dataclass
+class ExposureResult(Measured):
+    """:func:`exposed_communication`: step times under the clock against the step-time model.
+
+    ``values``: ``"timings"`` (the :class:`~course_lib.timing.Timings`, with a row per variant:
+    measured within ``AGREEMENT_BAND`` of predicted), ``"predicted"`` ``{name: Prediction}``,
+    ``"exposed"`` ``{name: (predicted s, measured s)}`` (measured = the variant's median step
+    minus the compute-only median), ``"all_reduces"`` ``{name: calls per step}``, ``"timelines"``
+    (the :class:`TimelineResult`, under the same clock), ``"rate"``, ``"clock"``, ``"alpha_beta"``.
+    """
+
+    def exposure_table(self) -> str:
+        """Exposed communication per step, predicted beside measured, and the step totals."""
+        t, pred = self.values["timings"], self.values["predicted"]
+        lines = [
+            t.header(),
+            f"{'variant':<22}{'all-reduces':>12}{'exposed: predicted':>20}{'measured':>10}"
+            f"{'step: predicted':>17}{'measured':>10}",
+        ]
+        for name in ("compute only", *EXPOSURE_VARIANTS):
+            p_exp, m_exp = self.values["exposed"][name]
+            calls = self.values["all_reduces"][name]
+            lines.append(
+                f"{name:<22}{calls:>12}{p_exp * 1e3:>17.1f} ms{m_exp * 1e3:>7.1f} ms"
+                f"{pred[name].total * 1e3:>14.1f} ms{t[name].median * 1e3:>7.1f} ms"
+            )
+        return "\n".join(lines)
+
+
+def exposed_communication(
+    config: GPTConfig | None = None,
+    batch_size: int = 2,
+    bucket_cap_mb: float = 4.0,
+    rounds: int = 3,
+    timeline_steps: int = 3,
+    ratio: float = 8.0,
+) -> ExposureResult:
+    """Rank function: exposed communication per step of the four ways to average gradients.
+
+    Under the modelled accelerator clock (:mod:`course_lib.clock`; rate calibrated so every
+    block sleeps ≥ ``ratio`` × 2 its real compute) and with α–β fitted on the spot, each of
+    :data:`EXPOSURE_VARIANTS` and a compute-only step are predicted with
+    :mod:`course_lib.step_time` from the buckets the objects really hold, then timed in
+    interleaved rounds (:func:`time_steps`). Blocking variants expose every all-reduce
+    (compute + Σ α + 2(N−1)/N·b/β, with the back-to-back α of the sweep); overlapped ones what
+    :func:`step_time.ddp_step` leaves after backward (α measured after idling, as the calls come
+    after a sleep). ``timelines``: :func:`ddp_timelines` under the same clock, medians over
+    ``timeline_steps`` steps. ``ratio`` 8 (sleeps ≥ 16× the real compute) keeps the step short
+    enough for the all-reduces to matter; the real compute beside the sleeps then adds 5–15 %
+    to every variant alike, so it cancels in the measured exposure (variant − compute only).
+    """
+    from .. import step_time as st
+    from ..clock import AcceleratorClock, calibrate, costed_parts
+    from .collectives import bandwidth_benchmark, idle_alpha
+    from .step_time import step_time_config
+
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    config = config or step_time_config()
+    rows = bandwidth_benchmark((2**10, 2**16, 2**20, 2**22), iters=2, warmup=1, repeats=3)
+    fit = st.fit_alpha_beta(rows)
+    idle = idle_alpha(ops=("all_reduce",))
+    after_sleep = st.AlphaBeta(
+        {op: max(a, idle.get(op, a)) for op, a in fit.alpha_s.items()},
+        fit.beta_bytes_per_s,
+        fit.world_size,
+        fit.min_bytes,
+        fit.points,
+    )
+    x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=rank)
+    x, y = x.to(dev), y.to(dev)
+    probe = GPT(config, seed=0).to(dev)
+    rate = torch.tensor([calibrate(probe, x, y, ratio=ratio).rate], dtype=torch.float64, device=dev)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # one rate on every rank
+    rate = float(rate.item())
+    clock = AcceleratorClock(rate)
+
+    def clocked():
+        model = GPT(config, seed=0).to(dev)
+        clock.apply(model)
+        return model
+
+    owner = st.param_parts(probe)
+    order = [n for n, _, _ in costed_parts(probe)]
+    params = dict(probe.named_parameters())
+    fwd = st.part_seconds(st.part_flops(probe, x, y), rate)
+
+    def ready_part(names_in_bucket) -> str:  # the part whose backward completes the bucket
+        return min((owner[params[n]] for n in names_in_bucket), key=order.index)
+
+    def nbytes(names_in_bucket) -> int:
+        return sum(params[n].numel() * params[n].element_size() for n in names_in_bucket)
+
+    steps, predicted, calls = {}, {}, {}
+    compute = st.ddp_step(fwd, [], after_sleep, world)  # no bucket: compute alone
+    plain = clocked()
+    opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
+    steps["compute only"] = lambda m=plain, o=opt: train_step(m, o, x, y)
+    predicted["compute only"] = compute
+    calls["compute only"] = 0
+    for name, key in EXPOSURE_VARIANTS.items():
+        if key in ("naive", "blocking_bucketed"):
+            model = clocked()
+            named = [n for n, _ in trainable_parameters(model)]
+            groups = (
+                [[n] for n in named]
+                if key == "naive"
+                else [
+                    [n for n, _ in b]
+                    for b in make_buckets(trainable_parameters(model), bucket_cap_mb * 2**20)
+                ]
+            )
+            after = (
+                (lambda m=model: naive_allreduce_gradients(m))
+                if key == "naive"
+                else (lambda m=model: _blocking_bucketed(m, bucket_cap_mb, []))
+            )
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            steps[name] = lambda m=model, o=opt, a=after: train_step(m, o, x, y, after_backward=a)
+            exposed = sum(fit.predict("all_reduce", nbytes(g), world) for g in groups)
+            predicted[name] = st.Prediction(
+                name,
+                {"compute": compute.parts["compute"], "exposed all_reduce": exposed},
+                f"{len(groups)} blocking all-reduces after backward: all exposed",
+            )
+        else:
+            ddp = DDP(clocked(), bucket_cap_mb=None if key == "per_param" else bucket_cap_mb)
+            groups = [list(b) for b in ddp.buckets]
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+            steps[name] = lambda m=ddp, o=opt: train_step(m, o, x, y)
+            buckets = [(nbytes(g), ready_part(g)) for g in groups]
+            predicted[name] = st.ddp_step(fwd, buckets, after_sleep, world)
+            predicted[name].name = name
+        calls[name] = len(groups)
+    timings = time_steps(
+        steps,
+        rounds=rounds,
+        clock=clock,
+        predicted={n: p.total for n, p in predicted.items()},
+        title="DDP step time under the clock vs the step-time model",
+    )
+    base = timings["compute only"].median
+    exposed = {
+        n: (p.parts.get("exposed all_reduce", 0.0), timings[n].median - base)
+        for n, p in predicted.items()
+    }
+    timelines = ddp_timelines(config, batch_size, bucket_cap_mb, steps=timeline_steps, clock=clock)
+    result = ExposureResult(
+        title=f"exposed communication per step, {world} ranks, {clock.name}",
+        values={
+            "timings": timings,
+            "predicted": predicted,
+            "exposed": exposed,
+            "all_reduces": calls,
+            "timelines": timelines,
+            "rate": rate,
+            "clock": clock.name,
+            "alpha_beta": after_sleep.table(),
+        },
+    )
+    result.checked += timings.checks()
+    result.checked += timelines.checks()
+    return result
+
+
+# --------------------------------------------------------------------------- a script's run, replayed
+
+
+def one_device_replay(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataset,
+    seen: list[list[list[int]]],
+    batch_size: int,
+    accumulation: int,
+) -> torch.nn.Module:
+    """Train ``model`` on one device on the global batches a DDP run's ranks saw; return it.
+
+    ``seen[r][e]`` is rank r's sample order in epoch e (``list(sampler)`` after
+    ``set_epoch(e)``). Rank r's micro-batch i is ``seen[r][e][i·b:(i+1)·b]``; optimizer step s
+    averaged micro-batches ``s·k … s·k+k−1`` of every rank (k = ``accumulation``), so one device
+    takes all of them as one global batch of N·k·b samples — the mean loss over it is the mean
+    of the ranks' accumulated means, as every micro-batch has ``batch_size`` samples.
+    """
+    world, epochs = len(seen), len(seen[0])
+    dev = next(model.parameters()).device
+    for e in range(epochs):
+        micro = len(seen[0][e]) // batch_size
+        if micro % accumulation or any(len(s[e]) != len(seen[0][e]) for s in seen):
+            raise ValueError(
+                f"epoch {e}: every rank needs the same number of micro-batches, a multiple of "
+                f"accumulation={accumulation} (got {[len(s[e]) for s in seen]} samples, "
+                f"batch_size={batch_size})"
+            )
+        for step in range(micro // accumulation):
+            rows = [
+                i
+                for r in range(world)
+                for m in range(step * accumulation, (step + 1) * accumulation)
+                for i in seen[r][e][m * batch_size : (m + 1) * batch_size]
+            ]
+            x = torch.stack([dataset[i][0] for i in rows]).to(dev)
+            y = torch.stack([dataset[i][1] for i in rows]).to(dev)
+            train_step(model, optimizer, x, y)
+    return model
+
+
 # --------------------------------------------------------------------------- parent side
 
 
-def ddp_benchmark(world_size: int = 2, timeout: float = 600, **kwargs) -> dict:
+def ddp_benchmark(world_size: int = 2, timeout: float = 600, **kwargs) -> Measured:
     """Run :func:`ddp_throughput` on ``world_size`` ranks; add ``ratios_vs_torch`` (tokens/s ÷ torch DDP's)."""
     from ..launch import spawn
 
     res = spawn(ddp_throughput, world_size, kwargs=kwargs, timeout=timeout)[0]
     variants = [v for v in RACE_VARIANTS if v in res]
     if "torch_ddp" in res:
-        res["ratios_vs_torch"] = {
+        res.values["ratios_vs_torch"] = {
             v: res[v]["tokens_per_s"] / res["torch_ddp"]["tokens_per_s"] for v in variants
         }
     return res
 
 
-def scaling(world_sizes=None, timeout: float = 600, **kwargs) -> list[dict]:
+def scaling(world_sizes=None, timeout: float = 600, **kwargs) -> Measured:
     """Strong scaling of own DDP: :func:`ddp_step_time` at each world size (default 1 … min(4, CPUs)).
 
     Beyond the number of cores, ranks share cores and the measurement says more about the
-    machine than about DDP, so the default stops at ``os.cpu_count()``.
+    machine than about DDP, so the default stops at ``os.cpu_count()``. Returns :class:`Measured`
+    reading as the list of :func:`ddp_step_time`'s results, one per world size.
     """
     from ..launch import spawn
 
     if world_sizes is None:
         world_sizes = list(range(1, min(4, os.cpu_count() or 1) + 1))
-    return [spawn(ddp_step_time, w, kwargs=kwargs, timeout=timeout)[0] for w in world_sizes]
+    runs = [spawn(ddp_step_time, w, kwargs=kwargs, timeout=timeout)[0] for w in world_sizes]
+    return Measured(title="strong scaling of own DDP (fixed global batch)", values=runs)
 
 
-def format_throughput(res: dict) -> str:
+def format_throughput(res) -> str:
+    """:func:`ddp_benchmark`'s result as text: each variant's step time (median [min–max]), tokens/s,
+    ratio to torch DDP, and whether our bucketed DDP and torch's can be told apart here."""
+    timings = res.get("timings")
     lines = [
         f"world {res['world_size']}, {res['params'] / 1e6:.2f}M params, {res['tokens_per_step']} tokens/step, "
         f"bucket_cap_mb={res['bucket_cap_mb']}",
-        f"{'variant':<16}{'step (ms)':>11}{'tokens/s':>11}{'vs torch':>10}",
+        *([timings.header()] if timings is not None else []),
+        f"{'variant':<16}{'step time [min–max]':>24}{'tokens/s':>11}{'vs torch':>10}",
     ]
     for v in RACE_VARIANTS:
         if v in res:
             ratio = res.get("ratios_vs_torch", {}).get(v, float("nan"))
-            lines.append(
-                f"{v:<16}{res[v]['step_s'] * 1e3:>11.1f}{res[v]['tokens_per_s']:>11.0f}{ratio:>10.2f}"
-            )
+            step = str(timings[v]) if timings is not None else f"{res[v]['step_s'] * 1e3:.1f} ms"
+            lines.append(f"{v:<16}{step:>24}{res[v]['tokens_per_s']:>11.0f}{ratio:>10.2f}")
+    if timings is not None and "own_bucketed" in timings and "torch_ddp" in timings:
+        lines.append(timings.compare("own_bucketed", "torch_ddp").verdict)
     return "\n".join(lines)

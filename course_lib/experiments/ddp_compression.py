@@ -10,9 +10,6 @@ Both notebook-facing results are :class:`results.Measured`: read like the dicts 
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -21,6 +18,7 @@ from ..ddp import DDP, make_buckets, torch_ddp, trainable_parameters
 from ..launch import device
 from ..models import GPT, GPTConfig
 from ..results import Measured
+from ..timing import time_steps
 from .common import bench_config, make_optimizer, shard_batch, small_config, step_batch, train_step
 
 __all__ = [
@@ -135,12 +133,13 @@ def compression_accuracy(
 
 def gradient_allreduce_time(
     config: GPTConfig | None = None, bucket_cap_mb: float = 25.0, repeats: int = 7, warmup: int = 2
-) -> dict:
+) -> Measured:
     """Rank function: seconds for the gradient all-reduce of ``config``'s model alone, bucket by bucket.
 
     Real gradients (one SGD step's) packed into DDP's buckets, then the buckets all-reduced back to
-    back, blocking (no backward running beside them). Median over ``repeats`` of the max over ranks.
-    Returns ``{"bucket_bytes": [...], "measured_s", "rounds_s"}``.
+    back, blocking (no backward running beside them), timed by :func:`time_steps` (``repeats``
+    rounds, max over ranks). Returns :class:`Measured` reading as ``{"bucket_bytes": [...],
+    "measured_s" (the median), "rounds_s", "timing"}``.
     """
     config = config or bench_config()
     dev = device()
@@ -150,21 +149,22 @@ def gradient_allreduce_time(
         torch.cat([p.grad.reshape(-1) for p in b])
         for b in make_buckets([p for _, p in trainable_parameters(model)], bucket_cap_mb * 2**20)
     ]
-    rounds = []
-    for i in range(warmup + repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def all_reduce_buckets():
         for flat in flats:
             comm.all_reduce(flat, tag="grad")
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            rounds.append(t.item())
-    return {
-        "bucket_bytes": [f.numel() * f.element_size() for f in flats],
-        "measured_s": statistics.median(rounds),
-        "rounds_s": rounds,
-    }
+
+    timings = time_steps({"gradient all-reduce": all_reduce_buckets}, repeats, warmup=warmup)
+    t = timings["gradient all-reduce"]
+    return Measured(
+        title=f"gradient all-reduce alone: {timings.header()}",
+        values={
+            "bucket_bytes": [f.numel() * f.element_size() for f in flats],
+            "measured_s": t.median,
+            "rounds_s": list(t.samples),
+            "timing": t,
+        },
+    )
 
 
 def predict_gradient_allreduce(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -186,7 +187,7 @@ def reshard_memory_and_traffic(
         tracker = memory_tracker(model, opt)
         tracker.track_inputs((x, y))
         with tracker:
-            phased_step(model, opt, x, y, lambda phase: setattr(tracker, "phase", phase))
+            phased_step(model, opt, x, y, partial(setattr, tracker, "phase"))
             opt.zero_grad(set_to_none=True)
         snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
         peak[key] = snap["Total"]
@@ -273,7 +274,9 @@ def accumulation_without_sync(
             x, y = shard_batch(*step_batch(step, config, global_batch, dev))
             opt.zero_grad(set_to_none=True)
             counters = []  # one CommDebugMode per forward+backward (its module tracker breaks across passes)
-            for j, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            for j, (xm, ym) in enumerate(
+                zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)
+            ):
                 if variant == "no_sync":
                     model.set_requires_gradient_sync(j == micro_batches - 1)
                 with CollectiveCounter() as cc:
@@ -508,13 +511,6 @@ class PrefetchResult(Result):
             g["explicit"],
             [min(i + 3, L + 1) for i in range(L)],
             against="root + i+2, per block",
-        )
-        self.condition(
-            "both step times were measured (no speed-up asserted: on CPU gloo the all-gather runs in "
-            "the caller's time)",
-            {v: len(r) for v, r in self.step_s_rounds.items()},
-            timed_in_every_round(self.step_s, self.step_s_rounds),
-            "every variant timed in every round (> 0 s); step = median of its rounds",
         )
         return self
 

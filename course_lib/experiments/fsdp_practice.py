@@ -50,7 +50,7 @@ from .common import (
     train_step,
 )
 from .fsdp import digest
-from .fsdp_features import cpu_state, features_config, timed_in_every_round
+from .fsdp_features import cpu_state, features_config
 
 __all__ = [
     "clip_grad_norm",
@@ -195,13 +195,6 @@ class CheckpointingResult(Result):
             against="no checkpointing",
         )
         self.condition(
-            "the step times were measured (the cost is reported, not asserted: timings flip on a busy "
-            "machine)",
-            {v: len(r) for v, r in self.step_s_rounds.items()},
-            timed_in_every_round(self.step_s, self.step_s_rounds),
-            "every variant timed in every round (> 0 s); step = median of its rounds",
-        )
-        self.condition(
             "gradients are bit-identical with and without checkpointing",
             self.same_gradients,
             self.same_gradients,
@@ -240,12 +233,13 @@ def activation_checkpointing(
         train_step(model, opt, x, y)
         opt.zero_grad(set_to_none=True)
         tracker, marks = FSDPMemTracker(model, opt), {}
-        mark = lambda key: marks.__setitem__(
-            key, tracker_bytes(tracker.get_tracker_snapshot(), dev).get("Activation", 0)
-        )  # noqa: E731
+
+        def mark(key, marks=marks, tracker=tracker):  # activation bytes held at this point
+            marks[key] = tracker_bytes(tracker.get_tracker_snapshot(), dev).get("Activation", 0)
+
         handles = [
-            model.blocks[0].register_forward_pre_hook(lambda m, a: mark("before")),
-            model.blocks[-1].register_forward_hook(lambda m, a, o: mark("after")),
+            model.blocks[0].register_forward_pre_hook(lambda m, a, mark=mark: mark("before")),
+            model.blocks[-1].register_forward_hook(lambda m, a, o, mark=mark: mark("after")),
         ]
         tracker.track_inputs((x, y))
         with tracker:
@@ -266,7 +260,7 @@ def activation_checkpointing(
     steps = {v: (lambda v=v: train_step(models[v], opts[v], x, y)) for v in models}
     rounds_s = race({**steps, "forward": forward_only}, rounds=rounds)
     times = median_times(rounds_s)
-    same = all(torch.equal(a, b) for a, b in zip(grads["none"], grads["per_block"]))
+    same = all(torch.equal(a, b) for a, b in zip(grads["none"], grads["per_block"], strict=True))
     formula = checkpointed_block_activation_bytes(
         config.n_layer, x.shape[0], x.shape[1], config.d_model
     )

@@ -55,6 +55,7 @@ from ..ddp import DDP, torch_ddp
 from ..launch import device, spawn, write_atomic
 from ..models import GPT, GPTConfig
 from ..results import EXACT, Row, Tolerance, for_optimizer
+from ..timing import Timings, time_steps
 from .common import (
     OPTIMIZERS,
     Result,
@@ -165,8 +166,8 @@ def _horovod_train(
         dev
     )  # a different start on every rank: the broadcast must fix it
     opt = make_optimizer(optimizer, model.parameters())
-    # Horovod's three lines: average gradients by all-reduce inside step(), start from rank 0's weights
-    # and from rank 0's optimizer state.
+    # Horovod's three lines: average gradients by all-reduce (started by hooks during backward, waited
+    # for in step()), start from rank 0's weights and from rank 0's optimizer state.
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -455,7 +456,8 @@ class FrameworkComparison(Result):
     losses: dict = field(default_factory=dict)  # framework -> global-batch loss per step
     seconds: dict = field(
         default_factory=dict
-    )  # framework -> wall time with start-up (timing: varies)
+    )  # framework -> wall time with start-up (timing: varies), the medians of ``timings``
+    timings: Timings | None = field(default=None, repr=False)  # one round of each run, time_steps
     init_step_effect: float = 0.0  # max|Δ| one device vs one device after a zero-gradient step
     states: dict = field(default_factory=dict, repr=False)  # framework -> rank 0's final state_dict
 
@@ -521,12 +523,14 @@ def compare_frameworks(
         raise HorovodNotAvailable(BUILD_HINT)
     config = config or small_config()
     states, out = {}, FrameworkComparison(world_size, steps, global_batch, optimizer)
-    t0 = time.perf_counter()
-    hvd = run_horovod(steps, global_batch, optimizer, world_size, config=config, timeout=timeout)
-    out.seconds["horovod"] = time.perf_counter() - t0
-    states["horovod"], out.losses["horovod"] = hvd["states"], hvd["losses"]
-    for kind in ("course", "torch"):
-        t0 = time.perf_counter()
+
+    def horovod():
+        hvd = run_horovod(
+            steps, global_batch, optimizer, world_size, config=config, timeout=timeout
+        )
+        states["horovod"], out.losses["horovod"] = hvd["states"], hvd["losses"]
+
+    def ddp(kind):
         ranks = spawn(
             ddp_rank,
             world_size,
@@ -534,17 +538,27 @@ def compare_frameworks(
             backend="gloo",
             timeout=timeout,
         )
-        out.seconds[f"{kind} DDP"] = time.perf_counter() - t0
-        states[f"{kind} DDP"], out.losses[f"{kind} DDP"] = (
-            [r["state"] for r in ranks],
-            ranks[0]["losses"],
-        )
-    for name, init in (("one device", False), (INIT_STEP, True)):
-        t0 = time.perf_counter()
+        states[f"{kind} DDP"] = [r["state"] for r in ranks]
+        out.losses[f"{kind} DDP"] = ranks[0]["losses"]
+
+    def single(name, init):
         state, out.losses[name] = one_device(
             config, steps, global_batch, optimizer, horovod_init_step=init
         )
-        out.seconds[name], states[name] = time.perf_counter() - t0, [state]
+        states[name] = [state]
+
+    runs = {
+        "horovod": horovod,
+        "course DDP": lambda: ddp("course"),
+        "torch DDP": lambda: ddp("torch"),
+        "one device": lambda: single("one device", False),
+        INIT_STEP: lambda: single(INIT_STEP, True),
+    }
+    # each run once, start-up included (a wall time, not a step time: it varies with the machine)
+    out.timings = time_steps(
+        runs, rounds=1, warmup=0, device="cpu", title="wall time with start-up"
+    )
+    out.seconds = out.timings.medians()
     for name, per_rank in states.items():
         out.rank_spread[name] = max(
             (max_abs_diff(s, per_rank[0]) for s in per_rank[1:]), default=0.0
@@ -599,7 +613,8 @@ API_TABLE = [
     ),
     (
         "average gradients",
-        "hvd.DistributedOptimizer(opt, named_parameters=...): all-reduce in step()",
+        "hvd.DistributedOptimizer(opt, named_parameters=...): hooks start one all-reduce "
+        "per gradient during backward; step() waits for them",
         "DDP(model, bucket_cap_mb=25): hooks + buckets during backward",
         "DistributedDataParallel(model, bucket_cap_mb=25)",
         "engine.backward(loss); engine.step()",

@@ -5,8 +5,9 @@ Rank functions (run them with ``launch.spawn``), each returning a
 
 * :func:`pipeline_training` — our GPipe / 1F1B / interleaved 1F1B trained for some steps: this
   rank's stage weights (:class:`StageResult`), checked against one device trained on this rank;
-* :func:`measure_bubbles` — each stage a fixed sleep around a tiny real layer: the bubble measured
-  against ``(p−1)/(m+p−1)`` (:class:`BubbleResult`; :func:`sleep_bubbles` is its ``as_dict()``);
+* :func:`measure_bubbles` — each stage a tiny real layer whose forward and backward the shared
+  clock costs (:mod:`course_lib.clock`: known stage times): the bubble measured against
+  ``(p−1)/(m+p−1)`` (:class:`BubbleResult`; :func:`sleep_bubbles` is its ``as_dict()``);
 * :func:`gpt_timelines` — the real GPT: timelines, bubbles, live micro-batches and live activation
   bytes, p2p bytes (:class:`TimelineResult`);
 * :func:`pp_dp_training` — 2 stages × 2 replicas (:class:`PPDPResult`);
@@ -20,9 +21,9 @@ Parent-side: :func:`merge_states`. Timelines and memory are measured by the runn
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from ..clock import BACKWARD_FACTOR, AcceleratorClock, count_flops
 from ..formulas import pipeline_bubble, pipeline_p2p_bytes
 from ..launch import device
 from ..models import GPT, GPTConfig
@@ -52,7 +54,8 @@ __all__ = [
     "StageResult",
     "pipeline_training",
     "merge_states",
-    "SleepLayer",
+    "tiny_layer",
+    "stage_clock",
     "BubbleResult",
     "measure_bubbles",
     "sleep_bubbles",
@@ -168,36 +171,27 @@ def merge_states(results: list) -> dict:
 # =========================================================================== bubbles with fixed stage costs
 
 
-class _Sleep(torch.autograd.Function):
-    """Identity whose forward sleeps ``t_f`` and backward ``t_b`` seconds: a stage with known costs."""
-
-    @staticmethod
-    def forward(ctx, x, t_f, t_b):
-        ctx.t_b = t_b
-        time.sleep(t_f)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.t_b)
-        return grad, None, None
+def tiny_layer(width: int, seed: int = 0) -> nn.Linear:
+    """A tiny real ``Linear`` (no bias, seeded): each stage of the bubble experiment; the clock costs it."""
+    layer = nn.Linear(width, width, bias=False)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        layer.weight.copy_(torch.randn(width, width, generator=gen) * 0.1)
+    return layer
 
 
-class SleepLayer(nn.Module):
-    """A tiny real ``Linear`` whose forward costs ``t_f`` and backward ``t_b`` seconds (sleeping, not computing:
-    timings that a busy 2-core laptop cannot disturb)."""
+def stage_clock(chunks, t_f: float, micro_batch: int, width: int, dev) -> AcceleratorClock:
+    """The shared clock on ``chunks``, at the rate where a chunk's forward of one micro-batch costs
+    ``t_f`` seconds (its backward 2×): FLOPs / rate, so the stage times are known and set the schedule.
 
-    def __init__(self, width: int, t_f: float, t_b: float, seed: int = 0):
-        super().__init__()
-        self.t_f, self.t_b = t_f, t_b
-        self.linear = nn.Linear(width, width, bias=False)
-        with torch.no_grad():
-            self.linear.weight.copy_(
-                torch.randn(width, width, generator=torch.Generator().manual_seed(seed)) * 0.1
-            )
-
-    def forward(self, x):
-        return _Sleep.apply(self.linear(x), self.t_f, self.t_b)
+    Forced on any device (a GPU's own clock would time the tiny layer, not the stage costs)."""
+    x = torch.zeros(micro_batch, width, device=dev)
+    with torch.no_grad():
+        _, flops = count_flops(chunks[0], x)  # every chunk is the same layer shape
+    clock = AcceleratorClock(flops / t_f, device=dev, force=True)
+    for chunk in chunks:
+        clock.apply(chunk)
+    return clock
 
 
 @dataclass
@@ -205,12 +199,15 @@ class BubbleResult(Result):
     """Measured bubble per (schedule, m): per-rank fractions (median over steps) and the formula.
 
     One row per (schedule, m): the rank whose bubble is farthest from the formula, within ``margin``
-    (absolute) of it.
+    (absolute) of it. ``clock`` names the clock that costed the stages (the title too), ``slept``
+    is this rank's modelled seconds under it.
     """
 
     p: int
     t_f: float
     t_b: float
+    clock: str = "real clock"
+    slept: float = 0.0
     rows: list = field(
         default_factory=list
     )  # {"schedule", "m", "per_rank", "formula", "peak_live"}
@@ -262,31 +259,38 @@ def measure_bubbles(
     schedules=("gpipe", "1f1b"),
     microbatches=(1, 2, 4, 8),
     t_f: float = 0.02,
-    t_b: float = 0.04,
+    t_b: float | None = None,
     steps: int = 3,
     warmup: int = 1,
     width: int = 8,
     micro_batch: int = 2,
     num_chunks: int = 2,
 ) -> BubbleResult:
-    """Rank function: every stage one :class:`SleepLayer` (``t_f`` forward, ``t_b`` backward); measure bubbles.
+    """Rank function: every stage a :func:`tiny_layer` costed by the shared clock
+    (:func:`stage_clock`: forward ``t_f``, backward ``t_b`` = 2·``t_f`` modelled seconds); measure bubbles.
 
     For each schedule and ``m``: ``warmup`` + ``steps`` pipeline steps, each after a barrier; per step
     and rank, bubble = 1 − busy / (latest end − earliest start over all ranks) from ``perf_counter``
     (one clock for all processes on a machine), gathered on every rank; the median over ``steps``.
     Every rank returns the same bubbles (read rank 0's) and the last step's timelines.
     """
+    t_b = BACKWARD_FACTOR * t_f if t_b is None else t_b
+    if not math.isclose(t_b, BACKWARD_FACTOR * t_f):
+        raise ValueError(
+            f"t_b={t_b} must be {BACKWARD_FACTOR}·t_f = {BACKWARD_FACTOR * t_f}: "
+            "the clock costs a backward at twice its forward"
+        )
     p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
     res = BubbleResult(p=p, t_f=t_f, t_b=t_b)
+    names = []
     for name in schedules:
-        v = (
-            num_chunks if name == "interleaved" else 1
-        )  # a rank's v chunks share its t_F, t_B: each costs 1/v
-        layers = split_layers(
-            [SleepLayer(width, t_f / v, t_b / v, seed=k) for k in range(p * v)], p * v
-        )
+        v = num_chunks if name == "interleaved" else 1
+        layers = split_layers([tiny_layer(width, seed=k) for k in range(p * v)], p * v)
         chunks = [layers[c * p + rank].to(dev) for c in range(v)]
+        # a rank's v chunks share its t_F, t_B: each costs 1/v
+        clock = stage_clock(chunks, t_f / v, micro_batch, width, dev)
+        names.append(clock.name)
         for m in microbatches:
             kwargs = {"num_chunks": v} if v > 1 else {}
             runner = PipelineRunner(
@@ -298,9 +302,8 @@ def measure_bubbles(
                 loss_fn=loss_fn,
                 device=dev,
             )
-            x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(
-                dev
-            )
+            gen = torch.Generator().manual_seed(m)
+            x = torch.randn(m * micro_batch, width, generator=gen).to(dev)
             per_step = []
             for i in range(warmup + steps):
                 stats, log, gathered = _timed_step(runner, chunks, x, x)
@@ -315,9 +318,14 @@ def measure_bubbles(
                     "formula": pipeline_bubble(p, m, v),
                     "peak_live": stats.peak_live_microbatches,
                     "messages_sent": log.count(op="send"),
+                    "clock": clock.name,
                 }
             )
             res.timelines[f"{name}/{m}"] = _from_start(gathered)
+        res.slept += sum(clock.slept.values())
+        clock.remove()
+    res.clock = "; ".join(dict.fromkeys(names))  # one name unless interleaved sets another rate
+    res.title = f"pipeline bubbles, p={p}: stages costed by the {res.clock}"
     return res
 
 

@@ -7,14 +7,17 @@ decoder or augmentation costs). :class:`Tokenizer` is the same step as a callabl
 once per actor) for ``compute=ray.data.ActorPoolStrategy(size=n)``.
 
 Training: :func:`data_loop` is the ``train_loop_per_worker``: for each *variant* (a data source, a prefetch
-depth, epochs, a shuffle) it trains a fresh tiny GPT, one real (small) step plus ``time.sleep(step_sleep)`` per
-batch — standing in for an accelerator step, which leaves the CPU free while the GPU works. It times, inside the
-loop, how long each step waited for its batch. Sources: a Ray Data shard (``get_dataset_shard(name)
-.iter_torch_batches``) or a torch ``DataLoader(num_workers=1)`` doing the same tokenisation.
+depth, epochs, a shuffle) it trains a fresh tiny GPT, one real (small) step per batch under the shared
+modelled accelerator clock (:func:`step_clock`: its forward and backward sleep ``step_sleep`` seconds at a
+full batch) — an accelerator step, which leaves the CPU free while the GPU works. It times, inside the loop,
+how long each step waited for its batch; each worker's result names the clock (``"clock"``). Sources: a
+Ray Data shard (``get_dataset_shard(name).iter_torch_batches``) or a torch ``DataLoader(num_workers=1)``
+doing the same tokenisation.
 
 Parent side: :func:`build_dataset`, :func:`fit` (the early checks, then one ``TorchTrainer.fit``),
-:func:`overlap_run` (serial = ``materialize()`` then train, vs streaming, vs ``prefetch_batches=0``, vs the
-``DataLoader``, in one fit), :func:`summarize` (timing), :func:`reference_state` (one device, the same batches)
+:func:`overlap_run` (serial = the whole epoch preprocessed, then trained, vs streaming, vs ``prefetch_batches=0``,
+vs the ``DataLoader``, in one fit, under the same CPU budget), :func:`floors` (the work's lower bounds),
+:func:`summarize` (timing), :func:`reference_state` (one device, the same batches)
 and :func:`overlap_result` (the race's correctness as a ``results.Result``: every row once per epoch, equal
 pipelines, equal to one device).
 
@@ -26,15 +29,18 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .. import ray_data, ray_train
+from ..clock import BACKWARD_FACTOR, AcceleratorClock
 from ..data import counter_sequences
 from ..models import GPT
 from ..results import ADAMW, EXACT
+from ..step_time import part_flops
 from .common import Result, make_optimizer, small_config, train_step
 from .ray_train import rank_results
 
@@ -46,11 +52,15 @@ __all__ = [
     "build_dataset",
     "build_actor_dataset",
     "FileBatches",
+    "step_clock",
     "data_loop",
     "fit",
     "overlap_run",
     "summarize",
     "timelines",
+    "floors",
+    "RACED",
+    "SOURCES",
     "reference_state",
     "overlap_result",
     "format_summary",
@@ -168,20 +178,26 @@ def build_dataset(folder, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: 
 # fmt: on
 
 
-def build_actor_dataset(
-    folder: str, actors: int = 2, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: float = 0.5
-):
-    """The same step on an actor pool: ``map_batches(Tokenizer, compute=ActorPoolStrategy(size=actors))``."""
+# Notebook 08 prints this function's source: it stays as written.
+# fmt: off
+def build_actor_dataset(folder, actors: int = 2, cost_ms: float = 4.0, batch_size: int = 16,
+                        num_cpus: float = 0.5):
+    """The same step on an actor pool: ``map_batches(Tokenizer, compute=ActorPoolStrategy(size=actors))``.
+
+    ``max_restarts=0`` goes to the pool's actors: Ray Data restarts a dead pool actor by default, and Ray then
+    logs, for every actor, that a restart could fail since its constructor arguments sit in the object store.
+    Ray 2.60 takes it only through ``map_batches``' ``**ray_remote_args`` (its own comment says so), which it
+    also marks deprecated without a named replacement: that one warning is caught here.
+    """
     import ray.data
 
-    return read_corpus(folder).map_batches(
-        Tokenizer,
-        compute=ray.data.ActorPoolStrategy(size=actors),
-        num_cpus=num_cpus,
-        batch_size=batch_size,
-        fn_constructor_kwargs={"cost_ms": cost_ms},
-        udf_modifying_row_count=False,
-    )
+    base = read_corpus(folder) if isinstance(folder, str) else folder
+    with warnings.catch_warnings():  # Ray 2.60 takes max_restarts only as a (deprecated) extra keyword
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return base.map_batches(Tokenizer, compute=ray.data.ActorPoolStrategy(size=actors),
+                                num_cpus=num_cpus, batch_size=batch_size, max_restarts=0,
+                                fn_constructor_kwargs={"cost_ms": cost_ms}, udf_modifying_row_count=False)
+# fmt: on
 
 
 class FileBatches(Dataset):
@@ -213,19 +229,19 @@ class FileBatches(Dataset):
 
 
 # What overlap_run races, in this order, in one fit: name -> variant settings. Two epochs each, the second
-# timed: the first starts the pipeline's processes (seconds on a busy laptop, once per run).
+# timed: the first starts the pipeline's processes (seconds on a busy laptop, once per run). Serial and
+# streaming read the same lazy dataset under the same CPU budget (the trainers hold the same CPUs): serial
+# collects the whole epoch's batches first ("collect"), then trains on them.
 VARIANTS = {
-    "serial": {"source": "serial", "epochs": 2},  # materialize() first (in the driver), then train
-    "streaming": {
-        "source": "streaming",
-        "epochs": 2,
-    },  # Ray Data streams into the loop (prefetch_batches=1)
-    "no_prefetch": {"source": "no_prefetch", "prefetch": 0, "epochs": 2},
+    "serial": {"source": "streaming", "collect": True, "epochs": 2},  # preprocess all, then train
+    "streaming": {"source": "streaming", "epochs": 2},  # streams into the loop (prefetch_batches=1)
+    "no_prefetch": {"source": "streaming", "prefetch": 0, "epochs": 2},
     "dataloader": {
         "source": "loader",
         "epochs": 2,
     },  # torch DataLoader(num_workers=1), same tokenisation
 }
+SOURCES = ("streaming", "materialized")  # the lazy dataset; the driver's materialize() of it
 
 
 def _batches(v: dict, cfg: dict, rank: int, world: int, epoch: int, shard):
@@ -247,6 +263,17 @@ def _batches(v: dict, cfg: dict, rank: int, world: int, epoch: int, shard):
     )
 
 
+def step_clock(model: GPT, batch_size: int, step_sleep: float, dev) -> AcceleratorClock:
+    """The shared clock at the rate where one training step of ``model`` on a full batch
+    (forward + 2× backward, FLOPs counted as the clock counts them) sleeps ``step_sleep`` seconds.
+
+    Forced on any device: ``step_sleep`` is the modelled accelerator step, also beside a GPU."""
+    x = torch.zeros(batch_size, model.config.block_size, dtype=torch.long)
+    flops = sum(f for *_, f in part_flops(model, x))
+    rate = (1 + BACKWARD_FACTOR) * flops / step_sleep
+    return AcceleratorClock(rate, device=dev, force=True)
+
+
 def data_loop(cfg: dict) -> None:
     """``train_loop_per_worker``: each variant trains a fresh GPT from the same init, timed inside the loop.
 
@@ -265,21 +292,32 @@ def data_loop(cfg: dict) -> None:
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world, dev = ctx.get_world_rank(), ctx.get_world_size(), get_device()
-    out = {"rank": rank, "runs": {}}
+    out = {"rank": rank, "runs": {}, "clock": "real clock"}
+    clock = None
     for name, v in cfg["variants"].items():
-        model = prepare_model(GPT(small_config(), seed=0))
+        model = GPT(small_config(), seed=0)
+        if cfg["step_sleep"] > 0:  # the accelerator's step: the shared clock on the model
+            clock = clock or step_clock(model, cfg["batch_size"], cfg["step_sleep"], dev)
+            clock.apply(model)
+            clock.reset()
+            out["clock"] = clock.name
+        model = prepare_model(model)
         opt = make_optimizer("adamw", model.parameters())
         if world > 1:
             dist.barrier()  # every variant starts together on all workers
         shard = None if v["source"] == "loader" else ray.train.get_dataset_shard(v["source"])
         steps, ids, t0 = [], [], time.perf_counter()
         for epoch in range(v.get("epochs", 1)):
-            for wait, batch in ray_data.timed(_batches(v, cfg, rank, world, epoch, shard)):
+            batches, collected = _batches(v, cfg, rank, world, epoch, shard), 0.0
+            if v.get("collect"):  # serial: the whole epoch preprocessed before the first step
+                t_collect = time.perf_counter()
+                batches = list(batches)
+                collected = time.perf_counter() - t_collect
+            for wait, batch in ray_data.timed(batches):
+                wait, collected = wait + collected, 0.0  # the first step waited for the collection
                 ready = time.perf_counter()
-                train_step(
-                    model, opt, batch["x"].to(dev), batch["y"].to(dev)
-                )  # a real (tiny) step ...
-                time.sleep(cfg["step_sleep"])  # ... + the rest of an accelerator step
+                # a real (tiny) step, whose forward and backward the clock costs as an accelerator's
+                train_step(model, opt, batch["x"].to(dev), batch["y"].to(dev))
                 steps.append((epoch, ready - wait - t0, ready - t0, time.perf_counter() - t0))
                 ids.append(batch["id"].tolist())
         module = model.module if hasattr(model, "module") else model
@@ -287,11 +325,14 @@ def data_loop(cfg: dict) -> None:
             "steps": steps,
             "ids": ids,
             "loop_s": time.perf_counter() - t0,
+            "slept_s": sum(clock.slept.values()) if clock else 0.0,
             "state": {k: t.detach().cpu() for k, t in module.state_dict().items()}
             if rank == 0
             else None,
             "stats": shard.stats() if shard is not None else "",
         }
+        if clock is not None:
+            clock.remove()  # the next variant's fresh model gets it
     out["rows"] = {
         name: sum(len(b["id"]) for b in ray.train.get_dataset_shard(name).iter_batches())
         for name in cfg.get("count", ())
@@ -355,10 +396,12 @@ def overlap_run(
 ) -> dict:
     """Serial vs streaming (vs ``prefetch_batches=0``, vs ``DataLoader``) in one fit, timed inside the loops.
 
-    The serial run's preprocessing is ``ds.materialize()`` in the driver (timed here, ``materialize_s``);
-    its training then reads the materialized blocks. ``extra`` adds variants (e.g. shuffled epochs);
-    ``unsplit`` adds datasets that ``DataConfig`` gives *whole* to every worker (each counts its rows).
-    Returns ``{"materialize_s", "stats", "workers", "cfg"}``.
+    Serial and streaming read the same lazy dataset (source ``"streaming"``) with the trainers holding the same
+    CPUs; serial collects each epoch before its first step. Source ``"materialized"`` is the driver's
+    ``ds.materialize()`` of it (timed: ``materialize_s``, with every CPU free, no trainer running), for
+    variants that train on stored blocks. ``extra`` adds variants (e.g. shuffled epochs); ``unsplit`` adds
+    datasets that ``DataConfig`` gives *whole* to every worker (each counts its rows).
+    Returns ``{"materialize_s", "stats", "workers", "cfg", "floor"}``; ``floor``: the CPU-work lower bounds.
     """
     variants = dict(VARIANTS if variants is None else variants, **(extra or {}))
     build_dataset(
@@ -368,8 +411,11 @@ def overlap_run(
     materialized = build_dataset(folder, cost_ms, batch_size).materialize()
     materialize_s = time.perf_counter() - t0
     sources = {v["source"] for v in variants.values()} - {"loader"}
+    unknown = sources - set(SOURCES)
+    if unknown:
+        raise ValueError(f"variant sources must be in {SOURCES} or 'loader', got {sorted(unknown)}")
     datasets = {
-        s: materialized if s == "serial" else build_dataset(folder, cost_ms, batch_size)
+        s: materialized if s == "materialized" else build_dataset(folder, cost_ms, batch_size)
         for s in sources
     }
     cfg = {
@@ -388,6 +434,26 @@ def overlap_run(
         "stats": materialized.stats(),
         "workers": workers,
         "cfg": cfg,
+        "floor": floors(folder, cost_ms, step_sleep, batch_size, num_workers),
+    }
+
+
+def floors(
+    folder: str, cost_ms: float, step_sleep: float, batch_size: int, num_workers: int
+) -> dict:
+    """Lower bounds of one epoch from the work alone: ``preprocess_s`` = rows × ``cost_ms`` of CPU over the map
+    tasks that run at once (the CPUs the trainers leave, 0.5 each, and at most this machine's cores), ``train_s``
+    = steps × ``step_sleep``. Serial can finish no sooner than their sum, streaming than the larger one."""
+    import ray
+
+    rows = ray_data.parquet_num_rows(folder)
+    free = ray.cluster_resources().get("CPU", 0.0) - 0.5 * num_workers
+    tasks = max(1, min(int(free / 0.5), os.cpu_count() or 1))
+    return {
+        "cpu_s": rows * cost_ms * 1e-3,
+        "tasks": tasks,
+        "preprocess_s": rows * cost_ms * 1e-3 / tasks,
+        "train_s": rows // (num_workers * batch_size) * step_sleep,
     }
 
 
@@ -397,19 +463,20 @@ def _last_epoch(steps: list) -> list:
 
 
 def summarize(run: dict) -> dict:
-    """Per variant, over its *last* epoch: wall time (first wait → last step end over the workers; serial adds
-    ``materialize_s``), idle per step, rows/s; and the streaming/serial ratio."""
-    out = {}
+    """Per variant, over its *last* epoch: wall time (first wait → last step end over the workers), the time
+    waited (mean per step, and the share of the wall time a worker waited), rows/s; the streaming/serial
+    ratio; ``clock``: the steps' clock; ``floor``: the run's lower bounds (:func:`floors`)."""
+    out = {"clock": run["workers"][0]["clock"], "floor": run.get("floor", {})}
     b = run["cfg"]["batch_size"]
     for name in run["workers"][0]["runs"]:
         per = [_last_epoch(w["runs"][name]["steps"]) for w in run["workers"]]
         wall = max(s[-1][3] for s in per) - min(s[0][1] for s in per)
-        wall += run["materialize_s"] if name == "serial" else 0.0
         waits = [s[2] - s[1] for p in per for s in p]
         out[name] = {
             "wall_s": wall,
             "mean_wait_s": float(np.mean(waits)),
             "median_wait_s": float(np.median(waits)),
+            "wait_share": float(np.sum(waits)) / (wall * len(per)),
             "steps": len(per[0]),
             "rows_per_s": sum(len(p) for p in per) * b / wall,
         }
@@ -418,15 +485,20 @@ def summarize(run: dict) -> dict:
     return out
 
 
-def timelines(run: dict, names=("serial", "streaming")) -> tuple[list, list]:
+RACED = ("serial", "streaming", "no_prefetch", "dataloader")
+
+
+def timelines(run: dict, names=RACED) -> tuple[list, list]:
     """Rows for ``viz.gantt`` over each variant's timed (last) epoch: per (variant, worker) the waits (grey)
-    and steps (blue); serial starts with the driver's ``materialize()`` (a wait: training could not start)."""
+    and steps (blue), from the variant's first wait (serial's first wait is its whole epoch's preprocessing)."""
     rows, labels = [], []
     for name in names:
+        if name not in run["workers"][0]["runs"]:
+            continue
         per = [_last_epoch(w["runs"][name]["steps"]) for w in run["workers"]]
-        shift = (run["materialize_s"] if name == "serial" else 0.0) - min(s[0][1] for s in per)
-        for w, steps in zip(run["workers"], per):
-            ev = [("wait", "", 0, 0.0, run["materialize_s"])] if name == "serial" else []
+        shift = -min(s[0][1] for s in per)
+        for w, steps in zip(run["workers"], per, strict=True):
+            ev = []
             for _, start, ready, end in steps:
                 ev += [
                     ("wait", "", 0, start + shift, ready + shift),
@@ -446,10 +518,10 @@ def reference_state(folder: str, per_worker_ids: list[list[list[int]]]) -> dict:
     import pyarrow.parquet as pq
 
     table = pq.read_table(folder, columns=["id", "text"])
-    text = dict(zip(table["id"].to_pylist(), table["text"].to_pylist()))
+    text = dict(zip(table["id"].to_pylist(), table["text"].to_pylist(), strict=True))
     model = GPT(small_config(), seed=0)
     opt = make_optimizer("adamw", model.parameters())
-    for step in zip(*per_worker_ids):
+    for step in zip(*per_worker_ids, strict=True):
         idx = [i for batch in step for i in batch]
         tok = tokenize({"id": np.asarray(idx), "text": [text[i] for i in idx]})
         train_step(model, opt, torch.from_numpy(tok["x"]), torch.from_numpy(tok["y"]))
@@ -476,7 +548,7 @@ def overlap_result(
             seen = sorted(
                 i
                 for w in workers
-                for (e, *_), b in zip(w["runs"][name]["steps"], w["runs"][name]["ids"])
+                for (e, *_), b in zip(w["runs"][name]["steps"], w["runs"][name]["ids"], strict=True)
                 if e == epoch
                 for i in b
             )
@@ -513,26 +585,36 @@ def overlap_result(
 
 
 def format_summary(summary: dict) -> str:
-    """The race as text: wall time, wait per step, rows/s per variant, and the streaming/serial ratio."""
-    lines = []
-    for name in ("serial", "streaming", "no_prefetch", "dataloader"):
+    """The race as text: the lower bounds, then per variant wall time, waits and rows/s, then what the numbers
+    say — each sentence chosen from the measurement (which variant is faster, how much of its time it waited)."""
+    lines = [f"steps under the {summary['clock']}"] if "clock" in summary else []
+    f = summary.get("floor") or {}
+    if f:
+        lines.append(
+            f"lower bounds per epoch: preprocessing {f['cpu_s']:.2f} s of CPU / {f['tasks']} tasks at once = "
+            f"{f['preprocess_s']:.2f} s, training {f['train_s']:.2f} s → serial ≥ "
+            f"{f['preprocess_s'] + f['train_s']:.2f} s, streaming ≥ {max(f['preprocess_s'], f['train_s']):.2f} s"
+        )
+    for name in RACED:
         if name in summary:
             s = summary[name]
             lines.append(
-                f"{name:>12}: wall {s['wall_s']:5.2f} s | wait per step: mean {s['mean_wait_s'] * 1e3:5.0f} "
-                f"ms, median {s['median_wait_s'] * 1e3:4.0f} ms | {s['rows_per_s']:5.0f} rows/s"
+                f"{name:>12}: wall {s['wall_s']:5.2f} s | waited {s['wait_share']:4.0%} of it, mean "
+                f"{s['mean_wait_s'] * 1e3:4.0f} ms/step, median {s['median_wait_s'] * 1e3:4.0f} ms | "
+                f"{s['rows_per_s']:5.0f} rows/s"
             )
-    base = summary.get("streaming", {}).get("wall_s")
-    others = [
-        f"{n} / streaming {summary[n]['wall_s'] / base:.2f}"
-        for n in ("no_prefetch", "dataloader")
-        if n in summary and base
-    ]
     if "ratio" in summary:
+        r, st, se = summary["ratio"], summary["streaming"], summary["serial"]
+        verdict = "faster than" if r < 1 else "not faster than"
+        lines.append(f"streaming / serial wall time {r:.2f}: streaming was {verdict} serial here")
         lines.append(
-            f"streaming / serial wall time: {summary['ratio']:.2f}"
-            + (f"; {', '.join(others)}" if others else "")
+            f"streaming's workers {'mostly trained' if st['wait_share'] < 0.5 else 'mostly waited'} "
+            f"(waited {st['wait_share']:.0%} of the epoch); serial's waited {se['wait_share']:.0%}"
         )
+    base = summary.get("streaming", {}).get("wall_s")
+    for n in ("no_prefetch", "dataloader"):
+        if n in summary and base:
+            lines.append(f"{n} / streaming wall time: {summary[n]['wall_s'] / base:.2f}")
     return "\n".join(lines)
 
 
@@ -553,7 +635,7 @@ def benchmark(
         ray_train.stop()
         shutil.rmtree(folder, ignore_errors=True)
     return (
-        f"{rows} rows, tokenising {cost_ms:g} ms CPU/row, step {step_sleep * 1e3:.0f} ms (tiny real step + "
-        f"sleep), 2 workers × batch {batch_size}, serial materialize {run['materialize_s']:.2f} s\n"
-        + format_summary(summarize(run))
+        f"{rows} rows, tokenising {cost_ms:g} ms CPU/row, step {step_sleep * 1e3:.0f} ms (tiny real step "
+        f"costed by the clock), 2 workers × batch {batch_size}, "
+        f"driver materialize {run['materialize_s']:.2f} s\n" + format_summary(summarize(run))
     )

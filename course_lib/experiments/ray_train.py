@@ -1,14 +1,15 @@
 """Chapter 07's runs: Ray Core building blocks, and the course's tiny GPT trained by Ray Train.
 
 Ray Core (plain functions and a class; the notebook turns them into tasks/actors with ``ray.remote``):
-:func:`busy`, :func:`nap`, :func:`checksum`, :class:`ParameterServer`, :func:`shard_gradient`.
+:func:`busy`, :func:`nap`, :func:`nap_span`, :func:`checksum`, :class:`ParameterServer`,
+:func:`shard_gradient`; :func:`peak_concurrency` counts how many of a set of spans ran at once.
 
 Ray Train (``train_loop_per_worker`` functions: each runs on every worker *after* Ray has created the
 ``torch.distributed`` process group — gloo on CPU, nccl on GPUs):
 
 * :func:`ddp_loop` — the plain PyTorch loop plus ``prepare_model`` / ``prepare_data_loader`` /
   ``ray.train.report``; a checkpoint (model, optimizer, epoch) every epoch and a resume from
-  ``ray.train.get_checkpoint()``;
+  ``ray.train.get_checkpoint()`` (notebook 07 writes the same function in a cell);
 * :func:`fsdp_loop` — the same training with FSDP2 ``fully_shard`` on Ray's process group and a DCP
   checkpoint that every worker writes a shard of;
 * :func:`rank_function_loop` — any course rank function (e.g. chapter 02's) run unchanged on Ray's workers.
@@ -44,6 +45,8 @@ from .common import Result, check_global_batch, make_optimizer, small_config, tr
 __all__ = [
     "busy",
     "nap",
+    "nap_span",
+    "peak_concurrency",
     "checksum",
     "ParameterServer",
     "shard_gradient",
@@ -57,7 +60,6 @@ __all__ = [
     "rank_results",
     "fail_once",
     "equal_to_one_device",
-    "PLAIN_LOOP",
 ]
 
 
@@ -76,6 +78,25 @@ def nap(seconds: float) -> float:
     """Sleep: takes wall time but no CPU (a task still occupies the 1 CPU it asked Ray for)."""
     time.sleep(seconds)
     return seconds
+
+
+def nap_span(seconds: float) -> tuple[float, float]:
+    """Sleep like :func:`nap`; return (start, end) on this machine's wall clock (``time.time``)."""
+    start = time.time()
+    time.sleep(seconds)
+    return start, time.time()
+
+
+def peak_concurrency(spans: list[tuple[float, float]]) -> int:
+    """The most spans (start, end) that overlap at one instant: how many tasks ran at once."""
+    events = sorted(
+        [(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1])
+    )
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
 
 
 def checksum(array: np.ndarray) -> tuple[float, bool]:
@@ -120,19 +141,6 @@ def train_config(**overrides) -> dict:
     }
 
 
-# What changes from plain PyTorch (shown in the notebook as a diff).
-PLAIN_LOOP = """\
-model = GPT(config).to(device)
-model = DDP(model)                              # after init_process_group / torchrun
-loader = DataLoader(data, batch_size=b, sampler=DistributedSampler(data))
-for epoch in range(epochs):
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        loss = train_step(model, opt, x, y)
-    torch.save(state, "ckpt.pt")
-"""
-
-
 def fail_once(cfg: dict, rank: int, epoch: int, step: int) -> None:
     """If ``cfg["fail"]`` says so, make this worker fail here — once per run (a marker file remembers).
 
@@ -165,7 +173,7 @@ def _unwrap(model):
     return model.module if hasattr(model, "module") else model
 
 
-# Notebook 07 prints this function's source: it stays as written.
+# The same loop as notebook 07's train_loop_per_worker cell (kept here for the tests and smoke runs).
 # fmt: off
 def ddp_loop(cfg: dict) -> None:
     """``train_loop_per_worker``: the chapter-01 loop, DDP via ``prepare_model``, checkpoint + resume."""
@@ -182,7 +190,7 @@ def ddp_loop(cfg: dict) -> None:
     start = 0
     if (ckpt := ray.train.get_checkpoint()) is not None:        # resume: the last reported checkpoint
         with ckpt.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
         _unwrap(model).load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
@@ -333,8 +341,8 @@ def final_state(result) -> dict:
     """The model parameters in a finished run's last checkpoint (DDP's ``state.pt`` or FSDP2's ``full.pt``)."""
     with result.checkpoint.as_directory() as d:
         if os.path.exists(os.path.join(d, "full.pt")):
-            return torch.load(os.path.join(d, "full.pt"), weights_only=False)
-        return torch.load(os.path.join(d, "state.pt"), weights_only=False)["model"]
+            return torch.load(os.path.join(d, "full.pt"), weights_only=True)
+        return torch.load(os.path.join(d, "state.pt"), weights_only=True)["model"]
 
 
 def rank_results(result, world: int) -> list:

@@ -14,17 +14,23 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
 
+from ..launch import device
+from ..memory import SavedTensorMeter
 from ..models import GPT, equality_config
 from ..plan import Cluster, Layout, Model, PlanError, memory_per_gpu, recommend, zero_paper_table
-from .common import Result, parallel_config, zero_config
+from ..results import Measured, Row
+from .common import Result, parallel_config, step_batch, zero_config
 
 __all__ = [
     "review_suite",
+    "ReviewSuite",
+    "REVIEW_PARTS",
     "comparison_rows",
     "comparison_table",
     "plan_vs_measured",
@@ -38,10 +44,13 @@ __all__ = [
 ]
 
 MICRO_BATCH = 2  # sequences per rank in the activation measurement
+TP_BATCH = 8  # sequences in the tensor-parallel step (every TP rank runs all of them)
 
 
 def _plain(obj):
     """Drop tensors (logits, gradients) from a result: only numbers travel back."""
+    if isinstance(obj, Measured):
+        return replace(obj, values=_plain(obj.values))
     if isinstance(obj, dict):
         return {k: _plain(v) for k, v in obj.items() if not isinstance(v, torch.Tensor)}
     if isinstance(obj, list):
@@ -49,14 +58,36 @@ def _plain(obj):
     return obj
 
 
-def review_suite(bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1, 4)) -> dict:
+@dataclass
+class ReviewSuite(Measured):
+    """:func:`review_suite`'s result: reads as its dict of plain numbers (``suite["zero"]``); its rows
+    are :func:`review_result`'s, every check of the review."""
+
+    def checks(self) -> list[Row]:
+        return review_result(self).checks() + list(self.checked)
+
+
+def _one_device_activation_bytes(config, batch_size: int) -> int:
+    """Bytes autograd saves for backward in one forward of the whole model on one device."""
+    model = GPT(config, seed=0).to(device())
+    x, y = step_batch(0, config, batch_size, device())
+    with SavedTensorMeter(exclude=model) as meter:
+        model(x, y)
+    return meter.bytes
+
+
+def review_suite(
+    bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1, 4)
+) -> ReviewSuite:
     """Rank function: every technique of chapters 02–06 once, on this rank (run it at N = 2).
 
-    Returns plain numbers: ``zero`` (``zero_stage_report`` for stages 0–3), ``profile``
-    (``zero_stage_profile`` at micro-batch :data:`MICRO_BATCH`, no timing), ``fsdp``
-    (``fsdp2_vs_zero3``, one timed round), ``tp`` (``tp_step`` on ``parallel_config``) and
-    ``bubbles`` (``sleep_bubbles``: each stage sleeps ``bubble_ms`` forward / backward; the median of 3
-    steps per rank, so one stall on a busy machine does not move it).
+    Returns a :class:`ReviewSuite` reading as plain numbers: ``zero`` (``zero_stage_report`` for
+    stages 0–3), ``profile`` (``zero_stage_profile`` at micro-batch :data:`MICRO_BATCH`, no timing),
+    ``fsdp`` (``fsdp2_vs_zero3``, one timed round), ``tp`` and ``sp`` (``tp_step`` on
+    ``parallel_config``, without and with sequence parallelism), ``tp_one_device_activation_bytes``
+    (the same forward on one device) and ``bubbles`` (``sleep_bubbles``: each stage sleeps
+    ``bubble_ms`` forward / backward; the median of 3 steps per rank, so one stall on a busy
+    machine does not move it).
     """
     from .fsdp import fsdp2_vs_zero3
     from .pipeline import sleep_bubbles
@@ -66,19 +97,24 @@ def review_suite(bubble_ms: tuple[float, float] = (60.0, 120.0), microbatches=(1
     zero = [zero_stage_report(stage) for stage in range(4)]
     profile = zero_stage_profile(micro_batch=MICRO_BATCH, rounds=0)
     fsdp = fsdp2_vs_zero3(steps=1)
-    tp = tp_step()
+    tp = tp_step(batch_size=TP_BATCH)
+    sp = tp_step(batch_size=TP_BATCH, sequence_parallel=True)
     t_f, t_b = (v / 1e3 for v in bubble_ms)
     bubbles = sleep_bubbles(("gpipe", "1f1b"), tuple(microbatches), t_f=t_f, t_b=t_b, steps=3)
     bubbles.pop("timelines")
-    return _plain(
-        {
-            "world_size": dist.get_world_size(),
-            "zero": zero,
-            "profile": profile,
-            "fsdp": fsdp,
-            "tp": tp,
-            "bubbles": bubbles,
-        }
+    world = dist.get_world_size()
+    values = {
+        "world_size": world,
+        "zero": zero,
+        "profile": profile,
+        "fsdp": fsdp,
+        "tp": tp,
+        "sp": sp,
+        "tp_one_device_activation_bytes": _one_device_activation_bytes(parallel_config(), TP_BATCH),
+        "bubbles": bubbles,
+    }
+    return ReviewSuite(
+        title=f"chapter 09 review: every technique at N = {world}", values=_plain(values)
     )
 
 
@@ -113,7 +149,7 @@ def comparison_rows(res: dict) -> list[dict]:
                 "memory_ratio": r["ratio"],
                 "traffic": "3Ψ" if s == 3 else "2Ψ",
                 "traffic_ratio": r["comm_ratio"],
-                "equal": f"max|Δ| ≤ 1e-5: {r['max_abs_diff'] <= 1e-5}",
+                "equal": "max|Δ| ≤ 1e-5" if r["max_abs_diff"] <= 1e-5 else "max|Δ| > 1e-5 (FAIL)",
             }
         )
     f = res["fsdp"]["fsdp2"]
@@ -305,14 +341,17 @@ def fixed_cases() -> list[dict]:
 # --------------------------------------------------------------------------- the checked table
 
 
-def review_result(res: dict) -> Result:
-    """Every check of the review as rows: :func:`comparison_rows` at their formulas, FSDP2 = our ZeRO-3,
-    activations equal at every stage, the bubbles at (p−1)/(m+p−1), and :func:`plan_vs_measured`.
+REVIEW_PARTS = ("bytes", "equality", "bubbles", "planner")
+"""The parts of :func:`review_result`: bytes held and sent against the formulas (deterministic),
+weights against one device (max|Δ| varies with the machine's rounding), the timed pipeline
+bubbles, and the planner against the measured bytes (deterministic)."""
 
-    Each ZeRO stage adds ``zero_stage_report``'s own rows (its weights against one device within
-    ``results.ADAMW``, judged on the ranks, where the tensors are).
-    """
-    out = Result(title=f"chapter 09 review: every technique at N = {res['world_size']}")
+
+def _is_equality(row: Row) -> bool:
+    return row.tolerance.startswith(("AdamW", "SGD")) and row.reference is None
+
+
+def _bytes_rows(out: Result, res) -> None:
     for r in comparison_rows(res):
         name = r["technique"]
         if r["memory_ratio"] == r["memory_ratio"]:  # not NaN: the pipeline has no byte formula here
@@ -330,18 +369,18 @@ def review_result(res: dict) -> Result:
                 0.01,
                 f"formula {r['traffic']}",
             )
-    for z in res[
-        "zero"
-    ]:  # zero_stage_report's own rows: bytes vs the formulas, weights vs one device (ADAMW)
+    for z in res["zero"]:  # zero_stage_report's own byte rows (its equality rows: "equality")
         name = "DDP" if z["stage"] == 0 else f"ZeRO-{z['stage']}"
         out.checked += [
-            replace(row, quantity=f"{name} (ours): {row.quantity}") for row in z.checks()
+            replace(row, quantity=f"{name} (ours): {row.quantity}")
+            for row in z.checks()
+            if not _is_equality(row)
         ]
     held = [z["measured"]["total"] for z in res["zero"]]
     out.condition(
         "memory per rank: DDP > ZeRO-1 > ZeRO-2 > ZeRO-3",
         held,
-        all(a > b for a, b in zip(held, held[1:])),
+        all(a > b for a, b in pairwise(held)),
         "strictly decreasing",
     )
     f, z3 = res["fsdp"]["fsdp2"], res["fsdp"]["zero3"]
@@ -363,6 +402,42 @@ def review_result(res: dict) -> Result:
             acts[0],
             "DDP (ZeRO shards no activations)",
         )
+    if "sp" in res:
+        one, tp, sp = (
+            res["tp_one_device_activation_bytes"],
+            res["tp"]["activation_bytes"],
+            res["sp"]["activation_bytes"],
+        )
+        t = res["world_size"]
+        out.condition(
+            f"TP t={t}: activation bytes per rank",
+            tp,
+            tp < one,
+            "fewer than one device",
+            one,
+            "one device",
+        )
+        out.condition(
+            f"TP + SP t={t}: activation bytes per rank",
+            sp,
+            sp < tp,
+            "fewer than TP alone",
+            tp,
+            "TP alone",
+        )
+
+
+def _equality_rows(out: Result, res) -> None:
+    for z in res["zero"]:  # weights and losses against one device, judged with results.ADAMW
+        name = "DDP" if z["stage"] == 0 else f"ZeRO-{z['stage']}"
+        out.checked += [
+            replace(row, quantity=f"{name} (ours): {row.quantity}")
+            for row in z.checks()
+            if _is_equality(row)
+        ]
+
+
+def _bubble_rows(out: Result, res) -> None:
     p, margin = res["world_size"], res["bubbles"]["margin"]
     for r in res["bubbles"]["rows"]:
         worst = max(r["per_rank"], key=lambda b: abs(b - r["formula"]))
@@ -388,6 +463,9 @@ def review_result(res: dict) -> Result:
                 r["peak_live"] <= p,
                 f"≤ p = {p}",
             )
+
+
+def _planner_rows(out: Result, res) -> None:
     for r in plan_vs_measured(res):
         out.within(
             f"{r['layout']}: model states, measured / planner",
@@ -404,6 +482,31 @@ def review_result(res: dict) -> Result:
                 0.01,
                 "plan.memory_per_gpu (fp32)",
             )
+
+
+def review_result(res, part: str | None = None) -> Result:
+    """Every check of the review as rows, or those of one ``part`` of :data:`REVIEW_PARTS`.
+
+    ``"bytes"``: :func:`comparison_rows` at their formulas, ``zero_stage_report``'s byte rows,
+    FSDP2 = our ZeRO-3, activations equal at every ZeRO stage, and TP's (and TP + SP's) activation
+    bytes per rank below one device's (and TP's); ``"equality"``: each ZeRO stage's weights and
+    losses against one device (``results.ADAMW``, judged on the ranks, where the tensors are);
+    ``"bubbles"``: the bubbles at (p−1)/(m+p−1) and the live micro-batches; ``"planner"``:
+    :func:`plan_vs_measured`.
+    """
+    parts = {
+        "bytes": _bytes_rows,
+        "equality": _equality_rows,
+        "bubbles": _bubble_rows,
+        "planner": _planner_rows,
+    }
+    if part is not None and part not in parts:
+        raise ValueError(f"part={part!r} is not one of {REVIEW_PARTS} (or None: all of them)")
+    title = f"chapter 09 review: every technique at N = {res['world_size']}"
+    out = Result(title=title if part is None else f"{title} — {part}")
+    for name, add in parts.items():
+        if part in (None, name):
+            add(out, res)
     return out
 
 
@@ -411,7 +514,7 @@ def planner_result() -> Result:
     """The chooser's own checks: the ZeRO paper's table (rounded to 0.1 GB) and every fixed case."""
     out = Result(title="the strategy chooser: the ZeRO paper and the fixed cases")
     paper = zero_paper_table(7.5e9, 64)
-    for (name, gb), want in zip(paper.items(), (120.0, 31.4, 16.6, 1.9)):
+    for (name, gb), want in zip(paper.items(), (120.0, 31.4, 16.6, 1.9), strict=True):
         out.exact(
             f"{name}: model states per GPU (GB, 0.1), Ψ = 7.5B, N = 64",
             round(gb, 1),

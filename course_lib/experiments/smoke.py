@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib
 import tempfile
-import time
 from dataclasses import dataclass
 
 from ..chapters import chapter
 from ..launch import gpu_count, spawn
+from ..timing import time_steps
 
 __all__ = [
     "SMOKE",
@@ -77,11 +77,6 @@ SMOKE: list[tuple[str, str, dict]] = [
             iters=2,
             warmup=1,
         ),
-    ),
-    (
-        "collectives",
-        f"{E00}:toy_data_parallel_step",
-        dict(d_model=32, global_batch=8, steps=2, warmup=1),
     ),
     (
         "collectives",
@@ -362,6 +357,24 @@ def smoke_entries(chapters=None) -> list[tuple[str, str, dict, bool]]:
     return [e for e in entries if wanted is None or e[0] in wanted]
 
 
+def _timed(call, device=None) -> tuple[dict, float]:
+    """``(what call() returned, its seconds)``: one untimed-warm-up-free round of ``timing.time_steps``.
+
+    On ranks the seconds are the slowest rank's (``time_steps`` takes the max over ranks). A call that
+    raises is timed too: ``got`` then holds the exception under ``"error"``.
+    """
+    got: dict = {}
+
+    def attempt():
+        try:
+            got["value"] = call()
+        except Exception as exc:  # noqa: BLE001 - handed back, the caller decides
+            got["error"] = exc
+
+    seconds = time_steps({"entry": attempt}, rounds=1, warmup=0, device=device)["entry"].median
+    return got, seconds
+
+
 def _run_many(entries: list[tuple[str, dict]], tmp: str) -> list[dict]:
     """Rank function: :func:`_run_one` for each ``(target, kwargs)`` in turn, each in its own temp folder."""
     import os
@@ -372,10 +385,11 @@ def _run_many(entries: list[tuple[str, dict]], tmp: str) -> list[dict]:
     for i, (target, kwargs) in enumerate(entries):
         sub = os.path.join(tmp, str(i))
         os.makedirs(sub, exist_ok=True)
-        t0 = time.perf_counter()
-        got = _run_one(target, kwargs, sub)
+        got, seconds = _timed(lambda t=target, k=kwargs, d=sub: _run_one(t, k, d))
+        if "error" in got:
+            raise got["error"]
         dist.barrier()  # every rank has finished this entry before the next starts
-        out.append({**got, "seconds": time.perf_counter() - t0})
+        out.append({**got["value"], "seconds": seconds})
     return out
 
 
@@ -414,7 +428,7 @@ def _grouped(entries: list, world: int, timeout: float) -> list[SmokeRow] | None
             )[0]
     except Exception:  # noqa: BLE001 - RankError/RankTimeout: find the culprit entry by entry
         return None
-    return [_row(e, world, g, g["seconds"]) for e, g in zip(entries, got)]
+    return [_row(e, world, g, g["seconds"]) for e, g in zip(entries, got, strict=True)]
 
 
 def run_smoke(
@@ -446,23 +460,21 @@ def run_smoke(
     try:
         for entry in todo:
             _, target, kwargs, on_ray = entry
-            t0 = time.perf_counter()
-            try:
+
+            def attempt(target=target, kwargs=kwargs, on_ray=on_ray):
                 with tempfile.TemporaryDirectory(prefix="course-smoke-") as tmp:
                     if on_ray:
-                        ray_started = True
-                        got = _ray_smoke(target, kwargs, world, tmp)
-                    else:
-                        got = spawn(
-                            _run_one,
-                            world,
-                            args=(target, kwargs, tmp),
-                            backend="auto",
-                            timeout=timeout,
-                        )[0]
-                row = _row(entry, world, got, time.perf_counter() - t0)
-            except Exception as exc:  # noqa: BLE001 - RankError/RankTimeout, Ray's TrainingFailedError: a row
-                row = _failed_row(entry, world, backend, exc, time.perf_counter() - t0)
+                        return _ray_smoke(target, kwargs, world, tmp)
+                    return spawn(
+                        _run_one, world, args=(target, kwargs, tmp), backend="auto", timeout=timeout
+                    )[0]
+
+            ray_started = ray_started or on_ray
+            got, seconds = _timed(attempt, device="cpu")  # the parent: no accelerator to wait for
+            if "error" in got:  # RankError/RankTimeout, Ray's TrainingFailedError: a row
+                row = _failed_row(entry, world, backend, got["error"], seconds)
+            else:
+                row = _row(entry, world, got["value"], seconds)
             rows.append(row)
             if progress is not None:
                 progress(row)

@@ -489,7 +489,7 @@ def _average_over(model: nn.Module, group, size: int) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, group=group, tag="grad")
     flat /= size
-    for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+    for g, v in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(v.view_as(g))
 
 

@@ -179,10 +179,13 @@ class StageReport(FieldAccess, Result):
 
 
 def _build(stage: int, model, dev, bucket_cap_mb, zero3_unit: str = "block"):
-    """(wrapped model, optimizer) for ZeRO ``stage``; 0 = DDP with one all-reduce per parameter."""
+    """(wrapped model, optimizer) for ZeRO ``stage``; 0 = bucketed DDP, the baseline ZeRO improves on.
+
+    DDP uses the same ``bucket_cap_mb`` as ZeRO-1/2 and ``gradient_as_bucket_view=True`` (as torch
+    DDP offers): each ``.grad`` is a view into its bucket, so the buckets *are* the 4Ψ of gradients.
+    """
     if stage == 0:
-        # one all-reduce per parameter, in place: no bucket copies
-        wrapped = DDP(model, bucket_cap_mb=None)
+        wrapped = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
         return wrapped, make_optimizer("adamw", wrapped.parameters())
     if stage in (1, 2):
         adamw, options = OPTIMIZERS["adamw"]
@@ -310,13 +313,16 @@ def zero_clip_and_resume(
     global_batch: int = 8,
     config: GPTConfig | None = None,
 ) -> ClipResumeReport:
-    """Rank function: ZeRO-``stage`` (1 or 2) with gradient clipping, checkpointed and resumed mid-run.
+    """Rank function: ZeRO-``stage`` (1, 2 or 3) with gradient clipping, checkpointed and resumed mid-run.
 
     Three runs on the same data: one device with ``torch.nn.utils.clip_grad_norm_`` (the
     reference), ZeRO uninterrupted, and ZeRO saved at ``resume_at`` (weights + every
     partition's optimizer state through ``torch.save``), rebuilt from a *different* init, loaded
-    and continued. Rows: clipping happened at every step; ZeRO's norms (the true global norm, from
-    an all-reduce of squared partial norms) and weights equal one device's (``ADAMW``); the
+    and continued. Stage 3 clips with ``Zero3.clip_grad_norm_`` and checkpoints the full weights
+    (``full_state_dict``) with each rank's own AdamW state (over its shards).
+
+    Rows: clipping happened at every step; ZeRO's norms (the true global norm, from an
+    all-reduce of squared partial norms) and weights equal one device's (``ADAMW``); the
     resumed weights equal the uninterrupted ones bit for bit (``EXACT``).
     """
     config = config or zero_config()
@@ -325,35 +331,49 @@ def zero_clip_and_resume(
     reference, _, ref_norms = reference_run(
         config, steps, global_batch, "adamw", max_norm=max_norm, dev=dev
     )
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage={stage!r} is not one of 1, 2, 3")
     adamw, options = OPTIMIZERS["adamw"]
 
-    def run(resume: bool):
-        model = GPT(config, seed=0).to(dev)
+    def build(seed: int):  # (model to call, optimizer, what clips)
+        model = GPT(config, seed=seed).to(dev)
+        if stage == 3:
+            z3 = Zero3(model)
+            opt = make_optimizer("adamw", z3.parameters())
+            return z3, opt, z3
         opt = ZeroOptimizer(model.parameters(), adamw, stage=stage, **options)
+        return model, opt, opt
+
+    def weights(model) -> dict:  # full tensors (collective at stage 3)
+        return model.full_state_dict() if stage == 3 else dict(model.state_dict())
+
+    def run(resume: bool):
+        model, opt, clipper = build(seed=0)
         norms = []
 
         def clip():  # after backward: the global norm, assembled from every rank's partition
-            norms.append(opt.clip_grad_norm_(max_norm).item())
+            norms.append(clipper.clip_grad_norm_(max_norm).item())
 
         for step in range(steps):
             if resume and step == resume_at:
                 blob = io.BytesIO()
-                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, blob)
+                torch.save({"model": weights(model), "optim": opt.state_dict()}, blob)
                 blob.seek(0)
                 saved = torch.load(blob, weights_only=True)
-                model = GPT(config, seed=123).to(
-                    dev
-                )  # different weights: the checkpoint must restore everything
-                model.load_state_dict(saved["model"])
-                opt = ZeroOptimizer(model.parameters(), adamw, stage=stage, **options)
+                # different weights: the checkpoint must restore everything
+                model, opt, clipper = build(seed=123)
+                if stage == 3:
+                    model.load_full_state_dict(saved["model"])
+                else:
+                    model.load_state_dict(saved["model"])
                 opt.load_state_dict(saved["optim"])
             x, y = shard_batch(*step_batch(step, config, global_batch, dev))
             train_step(model, opt, x, y, after_backward=clip)
-        return model, norms
+        return weights(model), norms
 
     straight, norms = run(resume=False)
     resumed, _ = run(resume=True)
-    same = all(torch.equal(v, straight.state_dict()[k]) for k, v in resumed.state_dict().items())
+    same = all(torch.equal(v, straight[k]) for k, v in resumed.items())
     report = ClipResumeReport(
         stage=stage,
         norms=norms,
@@ -377,13 +397,11 @@ def zero_clip_and_resume(
         ADAMW,
         against="clip_grad_norm_ on one device",
     )
-    report.equal(
-        f"weights after {steps} clipped steps", straight.state_dict(), reference.state_dict(), ADAMW
-    )
+    report.equal(f"weights after {steps} clipped steps", straight, reference.state_dict(), ADAMW)
     report.equal(
         "weights, resumed from the checkpoint",
-        resumed.state_dict(),
-        straight.state_dict(),
+        resumed,
+        straight,
         EXACT,
         against="the uninterrupted run",
     )
@@ -437,6 +455,8 @@ class _Sampler:
             states += list(tensors_in(opt.optimizer.state))
         else:
             states += list(tensors_in(opt.state))
+            if stage == 0:  # DDP's flat buckets exist from wrap time on: its 4Ψ of gradients
+                states += [f for f in self.wrapped._flat if f is not None]
             if stage == 3:
                 transient = self.wrapped.held_tensors()
         acts = [t for t in (r() for r in self._saved) if t is not None]
@@ -467,6 +487,29 @@ class StageProfile(FieldAccess, Result):
     units: list | None = None  # Zero3.unit_table() (stage 3)
     buckets_stage1: int | None = None
     buckets_stage2: int | None = None
+    formula: dict | None = None  # stage → model-state bytes by the fp32 formula (Ψ padded)
+
+    def peak_of(self, stage: int) -> dict:
+        """The stage's peak over forward, backward and step: {"model states", "transient", ...}."""
+        phases = ("forward", "backward", "step")
+        return max((self.peak[stage][ph] for ph in phases), key=lambda d: d["total"])
+
+    def stage2_gap(self) -> dict:
+        """DDP's peak − ZeRO-2's peak, measured and predicted from the formulas.
+
+        Predicted = (formula DDP − formula ZeRO-2) − ZeRO-2's transient (staging buckets) at its
+        peak + (activations at DDP's peak − at ZeRO-2's): the model states ZeRO-2 does not keep,
+        less the communication memory it adds, at the moments the two peaks happen."""
+        d, z = self.peak_of(0), self.peak_of(2)
+        saved = self.formula[0] - self.formula[2]
+        acts = d["activations"] - z["activations"]
+        return dict(
+            measured=d["total"] - z["total"],
+            predicted=saved - z["transient"] + acts,
+            formula_saving=saved,
+            staging=z["transient"],
+            activations=acts,
+        )
 
 
 def _profile_rows(p: StageProfile) -> None:
@@ -499,6 +542,15 @@ def _profile_rows(p: StageProfile) -> None:
             staged > 0 and after == 0,
             "> 0, then 0",
         )
+        if 0 in calls and p.formula:
+            gap = p.stage2_gap()
+            p.within(
+                "stage 2: DDP's peak − its peak (B)",
+                gap["measured"],
+                gap["predicted"],
+                0.01,
+                against="= formula saving − staging at its peak (± activations)",
+            )
     if 3 in calls:
         for phase in ("forward", "backward"):
             p.exact(
@@ -510,12 +562,14 @@ def _profile_rows(p: StageProfile) -> None:
         units = {u["name"]: u["gathered_bytes"] for u in p.units}
         g3 = max(p.peak[3][ph]["transient"] for ph in ("forward", "backward"))
         blocks, rest = divmod(g3 - units["(root)"], units["blocks.0"])
-        p.condition(
-            "stage 3: gathered weights at the peak",
-            g3,
-            rest == 0 and 1 <= blocks <= 2,
-            "root + 1 block in use (+ 1 prefetched)",
-        )
+        n_blocks = len(units) - 1
+        if n_blocks > 2:  # with 2 blocks, "at most 2 gathered" cannot fail: no row
+            p.condition(
+                f"stage 3: gathered weights at the peak ({n_blocks} blocks)",
+                g3,
+                rest == 0 and 1 <= blocks <= 2 < n_blocks,
+                "root + 1 block in use (+ 1 prefetched), < all blocks",
+            )
     acts = list(p.activation_bytes.values())
     p.condition(
         "activation bytes at every stage",
@@ -524,6 +578,15 @@ def _profile_rows(p: StageProfile) -> None:
         "the same at every stage",
         against="ZeRO shards model states only",
     )
+
+
+def _formula_bytes(stage: int, built, world: int) -> float:
+    """Model-state bytes of ``stage`` by the fp32 formula, on the count the stage really pads to."""
+    model, wrapped, opt = built
+    psi = {0: model.num_params(), 3: getattr(wrapped, "padded_numel", 0)}.get(stage)
+    if psi is None:
+        psi = opt.padded_numel
+    return zero_model_state_breakdown(psi, world, stage, precision="fp32")["total"]
 
 
 def zero_stage_profile(
@@ -616,8 +679,114 @@ def zero_stage_profile(
         units=built[3][1].unit_table() if 3 in built else None,
         buckets_stage1=len(built[1][2].buckets) if 1 in built else None,
         buckets_stage2=len(built[2][2].buckets) if 2 in built else None,
+        formula={s: _formula_bytes(s, built[s], world) for s in stages},
         title=f"ZeRO stages {', '.join(map(str, stages))}: one step at N = {world}, "
         f"micro-batch {micro_batch}",
     )
     _profile_rows(profile)
     return profile
+
+
+# --------------------------------------------------------------------------- step time under the clock
+
+TIMED_STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+
+def zero_step_times(
+    rounds: int = 3,
+    batch: int = 2,
+    ratio: float = 20.0,
+    config: GPTConfig | None = None,
+    bucket_cap_mb: float = 0.2,
+):
+    """Rank function: each stage's step under the modelled accelerator clock, against the model.
+
+    The chapter's model with 4 blocks (``zero_config(n_layer=4)``; ``bucket_cap_mb`` 0.2: about
+    one block per bucket), ``batch`` sequences per rank. α–β fitted on the spot (β from a short
+    sweep, α as a collective issued after a sleep pays it, ``idle_alpha``); a clock rate at which
+    every block sleeps ≥ ``ratio`` × 2 its real compute; then bucketed DDP, ZeRO-1, ZeRO-2
+    (``ZeroOptimizer``) and ZeRO-3 with prefetch (``Zero3``), each predicted by
+    :func:`course_lib.step_time.ddp_step` / ``zero_step`` / ``zero3_step`` from what the object
+    really holds (its buckets, its units) and timed in interleaved rounds
+    (:func:`course_lib.timing.time_steps`). Returns ``(Timings, {name: Prediction}, AlphaBeta)``;
+    the Timings' rows: each median within ``AGREEMENT_BAND`` of its prediction.
+    """
+    from .. import step_time as st
+    from ..clock import AcceleratorClock, calibrate, costed_parts
+    from ..timing import time_steps
+    from .collectives import bandwidth_benchmark, idle_alpha
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = config or zero_config(n_layer=4)
+    dev = device()
+    ops = ("all_reduce", "all_gather", "reduce_scatter")
+    # β from three sizes ≥ 1 MiB (one point let a noisy 1 MiB call fit β ≈ ∞), α from 1 KiB
+    sizes = (2**10, 2**16, 2**20, 2**21, 2**22)
+    rows = bandwidth_benchmark(sizes, ops=ops, iters=3, warmup=1, repeats=3)
+    fit = st.fit_alpha_beta(rows)
+    idle = idle_alpha()
+    alpha = {op: max(a, idle.get(op, a)) for op, a in fit.alpha_s.items()}
+    ab = st.AlphaBeta(alpha, fit.beta_bytes_per_s, fit.world_size, fit.min_bytes, fit.points)
+
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g).to(dev)
+    y = torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g).to(dev)
+    rate = torch.tensor([calibrate(GPT(config).to(dev), x, y, ratio=ratio).rate], device=dev)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # one rate for every rank
+    clock = AcceleratorClock(float(rate.item()))
+    steps, predicted = {}, {}
+
+    def clocked():
+        model = GPT(config).to(dev)
+        clock.apply(model)
+        fwd = st.part_seconds(st.part_flops(model, x, y), clock.rate)
+        owner, order = st.param_parts(model), [n for n, _, _ in costed_parts(model)]
+        return model, fwd, lambda ps: min((owner[p] for p in ps), key=order.index)
+
+    model, fwd, ready = clocked()
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    steps["DDP"] = lambda m=ddp, o=opt: train_step(m, o, x, y)
+    by_name = dict(model.named_parameters())
+    buckets = [[by_name[n] for n in names] for names in ddp.buckets]
+    buckets = [(sum(p.numel() * 4 for p in ps), ready(ps)) for ps in buckets]
+    predicted["DDP"] = st.ddp_step(fwd, buckets, ab, world)
+    for stage in (1, 2):
+        model, fwd, ready = clocked()
+        opt = ZeroOptimizer(
+            model.parameters(), torch.optim.SGD, stage, bucket_cap_mb=bucket_cap_mb, lr=1e-3
+        )
+        steps[f"ZeRO-{stage}"] = lambda m=model, o=opt: train_step(m, o, x, y)
+        buckets = [(b.numel * 4, ready(b.params)) for b in opt.buckets]
+        predicted[f"ZeRO-{stage}"] = st.zero_step(
+            stage, fwd, buckets, ab, world, used_flags=len(opt.params)
+        )
+    model, fwd, _ = clocked()
+    z3 = Zero3(model, prefetch=True)
+    opt = torch.optim.SGD(z3.parameters(), lr=1e-3)
+    steps["ZeRO-3"] = lambda m=z3, o=opt: train_step(m, o, x, y)
+    names = [n for n, _ in fwd]
+    units = []
+    for row in z3.unit_table():
+        if row["root"]:
+            units.insert(
+                0,
+                (
+                    row["name"],
+                    row["gathered_bytes"],
+                    [n for n in names if not n.startswith("blocks.")],
+                ),
+            )
+        else:
+            mine = [n for n in names if any(p.startswith(n + ".") for p in row["params"])]
+            units.append((row["name"], row["gathered_bytes"], mine))
+    units[1:] = sorted(units[1:], key=lambda u: names.index(u[2][0]))
+    predicted["ZeRO-3"] = st.zero3_step(fwd, units, ab, world, prefetch=True)
+    timings = time_steps(
+        steps,
+        rounds=rounds,
+        clock=clock,
+        predicted={n: p.total for n, p in predicted.items()},
+        title=f"one step per stage, N = {world}: measured under the clock vs the step-time model",
+    )
+    return timings, predicted, ab

@@ -32,6 +32,7 @@ __all__ = [
     "chapter_key",
     "number",
     "load_bank",
+    "is_numeric",
     "validate_bank",
     "chapter_title",
     "statement_text",
@@ -55,7 +56,10 @@ REQUIRED_FIELDS = (
     "topic",
     "teaches",
 )
-OPTIONAL_FIELDS = ("seed", "group")
+OPTIONAL_FIELDS = ("seed", "group", "kind", "tolerance")
+#: ``ox``: a statement answered O or X; ``numeric``: a question answered with a number the learner
+#: computes from the chapter's formulas (``answer`` the number, ``tolerance`` the absolute slack).
+KINDS = ("ox", "numeric")
 
 _SLUG = r"[a-z0-9][a-z0-9-]*"
 _SLUG_RE = re.compile(rf"^{_SLUG}$")
@@ -155,9 +159,41 @@ def _check_chapter(item: Mapping, label: str, chapter: str | None) -> str:
     return topic
 
 
-def _check_texts(item: Mapping, label: str) -> None:
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_answer(item: Mapping, label: str) -> None:
+    kind = item.get("kind", "ox")
+    if kind not in KINDS:
+        raise QuizBankError(f"{label}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "numeric":
+        if not _is_number(item["answer"]):
+            raise QuizBankError(
+                f"{label}: a numeric item's answer must be a number, got {item['answer']!r}"
+            )
+        tolerance = item.get("tolerance")
+        if not _is_number(tolerance) or tolerance < 0:
+            raise QuizBankError(
+                f"{label}: a numeric item needs tolerance: a number ≥ 0 (the absolute slack), "
+                f"got {tolerance!r}"
+            )
+        if item.get("seed"):
+            raise QuizBankError(f"{label}: a seed statement is O/X, not numeric")
+        return
     if item["answer"] not in ANSWERS:
         raise QuizBankError(f"{label}: answer must be 'O' or 'X', got {item['answer']!r}")
+    if "tolerance" in item:
+        raise QuizBankError(f"{label}: tolerance belongs to numeric items (kind: numeric)")
+
+
+def is_numeric(item: Mapping) -> bool:
+    """Is ``item`` a numeric question (answered with a number), not an O/X statement?"""
+    return item.get("kind", "ox") == "numeric"
+
+
+def _check_texts(item: Mapping, label: str) -> None:
+    _check_answer(item, label)
     for name in ("statement", "explanation"):
         texts = item[name]
         if not isinstance(texts, Mapping):
@@ -285,15 +321,24 @@ def _load_all(bank_dir) -> tuple[dict[str, dict], list[dict]]:
     return copy.deepcopy(titles), copy.deepcopy(items)
 
 
-def load_bank(chapter=None, *, bank_dir=None) -> list[dict]:
+def load_bank(chapter=None, *, bank_dir=None, kind: str | None = "ox") -> list[dict]:
     """The checked items of one chapter (in file order), or of all chapters (in course order).
 
-    ``bank_dir`` points at another directory of ``<topic>.yaml`` files (tests use it). Malformed
-    YAML or items raise :class:`QuizBankError`; an unknown chapter raises ``ValueError``.
+    ``kind`` selects the O/X statements (``"ox"``, the default), the numeric questions
+    (``"numeric"``) or both (``None``). ``bank_dir`` points at another directory of
+    ``<topic>.yaml`` files (tests use it). Malformed YAML or items raise :class:`QuizBankError`;
+    an unknown chapter raises ``ValueError``.
     """
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)} or None, got {kind!r}")
     topic = None if chapter is None else chapter_key(chapter, bank_dir=bank_dir)
     _, items = _load_all(bank_dir)
-    return items if topic is None else [item for item in items if item["chapter"] == topic]
+    return [
+        item
+        for item in items
+        if (topic is None or item["chapter"] == topic)
+        and (kind is None or item.get("kind", "ox") == kind)
+    ]
 
 
 def chapter_title(chapter, lang: str | None = None, *, bank_dir=None) -> str:

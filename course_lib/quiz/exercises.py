@@ -71,6 +71,14 @@ EXERCISES: dict[str, Exercise] = {
         "async all-reduce of gradient buckets launched during backward",
         "check_bucketed_reducer",
     ),
+    "overlapped_ddp": _ex(
+        "ddp",
+        "OverlappedDDP",
+        "overlapped bucketed DDP: equal to one device after 3 AdamW steps, every all-reduce "
+        "launched during backward",
+        "check_overlapped_ddp",
+        world_sizes=(2,),
+    ),
     "zero1_step": _ex(
         "zero",
         "Zero1Step",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .bank import ANSWERS, chapter_key, load_bank, number, section_of, statement_text
+from .bank import ANSWERS, chapter_key, is_numeric, load_bank, number, section_of, statement_text
 from .forms import DEFAULT_N, exam_items
 from .language import UI, resolve_lang
 from .progress import record_exam, record_score
@@ -21,6 +21,9 @@ __all__ = [
     "QuizResult",
     "ExamResult",
     "normalize_answer",
+    "normalize_number",
+    "normalize_for",
+    "format_number",
     "given_answers",
     "grade_items",
     "grade",
@@ -38,26 +41,55 @@ def normalize_answer(value, item_id: str) -> str:
     )
 
 
+def format_number(value: float) -> str:
+    """A number as the quiz shows it: ``0.2``, ``1024``, ``2.5e+09`` (up to 6 significant digits)."""
+    return f"{float(value):.6g}"
+
+
+def normalize_number(value, item_id: str) -> str:
+    """A numeric answer (a number, or a string such as ``"0.25"`` or ``"1,024"``) as its text;
+    anything else raises ``ValueError`` naming the item."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format_number(value)
+    if isinstance(value, str):
+        try:
+            return format_number(float(value.strip().replace(",", "").replace("_", "")))
+        except ValueError:
+            pass
+    raise ValueError(f"invalid answer {value!r} for item {item_id!r}: a number is expected")
+
+
+def normalize_for(item: Mapping, value) -> str:
+    """The answer ``value`` to ``item`` normalized: a number's text, or ``"O"`` / ``"X"``."""
+    if is_numeric(item):
+        return normalize_number(value, item["id"])
+    return normalize_answer(value, item["id"])
+
+
 def given_answers(items: Sequence[Mapping], answers, what: str) -> dict[str, str]:
     """``{item_id: 'O'/'X'}`` from a dict (any subset of ``items``) or a list (all, in order).
 
     ``what`` names the quiz in messages ("chapter ddp", "the exam form n=40, seed=0").
     """
     ids = [item["id"] for item in items]
+    by_id = {item["id"]: item for item in items}
     if isinstance(answers, Mapping):
         unknown = [key for key in answers if key not in ids]
         if unknown:
             raise ValueError(
                 f"unknown item id {unknown[0]!r} for {what}; its ids are: {', '.join(ids)}"
             )
-        given = {key: normalize_answer(value, key) for key, value in answers.items()}
+        given = {key: normalize_for(by_id[key], value) for key, value in answers.items()}
     elif isinstance(answers, Sequence) and not isinstance(answers, (str, bytes)):
         if len(answers) != len(ids):
             raise ValueError(
                 f"{what} has {len(ids)} statements but {len(answers)} answers were "
                 "given; pass a dict {item_id: 'O'/'X'} to answer a subset"
             )
-        given = {item_id: normalize_answer(v, item_id) for item_id, v in zip(ids, answers)}
+        given = {
+            item_id: normalize_for(by_id[item_id], v)
+            for item_id, v in zip(ids, answers, strict=True)
+        }
     else:
         raise ValueError("answers must be a dict {item_id: 'O'/'X'} or a list of 'O'/'X' in order")
     if not given:
@@ -76,10 +108,21 @@ class ItemResult:
     explanation: str
     trap: str
     topic: str = ""
+    chapter: str = ""
+    tolerance: float | None = None  # a numeric question's absolute slack; None: an O/X statement
 
     @property
     def correct(self) -> bool:
-        return self.given == self.answer
+        if self.tolerance is None:
+            return self.given == self.answer
+        return abs(float(self.given) - float(self.answer)) <= self.tolerance
+
+    @property
+    def answer_text(self) -> str:
+        """``O`` / ``X``, or a numeric answer with its slack: ``0.2 (± 0.005)``."""
+        if self.tolerance is None:
+            return self.answer
+        return f"{self.answer} (± {format_number(self.tolerance)})"
 
 
 @dataclass(frozen=True)
@@ -142,12 +185,12 @@ class QuizResult:
     def _item_lines(self, position: int, item: ItemResult) -> list[str]:
         ui = UI[self.lang]
         verdict = ui["right"] if item.correct else ui["wrong"]
-        detail = item.answer
+        detail = item.answer_text
         if not item.correct:
             detail = (
                 ui["you_said"].format(given=item.given)
                 + ", "
-                + ui["answer_is"].format(answer=item.answer)
+                + ui["answer_is"].format(answer=item.answer_text)
             )
         statement = item.statement.replace("\n", "\n    ")
         lines = [
@@ -178,6 +221,9 @@ class QuizResult:
         printer.text(self.report())
 
 
+MIN_TOPIC_ITEMS = 3  # an exam reports a topic's own score only from this many statements on
+
+
 @dataclass(frozen=True)
 class ExamResult(QuizResult):
     """A graded exam form: a :class:`QuizResult` plus ``reread``, ``(trap, "NN#anchor")`` of each
@@ -186,9 +232,24 @@ class ExamResult(QuizResult):
     reread: tuple[tuple[str, str], ...] = ()
     seed: int = 0
 
+    def reported_topics(self) -> dict[str, tuple[int, int]]:
+        """:meth:`by_topic` with every topic of fewer than :data:`MIN_TOPIC_ITEMS` statements on
+        the form folded into ``"<chapter> (other topics)"``: one or two answers say little."""
+        sizes = self.by_topic()
+        out: dict[str, list[int]] = {}
+        for item in self.items:
+            name = item.topic
+            if sizes[item.topic][1] < MIN_TOPIC_ITEMS:
+                name = f"{item.chapter or '?'} (other topics)"
+            entry = out.setdefault(name, [0, 0])
+            entry[0] += item.correct
+            entry[1] += 1
+        return {topic: (score, total) for topic, (score, total) in out.items()}
+
     def topic_table(self) -> str:
-        """One line per topic: ``topic  score/total  pct``, weakest first (ties in order)."""
-        rows = sorted(self.by_topic().items(), key=lambda kv: kv[1][0] / kv[1][1])
+        """One line per reported topic (:meth:`reported_topics`): ``topic  score/total  pct``,
+        weakest first (ties in order)."""
+        rows = sorted(self.reported_topics().items(), key=lambda kv: kv[1][0] / kv[1][1])
         width = max((len(t) for t, _ in rows), default=0)
         return "\n".join(
             f"  {t:<{width}}  {s:>2}/{n:<2} {round(100 * s / n):>3}%" for t, (s, n) in rows
@@ -226,10 +287,12 @@ def grade_items(
             id=item["id"],
             statement=statement_text(item, lang),
             given=given[item["id"]],
-            answer=item["answer"],
+            answer=format_number(item["answer"]) if is_numeric(item) else item["answer"],
             explanation=item["explanation"][lang],
             trap=item["trap"],
             topic=item.get("topic", ""),
+            chapter=item.get("chapter", ""),
+            tolerance=float(item["tolerance"]) if is_numeric(item) else None,
         )
         for item in items
         if item["id"] in given
@@ -257,7 +320,9 @@ def grade(
     """
     lang = resolve_lang(lang)
     topic = chapter_key(chapter, bank_dir=bank_dir)
-    items = load_bank(topic, bank_dir=bank_dir)
+    items = load_bank(topic, bank_dir=bank_dir) + load_bank(
+        topic, bank_dir=bank_dir, kind="numeric"
+    )
     given = given_answers(items, answers, f"chapter {topic}")
     result = grade_items(items, given, lang, topic)
     if record:

@@ -41,6 +41,12 @@ UI = {
         "missed": "놓친 함정",
         "none": "없음",
         "score": "점수 {score}/{answered} · 남은 문항 {left}",
+        "answered": "답한 문항 {answered} · 남은 문항 {left}",
+        "key": "정답과 해설 (답을 모두 정한 뒤에 읽으세요)",
+        "need_number": "숫자를 입력하세요 (예: 0.25)",
+        "number_prompt": "숫자> ",
+        "compute": "(계산해서 숫자로 답하세요)",
+        "recorded": "내 답 {given} — 채점과 해설은 시험이 끝난 뒤에",
         "final": "최종 점수 {score}/{total}",
         "saved": "진행 상황을 저장했습니다: {path}",
         "not_saved": "진행 상황을 저장하지 못했습니다: {err}",
@@ -50,6 +56,7 @@ UI = {
         "nothing": "답한 문항이 없어 기록하지 않습니다.",
         # final exam
         "exam_title": "최종 O/X 시험 — 00–{last:02d}장 전체 ({n}문항, 시험지 {seed})",
+        "exam_computations": " + 계산 문제 {k}개",
         "reread": "다시 읽을 곳",
         "by_topic": "주제별 점수",
         # progress
@@ -79,6 +86,12 @@ UI = {
         "missed": "Missed traps",
         "none": "none",
         "score": "Score {score}/{answered} · {left} left",
+        "answered": "{answered} answered · {left} left",
+        "key": "Answers and explanations (read them after answering every statement)",
+        "need_number": "enter a number (e.g. 0.25)",
+        "number_prompt": "number> ",
+        "compute": "(compute it: answer with a number)",
+        "recorded": "you said {given} — graded, with the explanation, when the exam ends",
         "final": "Final score {score}/{total}",
         "saved": "Progress saved: {path}",
         "not_saved": "Could not save progress: {err}",
@@ -88,6 +101,7 @@ UI = {
         "nothing": "Nothing answered; nothing recorded.",
         # final exam
         "exam_title": "Final O/X exam — chapters 00–{last:02d} ({n} statements, form {seed})",
+        "exam_computations": " + {k} computations",
         "reread": "Reread",
         "by_topic": "Score by topic",
         # progress

@@ -1,7 +1,8 @@
 """The deterministic text of a quiz or exam: what a cell shows outside a kernel; nbval compares it.
 
-The listing is the heading, the numbered statements, and one hint line: :data:`WIDGET_HINT` under
-the widget, a how-to-answer line under the plain-text objects. Changing any of it changes every
+The listing is the heading, the numbered statements, one hint line (:data:`WIDGET_HINT` under
+the widget, a how-to-answer line under the plain-text objects), then the answer key: each answer
+with its explanation, for a reader without a kernel. Changing any of it changes every
 stored quiz output in the notebooks.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .bank import chapters, number, statement_text
+from .bank import chapters, is_numeric, number, statement_text
 from .language import UI
 
 __all__ = [
@@ -35,34 +36,64 @@ EXAM_TEXT_HINT = (
 )
 
 
-def quiz_heading(topic: str, lang: str, title: str, n: int) -> str:
-    return UI[lang]["title"].format(ch=number(topic), title=title, n=n)
+def quiz_heading(topic: str, lang: str, title: str, items) -> str:
+    """A chapter quiz's title: its O/X statement count, then its numeric questions."""
+    k = sum(is_numeric(item) for item in items)
+    text = UI[lang]["title"].format(ch=number(topic), title=title, n=len(items) - k)
+    return text + (UI[lang]["exam_computations"].format(k=k) if k else "")
 
 
-def exam_heading(lang: str, n: int, seed: int, bank_dir=None) -> str:
+def exam_heading(lang: str, items, seed: int, bank_dir=None) -> str:
+    """The exam's title: its O/X statement count ``n`` (what ``grade_exam(n=...)`` takes), the
+    form's seed, and the numeric questions after the statements."""
     last = max(number(t) for t in chapters(bank_dir=bank_dir))
-    return UI[lang]["exam_title"].format(last=last, n=n, seed=seed)
+    k = sum(is_numeric(item) for item in items)
+    title = UI[lang]["exam_title"].format(last=last, n=len(items) - k, seed=seed)
+    return title + (UI[lang]["exam_computations"].format(k=k) if k else "")
 
 
 def _numbered(lines: list[str], position: int, prefix: str, text: str) -> None:
     lines.append(f"{position:2d}. {prefix}" + text.replace("\n", "\n    "))
 
 
-def quiz_listing(topic: str, lang: str, title: str, items: Sequence[dict], hint: str) -> str:
-    lines = [quiz_heading(topic, lang, title, len(items))]
+def shown_text(item: dict, lang: str) -> str:
+    """The statement as listed: a numeric question says it wants a number."""
+    text = statement_text(item, lang)
+    return f"{text} {UI[lang]['compute']}" if is_numeric(item) else text
+
+
+def _key_answer(item: dict) -> str:
+    if not is_numeric(item):
+        return item["answer"]
+    return f"{float(item['answer']):.6g} (± {float(item['tolerance']):.6g})"
+
+
+def _answer_key(lines: list[str], items: Sequence[dict], lang: str) -> None:
+    """After the statements: each answer and its explanation, so that a reader without a kernel
+    (GitHub, nbviewer, a PDF) can check themselves once they have answered every statement."""
+    lines += ["", UI[lang]["key"] + ":"]
     for position, item in enumerate(items, 1):
-        _numbered(lines, position, "", statement_text(item, lang))
+        _numbered(lines, position, f"{_key_answer(item)} — ", item["explanation"][lang])
+
+
+def quiz_listing(topic: str, lang: str, title: str, items: Sequence[dict], hint: str) -> str:
+    """The heading, the numbered statements, ``hint``, then the answer key."""
+    lines = [quiz_heading(topic, lang, title, items)]
+    for position, item in enumerate(items, 1):
+        _numbered(lines, position, "", shown_text(item, lang))
     lines.append(hint)
+    _answer_key(lines, items, lang)
     return "\n".join(lines)
 
 
 def exam_listing(items: Sequence[dict], lang: str, seed: int, hint: str, bank_dir=None) -> str:
     """Like a quiz listing, each statement tagged with its chapter's notebook number."""
-    lines = [exam_heading(lang, len(items), seed, bank_dir)]
+    lines = [exam_heading(lang, items, seed, bank_dir)]
     for position, item in enumerate(items, 1):
         tag = f"[{number(item['chapter']):02d}] "
-        _numbered(lines, position, tag, statement_text(item, lang))
+        _numbered(lines, position, tag, shown_text(item, lang))
     lines.append(hint)
+    _answer_key(lines, items, lang)
     return "\n".join(lines)
 
 
@@ -99,5 +130,6 @@ class ExamText(_Text):
         self.items, self.lang, self.seed, self._bank_dir = list(items), lang, seed, bank_dir
 
     def text(self) -> str:
-        hint = EXAM_TEXT_HINT.format(n=len(self.items), seed=self.seed)
+        n = sum(not is_numeric(item) for item in self.items)  # grade_exam's n: the O/X count
+        hint = EXAM_TEXT_HINT.format(n=n, seed=self.seed)
         return exam_listing(self.items, self.lang, self.seed, hint, self._bank_dir)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import html
 from typing import Callable, Sequence
 
-from .bank import chapter_title, statement_text
-from .grading import ExamResult, QuizResult, exam_result, grade_items, normalize_answer
+from .bank import chapter_title, is_numeric, statement_text
+from .grading import ExamResult, QuizResult, exam_result, grade_items, normalize_for
 from .language import LANGS, UI, check_lang
 from .progress import progress_path, record_exam, record_score
 from .text import WIDGET_HINT, exam_heading, exam_listing, quiz_heading, quiz_listing
@@ -48,6 +48,8 @@ class QuizWidget:
     ``language`` (a ``ToggleButtons``) or ``set_lang("ko")`` re-renders statements, feedback and
     score in the other language; seed items show their Korean text in both.
     """
+
+    feedback_each = True  # the verdict and explanation right after each answer (a chapter quiz)
 
     def __init__(
         self,
@@ -87,6 +89,8 @@ class QuizWidget:
         self._render()
 
     def _row(self, w, index: int):
+        if is_numeric(self.items[index]):
+            return self._numeric_row(w, index)
         statement, feedback = w.HTML(""), w.HTML("")
         o_button = w.Button(description="O", layout=w.Layout(width="3.5em"))
         x_button = w.Button(description="X", layout=w.Layout(width="3.5em"))
@@ -96,6 +100,26 @@ class QuizWidget:
         self.buttons.append((o_button, x_button))
         self.feedback.append(feedback)
         return w.VBox([statement, w.HBox([o_button, x_button]), feedback])
+
+    def _numeric_row(self, w, index: int):
+        """A numeric question: a text box for the number and a Check button."""
+        statement, feedback = w.HTML(""), w.HTML("")
+        box = w.Text(placeholder="a number", layout=w.Layout(width="12em"))
+        check = w.Button(description="Check", layout=w.Layout(width="6em"))
+
+        def on_check(_button):
+            try:
+                value = normalize_for(self.items[index], box.value)
+            except ValueError:
+                feedback.value = html.escape(UI[self.lang]["need_number"])
+                return
+            self._on_answer(index, value)
+
+        check.on_click(on_check)
+        self.statements.append(statement)
+        self.buttons.append((box, check))
+        self.feedback.append(feedback)
+        return w.VBox([statement, w.HBox([box, check]), feedback])
 
     @property
     def title(self) -> str:
@@ -107,7 +131,7 @@ class QuizWidget:
         return {code: chapter_title(self.chapter, code, bank_dir=bank_dir) for code in LANGS}
 
     def _heading(self) -> str:
-        return quiz_heading(self.chapter, self.lang, self.title, len(self.items))
+        return quiz_heading(self.chapter, self.lang, self.title, self.items)
 
     def _save(self, result: QuizResult) -> dict:
         return record_score(self.chapter, result.score, result.total)
@@ -131,14 +155,14 @@ class QuizWidget:
 
     def _render(self) -> None:
         self.header.value = f"<b>{html.escape(self._heading())}</b>"
-        for number, (item, label) in enumerate(zip(self.items, self.statements), 1):
+        for number, (item, label) in enumerate(zip(self.items, self.statements, strict=True), 1):
             text = html.escape(statement_text(item, self.lang)).replace("\n", "<br><i>", 1)
             if "<i>" in text:
                 text += "</i>"
             label.value = f"<b>{number}.</b> {text}"
         for index, item in enumerate(self.items):
             if item["id"] in self.answers:
-                self._show_feedback(index)
+                self._show_feedback(index)  # an exam shows the verdicts only once finished
         self.score_label.value = self._score_text()
         if self.finished:
             self._summarize()
@@ -156,7 +180,7 @@ class QuizWidget:
             if index not in ids:
                 raise ValueError(f"unknown item id {index!r}; this quiz has: {', '.join(ids)}")
             index = ids.index(index)
-        self._on_answer(index, normalize_answer(value, self.items[index]["id"]))
+        self._on_answer(index, normalize_for(self.items[index], value))
 
     def _handler(self, index: int, value: str) -> Callable:
         return lambda _button: self._on_answer(index, value)
@@ -166,22 +190,43 @@ class QuizWidget:
         if item["id"] in self.answers:  # one attempt per statement; buttons are disabled anyway
             return
         self.answers[item["id"]] = value
-        o_button, x_button = self.buttons[index]
-        for button in (o_button, x_button):
+        for button in self.buttons[index]:
             button.disabled = True
-        chosen = o_button if value == "O" else x_button
-        chosen.button_style = "success" if value == item["answer"] else "danger"
+        chosen = self._chosen(index)
+        if self.feedback_each:
+            chosen.button_style = "success" if self._correct(index) else "danger"
+        else:
+            chosen.button_style = "info"  # answered; the verdict waits for the end
         self._show_feedback(index)
         self.score_label.value = self._score_text()
         if self.finished:
             self._finish()
 
+    def _chosen(self, index: int):
+        """The button that took statement ``index``'s answer (O or X; Check for a number)."""
+        first, second = self.buttons[index]
+        if is_numeric(self.items[index]):
+            return second
+        return first if self.answers[self.items[index]["id"]] == "O" else second
+
+    def _graded(self, index: int):
+        item = self.items[index]
+        return grade_items([item], {item["id"]: self.answers[item["id"]]}, self.lang).items[0]
+
+    def _correct(self, index: int) -> bool:
+        return self._graded(index).correct
+
     def _show_feedback(self, index: int) -> None:
         ui, item = UI[self.lang], self.items[index]
-        correct = self.answers[item["id"]] == item["answer"]
+        if not (self.feedback_each or self.finished):
+            given = self.answers[item["id"]]
+            self.feedback[index].value = html.escape(ui["recorded"].format(given=given))
+            return
+        graded = self._graded(index)
+        correct = graded.correct
         verdict = ui["right"]
         if not correct:
-            verdict = f"{ui['wrong']} — {ui['answer_is'].format(answer=item['answer'])}"
+            verdict = f"{ui['wrong']} — {ui['answer_is'].format(answer=graded.answer_text)}"
         color = _GREEN if correct else _RED
         self.feedback[index].value = (
             f"<span style='color:{color}'><b>{html.escape(verdict)}</b></span> "
@@ -190,13 +235,19 @@ class QuizWidget:
 
     def _score_text(self) -> str:
         answered = [i for i in self.items if i["id"] in self.answers]
-        score = sum(self.answers[i["id"]] == i["answer"] for i in answered)
-        text = UI[self.lang]["score"].format(
+        score = grade_items(answered, self.answers, self.lang).score
+        key = "score" if self.feedback_each or self.finished else "answered"
+        text = UI[self.lang][key].format(
             score=score, answered=len(answered), left=len(self.items) - len(answered)
         )
         return f"<b>{html.escape(text)}</b>"
 
     def _finish(self) -> None:
+        if not self.feedback_each:  # the exam's verdicts and explanations, all at the end
+            for index in range(len(self.items)):
+                self._chosen(index).button_style = "success" if self._correct(index) else "danger"
+                self._show_feedback(index)
+            self.score_label.value = self._score_text()
         self._save_error = None
         if self.record:
             try:
@@ -229,8 +280,11 @@ class QuizWidget:
 
 
 class ExamWidget(QuizWidget):
-    """The quiz widget over an exam form; once every statement is answered it adds the score per
-    topic and the sections to reread, and records the score in the progress file's exam section."""
+    """The quiz widget over an exam form: no verdict or explanation until every statement is
+    answered (an explanation would answer a later statement); then each verdict and explanation,
+    the score per topic and the sections to reread, and the score in the progress file."""
+
+    feedback_each = False
 
     def __init__(
         self, items: Sequence[dict], lang: str, seed: int = 0, *, record: bool = True, bank_dir=None
@@ -239,7 +293,7 @@ class ExamWidget(QuizWidget):
         super().__init__(None, items, lang, record=record, bank_dir=bank_dir)
 
     def _load_titles(self, bank_dir) -> dict[str, str]:
-        return {code: exam_heading(code, len(self.items), self.seed, bank_dir) for code in LANGS}
+        return {code: exam_heading(code, self.items, self.seed, bank_dir) for code in LANGS}
 
     def _heading(self) -> str:
         return self.title

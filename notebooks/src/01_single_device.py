@@ -2,22 +2,27 @@
 # # 01 · One device: the baseline every chapter is compared with
 #
 # **What you will learn**
-# - the tiny GPT of this course (`course_lib/models.py`, nanoGPT-style) and the synthetic task it learns in seconds;
-# - how fast it trains on one device (tokens/s);
+# - the tiny GPT of this course (`course_lib/models.py`, nanoGPT-style) and the synthetic task it learns in
+#   300 steps (the time it took on this machine is printed under the training cell);
+# - how fast it trains on one device (tokens/s), and how that changes with the batch size (a measured sweep);
 # - where the memory goes: **parameters, gradients, optimizer state** (the *model states*) and **activations** —
 #   measured from the real tensors, then compared with the formulas (the 16Ψ rule of thumb);
-# - how many FLOPs a training token costs (6Ψ + 12·L·s·d) and what fraction of this CPU's matmul peak the run
+# - **activation checkpointing** measured on one device: the bytes it saves and the forward it repeats;
+# - **bf16 mixed precision** (`torch.autocast` on the CPU): what it does to memory, step time and loss, and why
+#   mixed precision keeps fp32 master weights (the ZeRO paper's 2 + 2 + 12 = 16 bytes per parameter);
+# - how many FLOPs a training token costs (6Ψ + 12·L·s·d) and what fraction of a measured matmul rate the run
 #   achieves (MFU).
 #
 # **What you need**: chapter 00 is not required; PyTorch at the level of a training loop (`loss.backward()`,
-# `optimizer.step()`). **Expected runtime**: about 1½ minutes on an idle 2-core laptop (printed in the last cell).
+# `optimizer.step()`).
+#
+# **Stored build:** 20 s on 2 cores (0% of them busy just before it started).
 #
 # This is the baseline the later chapters compare with: each of them checks that its distributed run equals a
 # single-device run of the same model and data (computed in that chapter, on its own configuration), and measures
 # its speed against one device.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 import time
 
 _t_notebook = time.perf_counter()
@@ -29,7 +34,7 @@ import torch
 from course_lib import formulas, memory
 from course_lib.data import loss_floor, make_batch
 from course_lib.models import GPT, tiny_config
-from course_lib.train import train_single_device
+from course_lib.train import train_single_device, train_step
 
 _ = torch.manual_seed(0)
 
@@ -55,14 +60,50 @@ print(f"loss floor ln(V)/T = {loss_floor(cfg.block_size, cfg.vocab_size):.3f}; u
 #
 # <a id="throughput"></a>
 # **Throughput** (tokens/s) is the number the later chapters compare with. A larger batch raises it only while the
-# hardware has idle capacity; once the cores are saturated, twice the batch takes about twice as long, so
-# throughput does not simply double with the batch size.
+# hardware has idle capacity; once the cores are saturated, a step's work grows with the batch and the cores have
+# nothing left to give it, so throughput does not simply double with the batch size.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 run = train_single_device(cfg, steps=300, batch_size=32, lr=3e-3, progress=False)
 print(f"{run['tokens_per_s']:,.0f} tokens/s ({run['seconds']:.1f} s for 300 steps), one process using "
       f"{torch.get_num_threads()} CPU thread(s)")
+
+# %% [markdown]
+# <a id="throughput-sweep"></a>
+# **Throughput against the batch size.** The same model, one AdamW step per call, timed with
+# `course_lib.timing.time_steps` (warm-up, interleaved rounds, median and min–max per batch size). Tokens/s =
+# b·s / step time. A step has a fixed part (Python, autograd's bookkeeping, launching ~100 small ops, the
+# optimizer over every parameter) and a part that grows with b; while the fixed part dominates, a larger batch is
+# nearly free, and once the matmuls fill the cores each extra row costs its full share.
+
+# %% tags=["nbval-ignore-output"]
+from course_lib.timing import time_steps
+
+
+def one_step_at(batch):
+    m = GPT(cfg)
+    o = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    xb, yb = make_batch(batch, cfg.block_size, cfg.vocab_size, seed=0)
+    return lambda: train_step(m, o, xb, yb)
+
+
+BATCHES = (1, 4, 16, 64)
+sweep_t = time_steps({f"b={b_}": one_step_at(b_) for b_ in BATCHES}, rounds=3, steps_per_round=2,
+                     title="one AdamW step of the tiny GPT, by batch size")
+tok_s = [b_ * cfg.block_size / sweep_t[f"b={b_}"].median for b_ in BATCHES]
+print(sweep_t)
+for lo_, hi_ in zip(range(len(BATCHES) - 1), range(1, len(BATCHES)), strict=True):
+    print(f"b {BATCHES[lo_]:>2} → {BATCHES[hi_]:>2} ({BATCHES[hi_] // BATCHES[lo_]}× the tokens per step): "
+          f"tokens/s ×{tok_s[hi_] / tok_s[lo_]:.2f}")
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(BATCHES, tok_s, "o-")
+ax.set_xscale("log", base=2)
+ax.set_xlabel("batch size b (sequences of s = 32 tokens)")
+ax.set_ylabel("tokens/s (median step)")
+ax.set_title(f"throughput ×{tok_s[-1] / tok_s[0]:.1f} for {BATCHES[-1] // BATCHES[0]}× the batch "
+             f"(×{tok_s[-1] / tok_s[-2]:.2f} over the last 4×)")
+plt.tight_layout()
+plt.show()
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3))
@@ -81,32 +122,36 @@ print(f"mean loss of the last 20 steps below 0.3: {sum(run['loss'][-20:]) / 20 <
 # <a id="flops"></a>
 # **FLOPs per token.** Each parameter is one multiply-add per token forward (2 FLOPs) and two backward (the input's
 # and the weight's gradient, 4 FLOPs): **6Ψ**. Attention adds two matmuls that use no parameter, q·kᵀ and
-# softmax·v: **12·L·s·d** per token for training (`formulas.training_flops_per_token`). For large models s ≪ d
-# and the second term is usually dropped; here s = 32 and d = 64, so it is not negligible. FLOPs per token ×
-# tokens/s = the **achieved FLOP/s**; divided by what this CPU's matmul reaches (measured below, same threads)
-# it is the **MFU**, model FLOPs utilisation.
+# softmax·v: **12·L·s·d** per token for training (`formulas.training_flops_per_token`). A transformer layer holds
+# about 12·d² parameters (4d² in attention, 8d² in the MLP), so Ψ ≈ 12·L·d² and the ratio of the two terms is
+# 12·L·s·d / (6 · 12·L·d²) = **s / (6d)**: the attention term is dropped when s ≪ 6d (GPT-3: s = 2048,
+# d = 12288, 2.8 %). Here s = 32 and d = 64, and the ratio is printed below. FLOPs per token × tokens/s = the
+# **achieved FLOP/s**; divided by a reference rate it is the **MFU**, model FLOPs utilisation. On a GPU the
+# reference is the datasheet peak; here it is the best rate we *measure* for an fp32 matmul of 512×512 and
+# 1024×1024 on the same threads (`train.matmul_peak_flops`) — a measured matmul rate, not a datasheet peak.
 
 # %%
 fpt = formulas.training_flops_per_token(model.num_params(), cfg.n_layer, cfg.block_size, cfg.d_model)
 attn_share = 12 * cfg.n_layer * cfg.block_size * cfg.d_model / fpt
 print(f"FLOPs per token = 6Ψ + 12·L·s·d = {6 * model.num_params():,} + "
       f"{12 * cfg.n_layer * cfg.block_size * cfg.d_model:,} = {fpt:,.0f}")
-print(f"attention's parameter-free matmuls are more than 5% of the FLOPs here: {attn_share > 0.05}")
+print(f"attention term / 6Ψ = {12 * cfg.n_layer * cfg.block_size * cfg.d_model / (6 * model.num_params()):.3f}; "
+      f"the large-model estimate s/(6d) = {cfg.block_size}/{6 * cfg.d_model} = {cfg.block_size / (6 * cfg.d_model):.3f} "
+      f"(this model's embeddings and biases make Ψ larger than 12·L·d²)")
+print(f"attention share of the FLOPs: {attn_share:.1%}")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from course_lib.train import matmul_peak_flops
 
-peak = matmul_peak_flops()
+peak = max((matmul_peak_flops(n) for n in (512, 1024)), key=lambda r: r["flops_per_s"])
 achieved = fpt * run["tokens_per_s"]
-print(f"attention share of the FLOPs: {attn_share:.1%}")
-print(f"achieved: {achieved / 1e9:.2f} GFLOP/s; matmul peak ({peak['n']}×{peak['n']}, {peak['threads']} threads): "
-      f"{peak['flops_per_s'] / 1e9:.1f} GFLOP/s (min–max {peak['lo'] / 1e9:.1f}–{peak['hi'] / 1e9:.1f}); "
-      f"MFU = {achieved / peak['flops_per_s']:.1%}")
+print(f"achieved: {achieved / 1e9:.2f} GFLOP/s; best measured fp32 matmul rate ({peak['n']}×{peak['n']}, "
+      f"{peak['threads']} threads): {peak['flops_per_s'] / 1e9:.1f} GFLOP/s (min–max {peak['lo'] / 1e9:.1f}–"
+      f"{peak['hi'] / 1e9:.1f}); MFU against that rate = {achieved / peak['flops_per_s']:.1%}")
 
 # %% [markdown]
-# A tiny model reaches a small fraction of the peak: its matrices (64 wide) are too small to keep the cores busy,
-# and layer norms, GELU, softmax and the Python loop cost time without counting as model FLOPs.
+# What holds a tiny model's MFU down: its matrices (64 wide) are too small to keep the cores busy, and layer norms,
+# GELU, softmax and the Python loop occupy the cores with work that counts as no model FLOP.
 
 # %% [markdown]
 # ## 3. Where the memory goes
@@ -239,10 +284,93 @@ plt.show()
 # needs less activation memory, **activation checkpointing** (recomputation) keeps only some forward activations
 # and recomputes the rest during backward: more compute, less memory.
 #
+# <a id="activation-checkpointing"></a>
+# **Activation checkpointing, measured.** `torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)` runs
+# the block's forward without keeping what its ops save; it keeps the block's input `x`, and in backward runs the
+# block's forward again to rebuild the saved tensors just before they are needed. Below every transformer block
+# is wrapped so; the meter counts what the forward saves, a forward pre-hook counts how often a block's forward
+# starts in one training step (a pre-hook: the recompute stops as soon as it has rebuilt what backward needs), and the gradients are compared with the plain model's.
+
+# %%
+from torch.utils.checkpoint import checkpoint
+
+from course_lib.results import REORDERED, Result
+
+
+class Checkpointed(torch.nn.Module):
+    """Run ``block`` under activation checkpointing: keep its input, recompute the rest in backward."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def step_with_counts(m):
+    calls = []
+    hooks = [blk.register_forward_pre_hook(lambda *_: calls.append(1)) for blk in m.modules()
+             if type(blk).__name__ == "Block"]
+    with memory.SavedTensorMeter(exclude=m) as saved:
+        _, loss_ = m(x, y)
+    loss_.backward()
+    for h in hooks:
+        h.remove()
+    return saved.bytes, len(calls), {i: p_.grad for i, p_ in enumerate(m.parameters())}
+
+
+plain, ckpt = GPT(cfg), GPT(cfg)
+ckpt.blocks = torch.nn.ModuleList(Checkpointed(blk) for blk in ckpt.blocks)
+bytes_plain, calls_plain, g_plain = step_with_counts(plain)
+bytes_ckpt, calls_ckpt, g_ckpt = step_with_counts(ckpt)
+keep = cfg.n_layer * b * s * cfg.d_model * 4  # one fp32 block input per layer
+ac = Result(title=f"activation checkpointing, every block (b={b}, s={s}, L={cfg.n_layer}, fp32)")
+ac.exact("saved activations, plain (bytes)", bytes_plain, meter.bytes, "section 3's measurement")
+ac.exact("saved by the blocks, plain − checkpointed (bytes)", bytes_plain - bytes_ckpt,
+         est["per_layer"] * cfg.n_layer - keep, "formula L·(per-layer − one input 4·s·b·h)")
+ac.exact("block forwards per training step", calls_ckpt, 2 * calls_plain, "2 × plain (forward + recompute)")
+ac.equal("gradients, checkpointed vs plain", g_ckpt, g_plain, REORDERED, "the plain model")
+print(ac)
+print(f"saved activations: {bytes_plain:,} → {bytes_ckpt:,} bytes ({bytes_plain / bytes_ckpt:.1f}× less)")
+
+# %% [markdown]
+# The price is the repeated forward of every block: about 2 of the 6 FLOPs per parameter and token again (plus
+# the attention matmuls' forward), so the model below predicts the step's compute grows by
+# (2Ψ_blocks + 4·L·s·d) / (6Ψ + 12·L·s·d). Large models checkpoint selectively (only the cheap-to-recompute,
+# memory-heavy parts, such as the attention's softmax) for that reason. The timing is of this machine, not a
+# claim: on a tiny model the recompute also repeats Python and launch overheads.
+
+# %% tags=["nbval-ignore-output"]
+psi_blocks = sum(p_.numel() for p_ in plain.blocks.parameters())
+extra = (2 * psi_blocks + 4 * cfg.n_layer * s * cfg.d_model) / fpt
+opt_plain, opt_ckpt = torch.optim.AdamW(plain.parameters()), torch.optim.AdamW(ckpt.parameters())
+ac_t = time_steps({"plain": lambda: train_step(plain, opt_plain, x, y),
+                   "checkpointed": lambda: train_step(ckpt, opt_ckpt, x, y)}, rounds=5, steps_per_round=2,
+                  title=f"one training step, b={b}")
+print(ac_t)
+print(f"predicted extra compute: +{extra:.0%}; measured median step: "
+      f"×{ac_t['checkpointed'].median / ac_t['plain'].median:.2f}; {ac_t.compare('checkpointed', 'plain').verdict}")
+
+# %% [markdown]
 # ## 4. The same rule at scale
 # The ZeRO paper's example: Ψ = 7.5B parameters in mixed precision ((2 + 2 + K)·Ψ bytes, K = 12 for fp32 master
-# weights + Adam's two moments) need 16Ψ = 120 GB of model states per GPU without sharding — more than any single GPU.
-#
+# weights + Adam's two moments) need 16Ψ = 120 GB of model states per GPU without sharding. Compare that with the
+# memory of the paper's 32 GB V100 (2019) and of today's GPUs, printed below: where the states fit, what is left
+# must still hold the activations, the communication buffers and the framework's workspace, and a model ten
+# times larger needs 1.2 TB. Sharding the states (ZeRO, chapter 03) divides them by the number of GPUs:
+
+# %%
+GPU_GB = {"V100": 32, "A100 / H100": 80, "H200": 141, "MI300X / B200": 192}
+states_gb = formulas.zero_model_state_bytes(7.5e9, 64, 0) / 1e9
+print(f"7.5B params, 16Ψ = {states_gb:.0f} GB of model states; "
+      + "; ".join(f"{gpu} {cap} GB: " + (f"holds them, {cap - states_gb:.0f} GB left" if cap > states_gb
+                                         else "does not hold them") for gpu, cap in GPU_GB.items()))
+for stage in range(4):
+    gb = formulas.zero_model_state_bytes(7.5e9, 64, stage) / 1e9
+    print(f"7.5B params, 64 GPUs, ZeRO stage {stage}: {gb:6.1f} GB per GPU")
+
+# %% [markdown]
 # <a id="mixed-precision"></a>
 # **Mixed precision.** 2 + 2 + 12 is the ZeRO paper's (apex-style) accounting: 16-bit parameters and gradients plus
 # fp32 master weights and Adam moments. `torch.amp` autocast keeps fp32 parameters and gradients instead and casts
@@ -251,14 +379,145 @@ plt.show()
 # by a scale factor before backward and divides the gradients by it before the step (**loss scaling**, a fix for
 # range, not for memory). bf16 has fp32's 8-bit exponent and is usually trained without loss scaling.
 
+# %% [markdown]
+# <a id="bf16-autocast"></a>
+# **bf16 autocast, run here.** `torch.autocast("cpu", dtype=torch.bfloat16)` around the forward makes the
+# matmul-heavy ops (linear layers, attention) cast their inputs to bf16 and compute in bf16, while ops that need
+# range or accurate sums (layer norm, softmax, the loss) stay in fp32. The parameters stay fp32; each op casts
+# the weight it uses on the fly. Backward runs outside the context: autograd replays every op in the dtype its
+# forward used, and the gradients arrive in the parameters' dtype, fp32. The loop below is
+# `train_single_device`'s, with the forward optionally under autocast; the same data, model seed and AdamW.
+#
+# **Why fp32 master weights.** bf16 keeps 8 significant bits: the gap between 1 and the next bf16 number is
+# 2⁻⁷ ≈ 0.0078, so an update smaller than half that gap, added to a weight of about 1, rounds back to the same
+# weight and is lost. Adam's steps are about lr in size whatever the gradient, so a weight much larger than lr
+# rounds them away; the weights that the optimizer updates are therefore kept in fp32 — autocast's fp32 parameters, or apex's and the ZeRO paper's
+# separate fp32 "master" copy next to bf16/fp16 working weights (2 + 2 + 12 bytes per parameter). The cell below
+# measures both: the lost update, and how many of one optimizer step's updates of this model would round away with bf16 weights.
+
 # %%
-for stage in range(4):
-    gb = formulas.zero_model_state_bytes(7.5e9, 64, stage) / 1e9
-    print(f"7.5B params, 64 GPUs, ZeRO stage {stage}: {gb:6.1f} GB per GPU")
+import contextlib
+
+
+def train_loop(steps, batch_size=32, amp_dtype=None, lr=3e-3):
+    """``train_single_device``'s AdamW loop; with ``amp_dtype`` the forward runs under autocast."""
+    m = GPT(cfg)
+    o = torch.optim.AdamW(m.parameters(), lr=lr)
+    losses_ = []
+    for i in range(steps):
+        xb, yb = make_batch(batch_size, cfg.block_size, cfg.vocab_size, seed=i)
+        o.zero_grad(set_to_none=True)
+        amp = torch.autocast("cpu", dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        with amp:  # the forward only: backward replays each op in the dtype its forward used
+            logits_, loss_ = m(xb, yb)
+        loss_.backward()
+        o.step()
+        losses_.append(loss_.item())
+    return m, o, losses_, logits_.dtype
+
+
+m16, o16, losses16, logits_dtype = train_loop(300, amp_dtype=torch.bfloat16)
+with memory.SavedTensorMeter(exclude=m16) as meter16:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m16(x, y)
+states16 = memory.model_state_bytes(m16, o16)
+one = torch.tensor(1.0, dtype=torch.bfloat16)
+mp = Result(title=f"bf16 autocast on the CPU, b={b}, s={s}")
+mp.condition("dtype of the logits under autocast", str(logits_dtype), logits_dtype == torch.bfloat16,
+             "bf16 (a linear layer's output)")
+mp.condition("dtype of every parameter and gradient", "fp32",
+             all(p_.dtype == p_.grad.dtype == torch.float32 for p_ in m16.parameters()), "all fp32")
+mp.exact("model states (bytes)", states16["total"], states["total"], "the fp32 run: 16Ψ + 4 × tensors")
+mp.condition("saved activations, autocast / fp32", round(meter16.bytes / meter.bytes, 3),
+             meter16.bytes < meter.bytes, "< 1 (matmul inputs kept in bf16)")
+mp.condition("bf16: 1 + 0.001 rounds to", (one + 0.001).item(), (one + 0.001).item() == 1.0, "= 1 (update lost)")
+mp.condition("fp32: 1 + 0.001 rounds to", (torch.tensor(1.0) + 0.001).item(),
+             (torch.tensor(1.0) + 0.001).item() != 1.0, "≠ 1 (update kept)")
+print(mp)
+
+# %% tags=["nbval-ignore-output"]
+before = [p_.detach().clone() for p_ in m16.parameters()]
+xb, yb = make_batch(32, s, cfg.vocab_size, seed=300)
+train_step(m16, o16, xb, yb)  # one more fp32 step; what if the weights had been stored in bf16?
+lost = sum(((w.bfloat16().float() + (p_.detach() - w)).bfloat16() == w.bfloat16()).sum().item()
+           for w, p_ in zip(before, m16.parameters(), strict=True))
+print(f"step 301 with bf16 weights: {lost / psi:.0%} of the {psi:,} parameters' updates would round away")
+
+
+def amp_step_at(batch, amp_dtype=torch.bfloat16):
+    m = GPT(cfg)
+    o = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    xb, yb = make_batch(batch, cfg.block_size, cfg.vocab_size, seed=0)
+
+    def step():
+        o.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=amp_dtype):
+            _, loss_ = m(xb, yb)
+        loss_.backward()
+        o.step()
+
+    return step
+
+
+amp_t = time_steps({"fp32": one_step_at(32), "bf16 autocast": amp_step_at(32)}, rounds=5, steps_per_round=2,
+                   title="one AdamW step, b=32")
+print(amp_t)
+print(amp_t.compare("bf16 autocast", "fp32").verdict)
+mean20, mean20_16 = sum(run["loss"][-20:]) / 20, sum(losses16[-20:]) / 20
+gap = max(abs(a - c) for a, c in zip(run["loss"], losses16, strict=True))
+print(f"mean loss of the last 20 steps: fp32 {mean20:.4f}, bf16 autocast {mean20_16:.4f}; "
+      f"largest per-step difference {gap:.3f}")
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(run["loss"], label="fp32")
+ax.plot(losses16, label="bf16 autocast", alpha=0.8)
+ax.set_xlabel("step")
+ax.set_ylabel("cross-entropy (nats)")
+ax.set_yscale("log")
+ax.set_title(f"same data and seed: last-20 mean loss {mean20:.3f} (fp32) vs {mean20_16:.3f} (bf16)")
+ax.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# On a CPU, bf16 matmuls run at a high rate only where the cores have bf16 instructions (AVX-512 BF16, AMX);
+# elsewhere each cast is extra work that buys nothing, and the timing above is what this machine does. On a GPU the tensor
+# cores run bf16 matmuls at several times their fp32 rate and the activations take half the bytes — the reason
+# mixed precision is the default for training large models, while the model states stay at 16 bytes per
+# parameter either way.
 
 # %% [markdown]
 # ## 5. Exercise: count the bytes yourself
-# Implement `count_model_state_bytes` in `exercises/single_device.py` (unique storages!) and check it:
+#
+# **The task.** In `exercises/single_device.py`, write
+#
+# ```python
+# def count_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
+# ```
+#
+# returning `{"params": …, "grads": …, "optimizer": …}`: the bytes of memory the model's parameters, their
+# gradients and the optimizer's state occupy, each piece of memory counted **once** (a tied weight is one tensor
+# under two names; two views of one buffer are one buffer).
+#
+# **What the checker compares.** `check("count_model_state_bytes")` runs on **one rank**: it builds a one-layer
+# tiny GPT with tied and with untied embedding/output weights, takes one AdamW step, and compares your three
+# numbers with `memory.model_state_bytes` **exactly** (they are byte counts).
+#
+# **Hints**, one layer at a time:
+#
+# <details><summary>Hint 1: the idea</summary>
+#
+# Count memory, not tensors: walk the parameters, then the gradients, then every tensor the optimizer keeps per
+# parameter, and skip memory you have already counted.
+# </details>
+#
+# <details><summary>Hint 2: the API</summary>
+#
+# `t.untyped_storage()` is the memory behind a tensor: `.nbytes()` its size, `.data_ptr()` its address (the same
+# for two tensors that share it). `optimizer.state` maps each parameter to a dict of its state (AdamW: `step`,
+# `exp_avg`, `exp_avg_sq`); not every value in it need be a tensor.
+# </details>
+#
+# Until you implement it, the checker reports *unsolved*:
 
 # %%
 from course_lib.check import check
@@ -278,17 +537,25 @@ quiz(1)
 
 # %% [markdown]
 # ## Summary
-# - The tiny GPT learns the counter task on one CPU process in seconds (loss curve above).
+# - The tiny GPT learns the counter task on one CPU process in 300 steps (loss curve above; its wall time printed below);
+#   tokens/s grows with the batch only while a step's fixed part dominates (the sweep).
 # - Model states measured = 16 bytes per parameter (+4 bytes per parameter tensor for Adam's step counter).
 # - Activations measured with saved-tensor hooks equal the derived CPU formula exactly (≈64·s·b·h per layer) at
 #   every batch and sequence length of the sweep; Korthikanti's formula differs by precision, dropout masks and
 #   the stored softmax.
+# - Activation checkpointing keeps one input per block and runs each block's forward twice; bf16 autocast keeps
+#   fp32 parameters and gradients (16 bytes per parameter still), saves fewer activation bytes, and follows the
+#   fp32 loss curve; a bf16 weight would round small updates away, hence fp32 master weights.
 # - This run's numbers:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(f"Ψ = {psi:,} parameters; model states {states['total']:,} bytes = {states['total'] / psi:.2f} bytes/param")
 print(f"activations at b={b}, s={s}: {meter.bytes:,} bytes ({meter.bytes / states['total']:.1f}× the model states)")
 print(f"{run['tokens_per_s']:,.0f} tokens/s × {fpt:,.0f} FLOPs/token = {achieved / 1e9:.2f} GFLOP/s, "
-      f"MFU {achieved / peak['flops_per_s']:.1%} of a {peak['flops_per_s'] / 1e9:.1f} GFLOP/s matmul peak")
+      f"MFU {achieved / peak['flops_per_s']:.1%} of the {peak['flops_per_s'] / 1e9:.1f} GFLOP/s measured matmul rate")
+print(f"300 steps at batch 32 took {run['seconds']:.1f} s; tokens/s from b=1 to b={BATCHES[-1]}: "
+      f"×{tok_s[-1] / tok_s[0]:.1f}")
+print(f"checkpointing: activations ÷{bytes_plain / bytes_ckpt:.1f}, step ×{ac_t['checkpointed'].median / ac_t['plain'].median:.2f}"
+      f"; bf16 autocast: activations ×{meter16.bytes / meter.bytes:.2f}, step "
+      f"×{amp_t['bf16 autocast'].median / amp_t['fp32'].median:.2f}, last-20 loss {mean20_16:.3f} vs {mean20:.3f}")
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
