@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     ns = parser.parse_args(argv)
     if (
         ns.what == "raydata"
-    ):  # chapter 08: streaming vs serial (and DataLoader, prefetch 0) inside Train workers
+    ):  # chapter 09: streaming vs serial (and DataLoader, prefetch 0) inside Train workers
         from .experiments.ray_data import benchmark
 
         print(benchmark())

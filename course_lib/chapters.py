@@ -41,9 +41,15 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("fsdp", "04_fsdp", "FSDP", "FSDP"),
     Chapter("pipeline", "05_pipeline_parallel", "Pipeline parallelism", "파이프라인 병렬"),
     Chapter("tensor-parallel", "06_tensor_parallel", "Tensor parallelism", "텐서 병렬"),
-    Chapter("ray-train", "07_ray_train", "Ray Train", "Ray Train"),
-    Chapter("ray-data", "08_ray_data", "Ray Data", "Ray Data"),
-    Chapter("review", "09_review", "Review: choosing a strategy", "복습: 전략 고르기"),
+    Chapter(
+        "context-expert-parallel",
+        "07_context_expert_parallel",
+        "Context and expert parallelism",
+        "컨텍스트 병렬과 전문가 병렬",
+    ),
+    Chapter("ray-train", "08_ray_train", "Ray Train", "Ray Train"),
+    Chapter("ray-data", "09_ray_data", "Ray Data", "Ray Data"),
+    Chapter("review", "10_review", "Review: choosing a strategy", "복습: 전략 고르기"),
 )
 
 _BY_TOPIC = {c.topic: c for c in CHAPTERS}

@@ -6,7 +6,7 @@ with the library collective, and returns a :class:`CheckResult` whose text says 
 which tensor and how large the error was. An exercise still raising ``NotImplementedError``
 is reported as *unsolved* (with its hint), never as a crash of the checker.
 
-An exercise registered with ``launcher="parent"`` (chapters 07–08: Ray) is checked by calling its runner
+An exercise registered with ``launcher="parent"`` (chapters 08–09: Ray) is checked by calling its runner
 here, in the caller's process: the runner starts its own run (a real ``TorchTrainer``) and returns the
 problems it found. An exception from that run — Ray wraps a worker's — is reported the same way.
 

@@ -1,4 +1,4 @@
-"""Chapter 08 exercise: a Ray Data preprocessing step with ``map_batches``, streamed into a Ray Train trainer.
+"""Chapter 09 exercise: a Ray Data preprocessing step with ``map_batches``, streamed into a Ray Train trainer.
 
 The folder holds Parquet files with the columns ``id`` (int64) and ``text``: each text is the tiny GPT's
 sequence of T+1 words, e.g. ``"w05 w17 w06 w18 …"``, where word ``wNN`` is token ``NN`` (see ``VOCAB``).

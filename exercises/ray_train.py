@@ -1,8 +1,8 @@
-"""Chapter 07 exercise: convert a plain PyTorch training loop to Ray Train.
+"""Chapter 08 exercise: convert a plain PyTorch training loop to Ray Train.
 
 ``plain_loop(config)`` trains the course's tiny GPT in one process. Write ``ray_train_loop(config)``: the same
 training as a Ray Train ``train_loop_per_worker``. ``TorchTrainer`` runs it on every worker *after* it has
-created the ``torch.distributed`` process group (gloo on CPU, nccl with GPUs). Four changes (notebook 07, §5):
+created the ``torch.distributed`` process group (gloo on CPU, nccl with GPUs). Four changes (notebook 08, §5):
 
 1. ``model = prepare_model(model)`` — the worker's device, and DDP when there is more than one worker;
 2. ``loader = prepare_data_loader(loader)`` — a ``DistributedSampler`` (each worker its own shard; the
@@ -16,7 +16,7 @@ created the ``torch.distributed`` process group (gloo on CPU, nccl with GPUs). F
    ``model.pt`` = ``torch.save(<the unwrapped model>.state_dict(), ...)`` (DDP's ``model.module``), the
    other workers ``checkpoint=None``.
 
-Check: ``course-lib check ray_train_loop`` (or ``check("ray_train_loop")`` in notebook 07) runs it in a real
+Check: ``course-lib check ray_train_loop`` (or ``check("ray_train_loop")`` in notebook 08) runs it in a real
 ``TorchTrainer`` with 2 workers and compares the checkpointed weights with one device trained on the same
 global batches (AdamW, within the course's ADAMW tolerance: course_lib.results).
 """
@@ -66,5 +66,5 @@ def ray_train_loop(config: dict) -> None:
     # per-worker batch, set_epoch, a report with a checkpoint from rank 0 after every epoch).
     raise NotImplementedError(
         "ray_train_loop: hint — start from plain_loop: the same model, optimizer and loop, with the four "
-        "changes this module's docstring lists (notebook 07, §10 has two hints: the idea, then the API)"
+        "changes this module's docstring lists (notebook 08, §10 has two hints: the idea, then the API)"
     )

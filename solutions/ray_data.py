@@ -1,4 +1,4 @@
-"""Chapter 08 exercise, solved: a Ray Data preprocessing step with ``map_batches``, streamed into Ray Train.
+"""Chapter 09 exercise, solved: a Ray Data preprocessing step with ``map_batches``, streamed into Ray Train.
 
 See ``exercises/ray_data.py`` for the task.
 """

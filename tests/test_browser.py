@@ -99,7 +99,7 @@ def test_quiz_feedback_in_the_output_area_in_english_and_korean(tmp_path):
     computations = sum(is_numeric(item) for item in exam)
     assert computations == 3 and len(exam) == 14 + computations, [item["id"] for item in exam]
     heading = (
-        f"\nFinal O/X exam — chapters 00–09 (14 statements, form 0) + {computations} computations\n"
+        f"\nFinal O/X exam — chapters 00–10 (14 statements, form 0) + {computations} computations\n"
     )
     assert heading in exam_shown, exam_shown[:200]
     # mid-exam: the answer is taken, with no verdict and no explanation (it could answer a later one)

@@ -233,7 +233,7 @@ def test_widget_grades_and_explains_only_at_the_end_then_topics_traps_reread_and
     widget = x.final_exam(mode="widget")
     assert isinstance(widget, x.ExamWidget) and len(widget.buttons) == 43
     assert (
-        "Final O/X exam — chapters 00–09 (40 statements, form 0) + 3 computations"
+        "Final O/X exam — chapters 00–10 (40 statements, form 0) + 3 computations"
         in widget.header.value
     )
     items = widget.items
@@ -269,7 +269,7 @@ def test_widget_and_text_listings_are_deterministic():
     cut = lines.index("")  # the statements, then the answer key for a reader without a kernel
     lines, answer_key = lines[:cut], lines[cut + 1 :]
     form = x.exam_items()
-    assert lines[0] == "Final O/X exam — chapters 00–09 (40 statements, form 0) + 3 computations"
+    assert lines[0] == "Final O/X exam — chapters 00–10 (40 statements, form 0) + 3 computations"
     assert lines[-1] == q.WIDGET_HINT
     assert answer_key[0].startswith("Answers and explanations")
     assert answer_key[1].startswith(f" 1. {form[0]['answer']} — ")
@@ -291,7 +291,7 @@ def test_widget_and_text_listings_are_deterministic():
     assert text[cut:] == widget_text[cut:]  # the same answer key
     assert text[1 : cut - 1] == widget_text[1 : cut - 1]
     assert repr(x.final_exam(lang="ko", mode="text")).startswith(
-        "최종 O/X 시험 — 00–09장 전체 (40문항, 시험지 0)"
+        "최종 O/X 시험 — 00–10장 전체 (40문항, 시험지 0)"
     )
     with pytest.raises(ValueError, match="mode must be"):
         x.final_exam(mode="gui")
@@ -344,7 +344,7 @@ def test_cli_exam_and_progress(course_home):
     answers += "not a number\n" + "".join(f"{i['answer']}\n" for i in numeric)
     done = run_cli(["exam", "-n", "14", "--seed", "4", "--lang", "ko"], answers, course_home)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("최종 O/X 시험 — 00–09장 전체 (14문항, 시험지 4) + 계산 문제 3개")
+    assert done.stdout.startswith("최종 O/X 시험 — 00–10장 전체 (14문항, 시험지 4) + 계산 문제 3개")
     assert "숫자를 입력하세요" in done.stdout  # a reply that is not a number is asked again
     assert (
         "최종 점수 16/17" in done.stdout

@@ -1,4 +1,4 @@
-"""Chapter 09: Horovod for real — ``horovodrun -np 2 --gloo`` trains the tiny GPT to the same weights as the
+"""Chapter 10: Horovod for real — ``horovodrun -np 2 --gloo`` trains the tiny GPT to the same weights as the
 course's DDP, torch DDP and one device; failures and hangs end with a clear error and no process left.
 
 Horovod is built once per machine by ``make horovod`` (``make test`` does it first); the tests that run it

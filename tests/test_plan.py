@@ -1,5 +1,5 @@
 """The strategy chooser (course_lib.plan): the ZeRO paper's table, the fixed cases, clear errors, and agreement with
-the bytes the course's own ZeRO / FSDP2 runs measure on real ranks (chapter 09's review suite, N = 2)."""
+the bytes the course's own ZeRO / FSDP2 runs measure on real ranks (chapter 10's review suite, N = 2)."""
 
 import pytest
 

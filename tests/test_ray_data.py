@@ -1,4 +1,4 @@
-"""Chapter 08: Ray Data — splitting, order, shuffles, bad inputs, and streaming into Ray Train (one Ray session).
+"""Chapter 09: Ray Data — splitting, order, shuffles, bad inputs, and streaming into Ray Train (one Ray session).
 
 The driver-side facts use ``streaming_split`` directly (what Ray Train's ``DataConfig`` calls with
 ``equal=True``); one ``TorchTrainer`` fit then proves them inside Train and races streaming against serial.

@@ -1,4 +1,4 @@
-"""Chapter 07, scaling out for real: a two-node Ray cluster on one machine, one Train worker per node.
+"""Chapter 08, scaling out for real: a two-node Ray cluster on one machine, one Train worker per node.
 
 Two "hosts" with their own addresses — Linux network namespaces joined by a veth pair (``tests/netns.py``);
 ``ray start --head`` in one, ``ray start --address=<head>`` in the other, each with ``GLOO_SOCKET_IFNAME`` set

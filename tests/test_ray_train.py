@@ -1,4 +1,4 @@
-"""Chapter 07: Ray Core and Ray Train, on one local Ray session for the whole module.
+"""Chapter 08: Ray Core and Ray Train, on one local Ray session for the whole module.
 
 Each ``TorchTrainer.fit`` starts a worker group (tens of seconds on 2 busy CPUs), so the few fits here each
 prove several things: equality with one device, resume after a failure, the callback's reports, and that the
@@ -155,7 +155,7 @@ def test_fsdp2_dcp_survives_a_killed_worker_and_equals_one_device(local_ray, tmp
         shards = sorted(f for f in os.listdir(os.path.join(d, "dcp")) if f.endswith(".distcp"))
     assert len(shards) == 2, f"each worker wrote its own DCP shard: {shards}"
     ex.equal_to_one_device(result, cfg).assert_passed()
-    # no "(raylet) A worker died or was killed ..." line (notebook 07, section 7)
+    # no "(raylet) A worker died or was killed ..." line (notebook 08, section 7)
     _assert_quiet(capfd)
 
 

@@ -1,4 +1,4 @@
-"""Chapter 08 checker (parent side): the learner's ``map_batches`` step and trainer, run on real Ray workers.
+"""Chapter 09 checker (parent side): the learner's ``map_batches`` step and trainer, run on real Ray workers.
 
 ``check_ray_data_pipeline(fit_with_ray_data)`` runs in the notebook's (or ``course-lib``'s) own process:
 
@@ -33,7 +33,7 @@ ROWS, FILES, BATCH = 128, 4, 16
 
 
 def train_loop(config: dict | None = None) -> None:
-    """The trainer's ``train_loop_per_worker``: one epoch over the "train" shard with chapter 08's loop."""
+    """The trainer's ``train_loop_per_worker``: one epoch over the "train" shard with chapter 09's loop."""
     E.data_loop(
         {
             "variants": {"train": {"source": "train"}},

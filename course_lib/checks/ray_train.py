@@ -1,7 +1,7 @@
-"""Chapter 07 checker: the learner's ``ray_train_loop`` run in a real ``TorchTrainer`` with 2 workers.
+"""Chapter 08 checker: the learner's ``ray_train_loop`` run in a real ``TorchTrainer`` with 2 workers.
 
 Registered with ``launcher="parent"``: ``check()`` calls :func:`check_ray_train_loop` in its own process
-(the notebook's), which uses the Ray session already running there (notebook 07's) or starts one and stops
+(the notebook's), which uses the Ray session already running there (notebook 08's) or starts one and stops
 it afterwards, runs ``fit()`` and reads the run's last checkpoint. The checkpointed weights must equal one
 device trained on the same global batches in the same order — ``DistributedSampler``'s permutation of each
 epoch, :func:`~course_lib.experiments.ray_train.reference_params` — within ``results.ADAMW``

@@ -1,4 +1,4 @@
-"""Chapter 09: Horovod run for real, beside the course's own DDP and torch DDP — same model, same data.
+"""Chapter 10: Horovod run for real, beside the course's own DDP and torch DDP — same model, same data.
 
 Horovod (Uber, 2017; LF AI & Data) made ring all-reduce data parallelism a few-line change to a
 training script. It is retired: its last release, 0.28.1, is from June 2023, Ray 2.x's
@@ -6,7 +6,7 @@ training script. It is retired: its last release, 0.28.1, is from June 2023, Ray
 torch's own DDP / FSDP, DeepSpeed, and Ray Train's ``TorchTrainer``. No wheel of it fits torch 2.13:
 ``make horovod`` builds one once per machine (``tools/build_horovod.py``, ≈7 min on 2 cores).
 
-API for notebook 09 (everything returns to the parent; workers never print):
+API for notebook 10 (everything returns to the parent; workers never print):
 
 * :func:`horovod_available` → bool; :data:`BUILD_HINT` says how to get it (``make horovod``).
 * :func:`compare_frameworks` ``(steps=5, global_batch=16, optimizer="sgd", world_size=2)`` →
@@ -469,7 +469,7 @@ class FrameworkComparison(Result):
         """Every pair equal within :attr:`tolerance` — except Horovod's, when the zero-gradient step
         moved the optimizer (AdamW): then they must differ, and Horovod must equal one device after it.
 
-        The quantity texts name the tolerance's absolute part (the printed claims of notebook 09);
+        The quantity texts name the tolerance's absolute part (the printed claims of notebook 10);
         the tolerance column names the whole rule.
         """
         tol = self.tolerance

@@ -330,7 +330,7 @@ def measure_bubbles(
 
 
 def sleep_bubbles(*args, **kwargs) -> dict:
-    """:func:`measure_bubbles` as a plain dict (``BubbleResult(**d)`` rebuilds it; chapter 09's)."""
+    """:func:`measure_bubbles` as a plain dict (``BubbleResult(**d)`` rebuilds it; chapter 10's)."""
     return measure_bubbles(*args, **kwargs).as_dict()
 
 

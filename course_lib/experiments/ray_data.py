@@ -1,4 +1,4 @@
-"""Chapter 08's runs: a Ray Data pipeline (Parquet files → CPU-heavy ``map_batches``) streamed into Ray Train.
+"""Chapter 09's runs: a Ray Data pipeline (Parquet files → CPU-heavy ``map_batches``) streamed into Ray Train.
 
 Data: :func:`write_corpus` writes the tiny GPT's sequences (chapter 01's counter task) as *text* —
 ``"w05 w17 w06 …"`` — into Parquet files, with an ``id`` per row; :func:`tokenize` turns a batch of text into
@@ -165,7 +165,7 @@ def read_corpus(folder: str):
     return ray.data.from_arrow([pq.read_table(os.path.join(folder, f)) for f in files])
 
 
-# Notebook 08 prints this function's source: it stays as written.
+# Notebook 09 prints this function's source: it stays as written.
 # fmt: off
 def build_dataset(folder, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: float = 0.5):
     """``read_corpus(folder).map_batches(tokenize, ...)`` with the course's batch-naming wrapper. Lazy.
@@ -178,7 +178,7 @@ def build_dataset(folder, cost_ms: float = 4.0, batch_size: int = 16, num_cpus: 
 # fmt: on
 
 
-# Notebook 08 prints this function's source: it stays as written.
+# Notebook 09 prints this function's source: it stays as written.
 # fmt: off
 def build_actor_dataset(folder, actors: int = 2, cost_ms: float = 4.0, batch_size: int = 16,
                         num_cpus: float = 0.5):

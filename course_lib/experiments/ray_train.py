@@ -1,4 +1,4 @@
-"""Chapter 07's runs: Ray Core building blocks, and the course's tiny GPT trained by Ray Train.
+"""Chapter 08's runs: Ray Core building blocks, and the course's tiny GPT trained by Ray Train.
 
 Ray Core (plain functions and a class; the notebook turns them into tasks/actors with ``ray.remote``):
 :func:`busy`, :func:`nap`, :func:`nap_span`, :func:`checksum`, :class:`ParameterServer`,
@@ -9,7 +9,7 @@ Ray Train (``train_loop_per_worker`` functions: each runs on every worker *after
 
 * :func:`ddp_loop` — the plain PyTorch loop plus ``prepare_model`` / ``prepare_data_loader`` /
   ``ray.train.report``; a checkpoint (model, optimizer, epoch) every epoch and a resume from
-  ``ray.train.get_checkpoint()`` (notebook 07 writes the same function in a cell);
+  ``ray.train.get_checkpoint()`` (notebook 08 writes the same function in a cell);
 * :func:`fsdp_loop` — the same training with FSDP2 ``fully_shard`` on Ray's process group and a DCP
   checkpoint that every worker writes a shard of;
 * :func:`rank_function_loop` — any course rank function (e.g. chapter 02's) run unchanged on Ray's workers.
@@ -173,7 +173,7 @@ def _unwrap(model):
     return model.module if hasattr(model, "module") else model
 
 
-# The same loop as notebook 07's train_loop_per_worker cell (kept here for the tests and smoke runs).
+# The same loop as notebook 08's train_loop_per_worker cell (kept here for the tests and smoke runs).
 # fmt: off
 def ddp_loop(cfg: dict) -> None:
     """``train_loop_per_worker``: the chapter-01 loop, DDP via ``prepare_model``, checkpoint + resume."""

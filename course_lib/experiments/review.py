@@ -1,4 +1,4 @@
-"""Chapter 09's runs: every technique once more, side by side, measured; the planner against those measurements.
+"""Chapter 10's runs: every technique once more, side by side, measured; the planner against those measurements.
 
 * :func:`review_suite` — rank function (N = 2): our DDP and ZeRO-1/2/3 (``zero``: bytes held vs the formula,
   bytes sent vs 2Ψ/3Ψ, equality with one device; ``zero_stage_profile``: activations and model states at an equal
@@ -114,7 +114,7 @@ def review_suite(
         "bubbles": bubbles,
     }
     return ReviewSuite(
-        title=f"chapter 09 review: every technique at N = {world}", values=_plain(values)
+        title=f"chapter 10 review: every technique at N = {world}", values=_plain(values)
     )
 
 
@@ -502,7 +502,7 @@ def review_result(res, part: str | None = None) -> Result:
     }
     if part is not None and part not in parts:
         raise ValueError(f"part={part!r} is not one of {REVIEW_PARTS} (or None: all of them)")
-    title = f"chapter 09 review: every technique at N = {res['world_size']}"
+    title = f"chapter 10 review: every technique at N = {res['world_size']}"
     out = Result(title=title if part is None else f"{title} — {part}")
     for name, add in parts.items():
         if part in (None, name):
@@ -535,7 +535,7 @@ def planner_result() -> Result:
 
 
 def deepspeed_model_config():
-    """The model DeepSpeed trains in notebook 09 (and ``tests/test_zero_libs.py``): odd sizes, so it pads.
+    """The model DeepSpeed trains in notebook 10 (and ``tests/test_zero_libs.py``): odd sizes, so it pads.
 
     Not ``zero_config``: with its 512-token vocabulary and 128 tokens per step, many output rows get
     near-zero gradients, which DeepSpeed's AdamW (eps = 1e-8) turns into full-size steps of rounding

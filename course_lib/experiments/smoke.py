@@ -231,7 +231,7 @@ SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here;
 ]
 
 _E09 = "course_lib.experiments.horovod"
-SMOKE += [  # chapter 09: the review suite (chapters 03-06 again) and the DDP side of the Horovod comparison
+SMOKE += [  # chapter 10: the review suite (chapters 03-06 again) and the DDP side of the Horovod comparison
     (
         "review",
         "course_lib.experiments.review:review_suite",
@@ -251,7 +251,7 @@ SMOKE += [  # chapter 09: the review suite (chapters 03-06 again) and the DDP si
 
 # Ray chapters: a rank function inside a real ``TorchTrainer`` (Ray makes the process group: gloo on CPU,
 # nccl with ``use_gpu``); run in the parent, one Ray session for all of them. ``RAY_DATA`` as the target:
-# chapter 08's Ray Data pipeline streamed into the workers, each of which takes a real step on its device.
+# chapter 09's Ray Data pipeline streamed into the workers, each of which takes a real step on its device.
 RAY_DATA = "ray_data"
 SMOKE_RAY: list[tuple[str, str, dict]] = [
     (

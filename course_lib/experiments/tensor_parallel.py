@@ -5,7 +5,7 @@ Rank functions (run them with ``launch.spawn``), most returning a :class:`~cours
 * :func:`linear_layers` — Column/RowParallelLinear with biases vs ``nn.Linear``
   (:class:`LinearLayersResult`);
 * :func:`tp_step` — one forward + backward of the TP GPT: logits, loss, gradient shards, the
-  collectives of each phase, per-rank weight bytes, saved activation bytes (a dict: chapter 09
+  collectives of each phase, per-rank weight bytes, saved activation bytes (a dict: chapter 10
   reads its keys);
 * :func:`tp_training` — AdamW steps; this rank's weight shards (:class:`ShardsResult`);
 * :func:`dtensor_step` — the same plan with ``parallelize_module`` and ``loss_parallel``; the two

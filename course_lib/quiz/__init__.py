@@ -1,6 +1,6 @@
 """The learner layer: O/X quizzes, the final exam, progress, and the exercise registry.
 
-Every notebook ends with ``quiz(chapter)``; notebook 09 adds ``final_exam()``. A chapter is named
+Every notebook ends with ``quiz(chapter)``; notebook 10 adds ``final_exam()``. A chapter is named
 by its topic (``quiz("ddp")``) or its notebook number (``quiz(2)``). One bank, several views:
 
 * ``quiz(chapter)`` / ``final_exam(n, seed)`` -- in a Jupyter kernel an ipywidgets view

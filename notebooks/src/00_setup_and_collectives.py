@@ -26,7 +26,7 @@
 # model and a different part of each batch; the copies' gradients must then be averaged every step (an all-reduce),
 # or the copies would drift apart. *Model parallelism* splits one model over devices: consecutive layers (pipeline
 # parallelism, chapter 05) or the matrices inside a layer (tensor parallelism, chapter 06). Data parallelism buys
-# speed; model parallelism and sharding (chapters 03–06) make models trainable that one device cannot hold. The
+# speed; model parallelism and sharding (chapters 03–07) make models trainable that one device cannot hold. The
 # largest language models are trained with all three combined — data, tensor and pipeline: "3D" hybrid
 # parallelism. Every kind pays for itself in communication between devices.
 
@@ -104,7 +104,7 @@ for r, proc in enumerate(procs):
 # N−1), runs `fn` there and destroys the group afterwards. What `fn` returns comes back to this notebook, **in rank
 # order**; ranks never print. The function may even be defined right here in a cell — it travels to the ranks by
 # value. A rank function never creates or destroys the process group itself, so the same function runs under
-# `spawn`, under torchrun (`python -m course_lib.launch module:function`) and in a Ray Train worker (chapter 07).
+# `spawn`, under torchrun (`python -m course_lib.launch module:function`) and in a Ray Train worker (chapter 08).
 
 # %%
 from course_lib import show
@@ -482,7 +482,7 @@ for name in cases:
 # %% [markdown]
 # So the exam statement "분산 학습은 항상 단일 GPU 학습보다 빠르다" (“distributed training is always faster than one
 # GPU”) is **X**: whether it pays depends on the ratio of compute to communication. Chapter 02 overlaps DDP's
-# communication with the backward pass; chapters 03–06 trade memory for extra communication.
+# communication with the backward pass; chapters 03–07 trade memory for extra communication.
 #
 # <a id="exercise"></a>
 # ## 6. Exercise: ring all-reduce from send/recv
@@ -556,7 +556,7 @@ check("ring_all_reduce", package="solutions")
 # %%
 from course_lib.quiz import quiz
 
-quiz(0)
+quiz("collectives")
 
 # %% [markdown]
 # ## Summary

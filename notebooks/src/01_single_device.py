@@ -533,7 +533,7 @@ check("count_model_state_bytes", package="solutions")
 # %%
 from course_lib.quiz import quiz
 
-quiz(1)
+quiz("single-device")
 
 # %% [markdown]
 # ## Summary

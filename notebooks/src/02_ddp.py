@@ -602,7 +602,7 @@ print(check("overlapped_ddp", package="solutions"))
 # %%
 from course_lib.quiz import quiz
 
-quiz(2)
+quiz("ddp")
 
 # %% [markdown]
 # ## Summary

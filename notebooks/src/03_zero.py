@@ -662,7 +662,7 @@ check("sharded_linear", package="solutions")
 # %%
 from course_lib.quiz import quiz
 
-quiz(3)
+quiz("zero")
 
 # %% [markdown]
 # ## Summary

@@ -509,7 +509,7 @@ check("sharded_checkpoint", package="solutions")
 # %%
 from course_lib.quiz import quiz
 
-quiz(4)
+quiz("fsdp")
 
 # %% [markdown]
 # ## Summary

@@ -494,7 +494,7 @@ check("one_f_one_b_schedule", package="solutions")
 # %%
 from course_lib.quiz import quiz
 
-quiz(5)
+quiz("pipeline")
 
 # %% [markdown]
 # ## Summary

@@ -503,7 +503,7 @@ print(mesh_table)
 # %%
 from course_lib.quiz import quiz
 
-quiz(6)
+quiz("tensor-parallel")
 
 # %% [markdown]
 # ## Summary

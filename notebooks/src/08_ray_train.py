@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 07 · Ray Core and Ray Train: the same training on a Ray cluster, surviving a worker failure
+# # 08 · Ray Core and Ray Train: the same training on a Ray cluster, surviving a worker failure
 #
 # **What you will learn**
 # - Ray Core's three building blocks — **tasks** (remote functions), **actors** (remote objects with state) and
@@ -52,7 +52,7 @@ print(ray.cluster_resources()["CPU"], "logical CPUs in this Ray cluster")
 #
 # Ray is a **general-purpose distributed computing engine** for Python, not a training-only library. Ray Core gives
 # three primitives — tasks, actors, objects — and libraries are built from them: **Ray Train** (distributed
-# training, this chapter), **Ray Data** (streaming data processing, chapter 08), Ray Tune (hyperparameter search),
+# training, this chapter), **Ray Data** (streaming data processing, chapter 09), Ray Tune (hyperparameter search),
 # Ray Serve (model serving), RLlib (reinforcement learning). A Ray *cluster* is a head node plus worker nodes; a
 # *driver* (this notebook) submits work, and Ray schedules it where the requested resources (CPUs, GPUs) are free.
 
@@ -286,7 +286,7 @@ print("2 workers fit: ok")
 # drives one progress line.
 
 # %% tags=["nbval-ignore-output"]
-work = tempfile.mkdtemp(prefix="ch07_")      # this notebook's run storage and failure markers, removed at the end
+work = tempfile.mkdtemp(prefix="ch08_")      # this notebook's run storage and failure markers, removed at the end
 cfg = E.train_config(fail={"rank": 1, "epoch": 1, "step": 1, "how": "raise",
                            "marker": os.path.join(work, "raised-once")})
 log = ray_train.ReportLog()
@@ -490,7 +490,7 @@ check("ray_train_loop", package="solutions")
 # %%
 from course_lib.quiz import quiz
 
-quiz(7)
+quiz("ray-train")
 
 # %% [markdown]
 # ## Summary

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 08 · Ray Data: streaming CPU preprocessing into training, and the workers' idle time, measured
+# # 09 · Ray Data: streaming CPU preprocessing into training, and the workers' idle time, measured
 #
 # **What you will learn**
 # - Ray Data's model: a `Dataset` is a lazy plan over **blocks**; `map_batches` adds a step that runs on blocks
@@ -13,7 +13,7 @@
 # - the **2-CPU caveat**: Train workers that take every CPU leave none for the preprocessing that feeds them;
 # - what a bad row and a too-small dataset look like (clear errors, no hang).
 #
-# **What you need**: chapter 07 (Ray Core, `TorchTrainer`, `ray.train.report`) and chapter 01's tiny GPT.
+# **What you need**: chapter 08 (Ray Core, `TorchTrainer`, `ray.train.report`) and chapter 01's tiny GPT.
 #
 # **Stored build:** 166 s on 2 cores (1% of them busy just before it started).
 #
@@ -40,7 +40,7 @@ from course_lib import ray_data, ray_train, show, viz
 from course_lib.results import Result
 from course_lib.experiments import ray_data as E
 
-ray = ray_train.start(num_cpus=2, _system_config=ray_data.KEEP_WORKERS)   # as in chapter 07 (local, quiet,
+ray = ray_train.start(num_cpus=2, _system_config=ray_data.KEEP_WORKERS)   # as in chapter 08 (local, quiet,
 # short temp dir); idle task workers are kept (starting one takes seconds on a busy laptop), and Ray may start
 # 16 at once, so its "N worker processes have been started" warning stays out of the cells
 ray.data.DataContext.get_current().execution_options.preserve_order = True   # reproducible order (section 7)
@@ -54,7 +54,7 @@ print(f"cores: {os.cpu_count()}, Ray {ray.__version__}, Ray start-up {time.perf_
 # milliseconds of busy CPU per row, standing in for a real tokenizer, an image decoder or an augmentation.
 
 # %%
-work = tempfile.mkdtemp(prefix="ch08_")
+work = tempfile.mkdtemp(prefix="ch09_")
 corpus = E.write_corpus(os.path.join(work, "corpus"), rows=512, files=16)
 print({k: v for k, v in corpus.items() if k != "folder"})
 
@@ -461,7 +461,7 @@ check("ray_data_pipeline")
 # %%
 from course_lib.quiz import quiz
 
-quiz(8)
+quiz("ray-data")
 
 # %% [markdown]
 # ## Summary

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 09 · Review: every technique side by side, choosing a layout, DeepSpeed and Horovod in context, the final exam
+# # 10 · Review: every technique side by side, choosing a layout, DeepSpeed and Horovod in context, the final exam
 #
 # **What you will learn**
 # - every technique of the course once more, **side by side**: what it splits, what each rank holds, what it sends
@@ -11,7 +11,7 @@
 # - where **DeepSpeed** (Microsoft) and **Horovod** (Uber) sit next to what you built, both run for real;
 # - the **final O/X exam** over all chapters.
 #
-# **What you need**: chapters 00–06 (07–08 for the Ray references). Horovod is built once per machine by
+# **What you need**: chapters 00–07 (08–09 for the Ray references). Horovod is built once per machine by
 # `make horovod` (`make test` does it; a few minutes, the first time only); without it, its cell says how to build
 # it.
 #
@@ -424,7 +424,7 @@ else:
 # torchrun's RANK, LOCAL_RANK, WORLD_SIZE). It does not split models.
 #
 # Horovod is **retired**: its last release, 0.28.1, is from June 2023. Users moved to PyTorch's own DDP and FSDP,
-# DeepSpeed, and Ray Train's `TorchTrainer` (chapter 07). That release does not build as shipped against torch 2.13
+# DeepSpeed, and Ray Train's `TorchTrainer` (chapter 08). That release does not build as shipped against torch 2.13
 # (its CMake asks for C++14, torch needs C++17); `make horovod` builds it with that one setting changed.
 #
 # The APIs side by side:
@@ -465,12 +465,12 @@ else:
 # ## 7. The chapter quiz and the final exam
 #
 # There is no new exercise in this chapter: `course-lib check` lists every exercise of the course, and
-# `course-lib progress` shows which quizzes and exercises you have done. First chapter 09's quiz:
+# `course-lib progress` shows which quizzes and exercises you have done. First chapter 10's quiz:
 
 # %%
 from course_lib.quiz import quiz
 
-quiz(9)
+quiz("review")
 
 # %% [markdown]
 # Then the final exam: 40 statements from every chapter (all 14 seed statements included, never two items that give
