@@ -160,7 +160,10 @@ script.exact("c_attn.weight held by rank 0: world 2 → world 1", (saved2[0]["lo
              ((95, 63), (189, 63)), against="⌈189/2⌉ rows, then all 189")
 script.equal("weights loaded at world 1 (max |Δ|)", loaded1["full"], saved2[0]["full"], EXACT,
              against="the world-2 weights saved")
-print(script)
+print(f"{script.title}: {'every row passes' if script.passed else script.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(script)  # the norms' 4th digit depends on the CPU's float kernels (AVX2 vs AVX-512)
 
 # %% [markdown]
 # ## 3. Exactly one device
@@ -284,7 +287,10 @@ print(f"all-gather bytes bf16 / fp32 = {mp['gather_bytes_ratio_bf16_over_fp32']:
 bf16 = Result(title="bf16 compute vs fp32 one-device training")
 bf16.condition("largest per-tensor relative error", mp["max_rel_err"]["bf16"], mp["max_rel_err"]["bf16"] < 0.02,
                "< 2 % (bf16 keeps 8 bits of mantissa)", against="fp32, one device")
-print(bf16)
+print(f"{bf16.title}: {'every row passes' if bf16.passed else bf16.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(bf16)  # the error's 4th digit depends on the CPU's bf16 kernels
 
 # %% [markdown]
 # ## 6. The FSDP2 features people reach for
