@@ -209,7 +209,7 @@ def _overflowing(out_a, lse_a, out_b, lse_b):
 
 def _merge_checker() -> dict:
     """Rank function part: the exercise checker on our merge and on two wrong ones."""
-    from course_lib.checks.context_parallel import check_merge
+    from course_lib.checks.context_expert_parallel import check_merge
 
     return {
         "ours": check_merge(cp.merge),

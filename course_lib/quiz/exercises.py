@@ -125,6 +125,20 @@ EXERCISES: dict[str, Exercise] = {
         "check_row_parallel_linear",
         world_sizes=(2, 4),
     ),
+    "merge": _ex(
+        "context_expert_parallel",
+        "merge",
+        "combine two attention blocks' (out, lse) with the log-sum-exp rule: attention over both",
+        "check_merge",
+        world_sizes=(2,),
+    ),
+    "dispatch_splits": _ex(
+        "context_expert_parallel",
+        "dispatch_splits",
+        "rows per destination rank of the MoE dispatch all-to-all (experts sharded contiguously)",
+        "check_dispatch_splits",
+        world_sizes=(2, 4),
+    ),
     "ray_train_loop": _ex(
         "ray_train",
         "ray_train_loop",
