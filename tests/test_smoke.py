@@ -11,6 +11,7 @@ from course_lib.experiments.smoke import (
     smoke_entries,
     smoke_world,
 )
+from course_lib.experiments.smoke import _assert_passed
 from course_lib.launch import resolve_backend
 
 
@@ -21,6 +22,19 @@ def test_chapters_are_chosen_by_topic_or_by_number():
     assert {e[0] for e in smoke_entries(["ddp", "ray-data"])} == {"ddp", "ray-data"}
     with pytest.raises(ValueError, match="is not one of the topics"):
         smoke_entries(["dpp"])
+
+
+def test_a_passes_entry_fails_on_a_failed_row_or_on_no_result():
+    from course_lib.results import Result
+
+    res = Result(title="t")
+    res.exact("count", 2, 2, "two")
+    _assert_passed({"a": res}, "rank 0: f")  # every row passed
+    res.exact("bytes", 3, 4, "four")
+    with pytest.raises(AssertionError, match="rank 0: f: failed checks"):
+        _assert_passed(res, "rank 0: f")
+    with pytest.raises(TypeError, match="returned no Result"):
+        _assert_passed({"x": 1}, "rank 0: f")
 
 
 @pytest.mark.timeout(

@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 TMP = "<tmp>"  # stands for a fresh temporary directory, shared by the ranks (checkpoints)
+PASSES = "PASSES"  # a kwargs key: every Result the target returns must pass all its rows
 
 
 def _tiny(**overrides):
@@ -230,6 +231,36 @@ SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here;
     ),
 ]
 
+_CP07, _EP07 = "course_lib.experiments.context_parallel", "course_lib.experiments.expert_parallel"
+_CPE = "context-expert-parallel"
+
+
+def _moe_tiny(**overrides):
+    from .expert_parallel import moe_gpt_config
+
+    return moe_gpt_config(
+        **{"vocab_size": 32, "block_size": 8, "n_head": 2, "d_model": 16, **overrides}
+    )
+
+
+# Sizes that divide for a smoke world of 1, 2, 4 or 8 ranks: 8 heads (Ulysses: H/c whole heads), an
+# even number of tokens per rank (zig-zag: two chunks), block_size 16 (the CP GPT's 2c chunks), 8
+# experts (E/e each), batches of 8. PASSES: each rank's Result must pass every one of its rows.
+_QKV = dict(batch=1, heads=8, seq_per_rank=4, head_dim=4, PASSES=True)
+SMOKE += [  # chapter 07: context parallelism, then MoE / expert parallelism, each against one device
+    (_CPE, f"{_CP07}:attention_equality", _QKV),  # ring and all-gather (both layouts), Ulysses
+    (_CPE, f"{_CP07}:attention_traffic", _QKV),  # bytes each rank sends == the formulas
+    (
+        _CPE,
+        f"{_CP07}:cp_gpt_training",
+        dict(steps=2, batch_size=2, config=_tiny(block_size=16), PASSES=True),
+    ),
+    (_CPE, f"{_EP07}:ep_equality", dict(tokens=32, config=_moe_tiny(), PASSES=True)),
+    # Runs without PASSES: at world 1 (one GPU) its "collectives" row expects a dense-gradient
+    # all-reduce that allreduce_expert_parallel_grads rightly skips; its equality rows pass there.
+    (_CPE, f"{_EP07}:ep_training", dict(steps=2, global_batch=8, config=_moe_tiny())),
+]
+
 _E09 = "course_lib.experiments.horovod"
 SMOKE += [  # chapter 10: the review suite (chapters 03-06 again) and the DDP side of the Horovod comparison
     (
@@ -283,8 +314,26 @@ def _run_one(target: str, kwargs: dict, tmp: str) -> dict:
 
     module, name = target.split(":")
     kwargs = {k: tmp if isinstance(v, str) and v == TMP else v for k, v in kwargs.items()}
-    getattr(importlib.import_module(module), name)(**kwargs)
+    passes = kwargs.pop(PASSES, False)
+    got = getattr(importlib.import_module(module), name)(**kwargs)
+    if passes:
+        _assert_passed(got, f"rank {dist.get_rank()}: {name}")
     return {"backend": dist.get_backend(), "device": str(device())}
+
+
+def _assert_passed(got, where: str) -> None:
+    """A :data:`PASSES` entry: the Result(s) it returned (one, or a dict of them) passed every row."""
+    from ..results import Result
+
+    results = list(got.values()) if isinstance(got, dict) else [got]
+    results = [r for r in results if isinstance(r, Result)]
+    if not results:
+        raise TypeError(f"{where} returned no Result, so a PASSES entry has nothing to check")
+    for res in results:
+        try:
+            res.assert_passed()
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: {exc}") from None
 
 
 def smoke_world() -> int:
