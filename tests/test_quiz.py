@@ -341,7 +341,8 @@ def test_file_without_items_list_is_rejected(tmp_path):
 def test_unknown_chapter_lists_the_available_ones():
     expected = (
         "available chapters: collectives (00), single-device (01), ddp (02), zero (03), fsdp (04), "
-        "pipeline (05), tensor-parallel (06), ray-train (07), ray-data (08), review (09)"
+        "pipeline (05), tensor-parallel (06), context-expert-parallel (07), ray-train (08), "
+        "ray-data (09), review (10)"
     )
     for call in (
         lambda: q.load_bank(42),
@@ -569,9 +570,11 @@ def test_terminal_quiz_with_scripted_input(course_home):
 
 
 def test_terminal_quiz_stops_on_q_and_end_of_input(course_home):
-    items = q.load_bank(7)
+    items = q.load_bank("ray-train")
     replies = iter([items[0]["answer"], "q"])
-    result = q.run_terminal_quiz(7, input_fn=lambda _: next(replies), print_fn=lambda *a: None)
+    result = q.run_terminal_quiz(
+        "ray-train", input_fn=lambda _: next(replies), print_fn=lambda *a: None
+    )
     assert (result.score, result.total) == (1, 1)
 
     def eof(_):

@@ -1,0 +1,672 @@
+# %% [markdown]
+# # 07 · Context and expert parallelism: ring attention, Ulysses and mixture-of-experts on real ranks
+#
+# **What you will learn**
+# - why long sequences need a fourth axis, **context parallelism** (CP): split the *sequence* over c ranks, keep
+#   the weights whole, and make attention — the one operation that mixes tokens — work across the cut;
+# - the **online-softmax merge** that lets attention be computed block by block, and **ring attention** built on
+#   it: K/V blocks travel round the ring while each rank attends to the block it holds; no rank ever holds the
+#   whole K and V, and activation memory per rank is ∝ S/c;
+# - causal **load balance**: why contiguous chunks give the last rank c× the first one's work, and how the
+#   **zig-zag** layout evens it; measured per rank under the modelled accelerator clock;
+# - the two other designs: **all-gather CP** (Llama 3: gather K/V once per layer) and **Ulysses** (DeepSpeed:
+#   all-to-all from sequence- to head-sharded), their bytes counted against the formulas, and which one suits which shape;
+# - **mixture of experts** (MoE): a router, top-k, expert capacity and the drop rule, the load-balancing loss;
+# - **expert parallelism** (EP): each rank holds E/e experts, tokens travel to them and back with **two
+#   all-to-alls per MoE layer each way**; equal to one device, bytes = formula, a hot expert slowing its rank,
+#   and EP × DP on 4 ranks (which gradients are all-reduced over which group).
+#
+# **What you need**: chapters 00 (collectives, the α–β model, the modelled accelerator clock), 02 (data
+# parallelism) and 06 (tensor parallelism: attention heads, process groups). 2 CPU cores are enough: ranks are
+# processes with the gloo backend; on GPUs the same cells use nccl.
+#
+# **Stored build:** (written by the build)
+#
+# Read along: `course_lib/context_parallel.py`, `course_lib/moe.py` and `course_lib/expert_parallel.py` (the
+# algorithms, top to bottom); `course_lib/experiments/context_parallel.py` and
+# `course_lib/experiments/expert_parallel.py` (what this notebook runs on ranks).
+
+# %% tags=["nbval-ignore-output"]
+import time
+
+_t_notebook = time.perf_counter()
+import os
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from IPython.display import display
+
+from course_lib import context_parallel as cp
+from course_lib import moe as M
+from course_lib import show
+from course_lib.expert_parallel import ExpertParallelMoE
+from course_lib.experiments import context_parallel as CE
+from course_lib.experiments import expert_parallel as EE
+from course_lib.experiments.common import step_batch
+from course_lib.launch import spawn
+from course_lib.results import ADAMW, SGD, Result
+from course_lib.viz import gantt
+
+print(f"cores: {os.cpu_count()}")
+
+# %% [markdown]
+# ## 1. Five ways to split a training step
+# <a id="context-parallelism"></a>
+#
+# | axis | what is split | each rank holds | what travels |
+# |---|---|---|---|
+# | data (DP, ZeRO, FSDP; ch. 02–04) | the batch | the model (or a shard of its state) | gradients, once per step |
+# | tensor (TP; ch. 06) | every layer's matrices | 1/t of each layer | activations, 4 all-reduces per layer |
+# | pipeline (PP; ch. 05) | the layers | L/p layers | boundary activations, point to point |
+# | **context** (CP) | **the sequence** | the whole model, S/c tokens of each sequence | K and V (ring, all-gather) or all tokens (Ulysses), per layer |
+# | **expert** (EP) | **the experts of MoE layers** | E/e experts | the tokens routed to other ranks' experts, per MoE layer |
+#
+# Everything in a transformer except attention works **per token**: embeddings, LayerNorms, MLPs and the loss run
+# on a rank's S/c tokens with replicated weights — data parallelism over tokens, so the weights' gradients are
+# summed over the CP group. Attention is the exception: every query needs every (earlier) key and value. So the
+# statement "context parallelism splits the model's weights" is false: CP splits activations.
+#
+# Why bother: at long sequence lengths the activations, not the weights, fill the memory. Attention alone
+# saves q, k, v, its output and one log-sum-exp per query for backward (a flash-style kernel never stores the S×S
+# scores), and the MLP and LayerNorm inputs grow with S too. The formula for one attention layer, bf16, at the
+# Llama-3-8B shape (32 heads of 128) and a 128K-token sequence:
+
+# %%
+for c in (1, 8):
+    saved = cp.ring_attention_saved_bytes(1, 32, 131072, 128, c, element_size=2)
+    print(f"c = {c}: attention saves {saved / 2**30:5.2f} GiB per layer and rank (q, k, v, out, lse of "
+          f"{131072 // c:,} tokens); × 32 layers = {32 * saved / 2**30:6.1f} GiB")
+
+# %% [markdown]
+# ## 2. Cutting the sequence: contiguous and zig-zag
+#
+# `shard_sequence` gives a rank its tokens, `unshard_sequence` puts the ranks' pieces back, and `positions` gives
+# the **global** position ids of a rank's tokens — the position embedding and the causal mask must use these,
+# never `arange(S/c)`. Contiguous: rank i holds chunk i of c. Zig-zag: the sequence is cut into 2c chunks and
+# rank i holds chunks i and 2c−1−i, an early one and a late one (the reason is section 5).
+
+# %%
+S = 16
+tokens = torch.arange(S)
+for layout in cp.LAYOUTS:
+    mine = [cp.shard_sequence(tokens, r, 4, layout, dim=0).tolist() for r in range(4)]
+    print(f"{layout:>10}, c = 4: " + "  ".join(f"rank {r}: {m}" for r, m in enumerate(mine)))
+    assert torch.equal(cp.unshard_sequence([torch.tensor(m) for m in mine], 4, layout, dim=0), tokens)
+print("global positions of rank 1's tokens, zig-zag:", cp.positions(1, 4, S, "zigzag").tolist())
+try:
+    cp.shard_sequence(torch.zeros(1, 1, 12, 1), 0, 4, "zigzag")
+except ValueError as err:
+    print(f"ValueError: {err}")
+
+# %% [markdown]
+# ## 3. Attention block by block: the online-softmax merge
+# <a id="online-softmax"></a>
+#
+# Softmax attention over keys $K = K_a \cup K_b$ can be computed from attention over each block alone, if each
+# block also returns the log-sum-exp of its scores, $\ell_x = \log \sum_{j \in x} e^{s_j}$:
+# $$\ell = \log(e^{\ell_a} + e^{\ell_b}), \qquad o = e^{\ell_a - \ell}\, o_a + e^{\ell_b - \ell}\, o_b .$$
+# Block a's softmax is rescaled by its share of the total softmax mass. The rule is exact, associative and
+# commutative, so blocks can arrive in any order: FlashAttention applies it to blocks of one GPU's memory, ring
+# attention to blocks held by other ranks. (`torch.logaddexp` computes ℓ without overflow; raw `exp` of large
+# scores would give inf/inf.)
+
+# %%
+for obj in (cp.block_attention, cp.merge):
+    display(show.source(obj))
+
+# %%
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))
+full = F.scaled_dot_product_attention(q, k, v)
+o_a, l_a = cp.block_attention(q, k[..., :5, :], v[..., :5, :])  # keys 0–4
+o_b, l_b = cp.block_attention(q, k[..., 5:, :], v[..., 5:, :])  # keys 5–7
+merged, _ = cp.merge(o_a, l_a, o_b, l_b)
+online = Result(title="attention over 8 keys from two blocks (5 + 3 keys), one process")
+online.equal("merge(block a, block b)", merged, full, SGD, against="F.scaled_dot_product_attention")
+online.equal("merge(block b, block a)", cp.merge(o_b, l_b, o_a, l_a)[0], full, SGD,
+             against="F.scaled_dot_product_attention")
+online.condition("the plain average (o_a + o_b) / 2", (merged - (o_a + o_b) / 2).abs().max().item(),
+                 not torch.allclose((o_a + o_b) / 2, full, atol=1e-3), "differs: the blocks' masses differ")
+print(online)
+
+# %% [markdown]
+# ## 4. Ring attention
+# <a id="ring-attention"></a>
+#
+# Each rank keeps its queries. Its K/V block goes to the next rank (`isend` to r+1, `irecv` from r−1) **while** it
+# attends to the block it holds; after c steps every query has seen every block, merged with the rule above. The
+# next block is in flight during the current block's attention, so the transfer can run under compute (section 5
+# measures whether it does). With a causal mask, blocks entirely in a query chunk's future are skipped, blocks in its
+# past need no mask, and a diagonal block is computed in full and masked (positions compared globally, so zig-zag
+# works).
+#
+# Backward (the same `autograd.Function`) saves only this rank's q, k, v, output and log-sum-exp — all ∝ S/c; the
+# other ranks' K/V are **not** kept. It sends K/V round the ring once more, recomputes each block's
+# probabilities from the saved log-sum-exp, keeps dQ, and passes each block's partial dK/dV round the ring behind
+# it to the block's owner. The forward, as `course_lib` has it:
+
+# %%
+display(show.source(cp._RingAttention.forward))
+
+# %% [markdown]
+# A rank function a learner could put in a script: every rank draws the same full q, k, v, keeps its chunk, runs
+# ring attention and backward, and compares its rows of the output and of dq, dk, dv with one device's
+# `F.scaled_dot_product_attention` on the full sequence. The sum of every rank's `out.sum()` is the full
+# `out.sum()`, so each rank's dk is its rows of the full gradient. It runs at c = 2 and c = 4, both layouts,
+# causal and not; `CE.attention_equality` runs the same comparison for all three designs (ring, all-gather,
+# Ulysses), gathered from every rank.
+
+# %%
+def ring_vs_one_device(seq_per_rank=8):
+    import torch.distributed as dist
+
+    from course_lib import context_parallel as cp
+    from course_lib.launch import device
+
+    c, r = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(2, 4, c * seq_per_rank, 8, generator=gen).to(device()) for _ in range(3)]
+    cases = {}
+    for layout in ("contiguous", "zigzag"):
+        for causal in (True, False):
+            mine = [cp.shard_sequence(t, r, c, layout).requires_grad_() for t in qkv]
+            out = cp.ring_attention(*mine, causal=causal, layout=layout)
+            out.sum().backward()
+            full = [t.clone().requires_grad_() for t in qkv]
+            ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+            ref.sum().backward()
+            want = [cp.shard_sequence(t, r, c, layout) for t in (ref, *(f.grad for f in full))]
+            got = [out, *(m.grad for m in mine)]
+            cases[layout, causal] = [t.detach().cpu() for t in got], [t.detach().cpu() for t in want]
+    return cases  # my rows of (out, dq, dk, dv): ring attention's and one device's
+
+
+def equality_suite():
+    return {"ring": ring_vs_one_device(), "all": CE.attention_equality()}
+
+
+eq = {c: spawn(equality_suite, c) for c in (2, 4)}
+ring_eq = Result(title="ring attention vs one device, every rank's rows")
+for c, runs in eq.items():
+    for layout, causal in runs[0]["ring"]:
+        got = [run["ring"][layout, causal][0] for run in runs]  # every rank's rows
+        want = [run["ring"][layout, causal][1] for run in runs]
+        ring_eq.equal(f"c = {c}, {layout}, {'causal' if causal else 'full'}: out, dq, dk, dv", got, want, SGD,
+                      against="F.scaled_dot_product_attention")
+print(f"{ring_eq.title}: {'every row passes' if ring_eq.passed else ring_eq.failures()}")
+for c, runs in eq.items():
+    print(f"all designs at c = {c}: {'every row passes' if runs[0]['all'].passed else runs[0]['all'].failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(ring_eq)
+print(eq[4][0]["all"])
+
+# %% [markdown]
+# ## 5. The ring under the clock, and the causal imbalance
+#
+# As in chapters 02–06, each block's attention computes its real numbers and then **sleeps** its FLOPs
+# (4·B·H·S_q·S_k·D) at the modelled accelerator's rate, while the K/V transfer runs on gloo's threads: a laptop
+# then behaves like a GPU whose compute and network work at the same time. The step-time model predicts the
+# ring's forward as c blocks of compute plus, per exchange, whatever the transfer takes beyond the block
+# (α–β fitted on the spot). One spawn of 2 ranks runs this section, sections 6–7 and the CP GPT of section 8
+# (`CE.notebook_suite`).
+
+# %%
+cps = spawn(CE.notebook_suite, 2)
+timeline = cps[0]["timeline"]
+print(timeline.prediction)
+print(f"K/V block {timeline.kv_bytes:,} B: α–β transfer {timeline.transfer_s * 1e3:.2f} ms vs one block's "
+      f"compute {timeline.block_s * 1e3:.1f} ms → the model expects the transfer under the block: "
+      f"{timeline.transfer_s < timeline.block_s}")
+
+# %%
+print(timeline.timings.table())
+print(f"{timeline.title}: {'every row passes' if timeline.passed else timeline.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(timeline)
+
+# %% tags=["nbval-ignore-output"]
+rows = CE.ring_gantt_rows(timeline)
+hidden = all(row.verdict for row in timeline.checks() if "transfer done" in row.quantity)
+ax = gantt(rows["timelines"], row_names=rows["row_names"], label_microbatches=True,
+           title=f"ring attention forward, c = 2: each K/V transfer done before the next step "
+                 f"needs it — {'on every rank' if hidden else 'not on every rank'}")
+ax.set_xlabel("time since the barrier (ms); bar labels: ring step")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# <a id="zigzag"></a>
+# **Causal balance.** With contiguous chunks, rank r's queries see the keys of chunks 0…r: it computes r + 1
+# blocks (the diagonal one in full, masked), so the last rank does **c×** the first rank's work — (2c−1)× if the
+# masked half of the diagonal block were skipped too. Every rank waits for the slowest at the next collective, so
+# the step is the last rank's. Zig-zag pairs chunk i with chunk 2c−1−i: every rank computes 2c+1 half-chunk
+# blocks. `attention_work` counts the query–key scores per rank; the probe counts what each rank computed:
+
+# %%
+for c in (2, 4, 8):
+    contiguous = [cp.attention_work(r, c, 1024 * c) for r in range(c)]
+    zigzag = [cp.attention_work(r, c, 1024 * c, "zigzag") for r in range(c)]
+    print(f"c = {c}: last / first rank's work, contiguous {contiguous[-1] / contiguous[0]:.1f}, "
+          f"zig-zag {zigzag[-1] / zigzag[0]:.1f}; busiest rank contiguous / zig-zag "
+          f"{max(contiguous) / max(zigzag):.2f} = c / ((2c+1)/4) = {c / ((2 * c + 1) / 4):.2f}")
+balance = cps[0]["balance"]
+print(f"{balance.title}: {'every row passes' if balance.passed else balance.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(balance)
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots(figsize=(6, 3))
+width = 0.38
+for i, layout in enumerate(cp.LAYOUTS):
+    ms = [b * 1e3 for b in balance.busy[layout]]
+    ax.bar([r + (i - 0.5) * width for r in range(len(ms))], ms, width, label=f"{layout}: measured compute")
+    scale = balance.busy[layout][0] / balance.formula[layout][0] * 1e3
+    ax.plot([r + (i - 0.5) * width for r in range(len(ms))], [w * scale for w in balance.formula[layout]], "k_",
+            markersize=22, label="∝ work (formula)" if i else None)
+cmp = balance.timings.compare("zigzag", "contiguous")
+ax.set(xlabel="rank", ylabel="attention compute per forward (ms)", xticks=range(balance.cp_size),
+       title=f"causal ring, S = {balance.seq_len}: the contiguous step takes {cmp.ratio:.2f}× the zig-zag one")
+ax.legend(fontsize=8, frameon=False)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 6. All-gather CP and Ulysses
+# <a id="allgather-cp"></a>
+#
+# **All-gather CP** (what Llama 3's training used): all-gather K and V once per layer, attend locally with the
+# global causal mask, reduce-scatter dK/dV in backward. The same bytes as the ring, in one collective that nothing
+# overlaps; it holds the whole K and V (∝ S) during attention, and it is simple — any attention kernel works,
+# including ones with masks a ring cannot split.
+#
+# <a id="ulysses"></a>
+# **Ulysses** (DeepSpeed-Ulysses): an all-to-all turns q, k, v from sequence-sharded `[B, H, S/c, D]` into
+# head-sharded `[B, H/c, S, D]`; each rank runs ordinary full-sequence attention on its H/c heads (heads are
+# independent, as TP used in chapter 06), and an all-to-all turns the output back. H must be divisible by c, and
+# c can never exceed the number of heads (with grouped-query attention, the number of K/V heads).
+
+# %%
+for obj in (cp.allgather_attention, cp.ulysses_attention):
+    display(show.source(obj))
+
+# %% [markdown]
+# <a id="cp-traffic"></a>
+# **Traffic per rank and layer** (`*_traffic` in `course_lib/context_parallel.py`): the ring sends c−1 K/V blocks
+# forward, and in backward c−1 K/V blocks plus c−1 dK/dV blocks: (c−1)/c of K and V, per direction, roughly
+# constant in c. All-gather: the same bytes. Ulysses: four all-to-alls each way (q, k, v, out), each sending
+# (c−1)/c of a rank's B·H·(S/c)·D tensor: per-rank bytes **fall** as 1/c. Counted on the ranks of section 5's spawn
+# (`CommLog` for ring and all-gather; Ulysses' `all_to_all_single` by its split sizes):
+
+# %%
+traffic = cps[0]["traffic"]
+for key, phases in traffic.measured.items():
+    print(f"{key:<17} forward {phases['forward']} B, backward {phases['backward']} B per rank; "
+          f"formula {traffic.formula[key]['forward']:,} / {traffic.formula[key]['backward']:,} B")
+print(f"{traffic.title}: {'every row passes' if traffic.passed else traffic.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(traffic)
+
+# %% [markdown]
+# The formulas at a long-context shape (B = 1, 32 heads of 128, S = 128K, bf16), bytes per rank per layer in
+# forward, as c grows:
+
+# %%
+print(f"{'c':>3} {'ring / all-gather (MiB)':>24} {'Ulysses (MiB)':>14}")
+for c in (2, 4, 8, 16, 32):
+    ring_mb = cp.ring_attention_traffic(1, 32, 131072, 128, c, element_size=2)["forward"] / 2**20
+    uly_mb = cp.ulysses_attention_traffic(1, 32, 131072, 128, c, element_size=2)["forward"] / 2**20
+    print(f"{c:>3} {ring_mb:>24,.0f} {uly_mb:>14,.0f}")
+print("Ulysses at c = 64 with 32 heads:", end=" ")
+try:
+    cp.ulysses_attention_traffic(1, 32, 131072, 128, 64)
+    print("the formula allows it — but the layer refuses it (H % c != 0), as the 4-rank run below shows")
+except ValueError as err:
+    print(f"ValueError: {err}")
+
+# %% [markdown]
+# Which one, then: Ulysses sends fewer bytes per rank as c grows and uses any attention kernel, but stops at c = H
+# (and needs fast all-to-all, usually inside a node); the ring has no such limit, overlaps its transfers with
+# attention and holds only S/c of K/V, at the price of c sequential steps and the causal-balance care of section
+# 5; all-gather CP is the simplest and holds the full K/V. Systems combine them (Ulysses inside a node, ring
+# across nodes).
+
+# %% [markdown]
+# ## 7. Activation memory per rank ∝ S/c
+# <a id="cp-memory"></a>
+#
+# The bytes saved for backward (the course's `SavedTensorMeter`, chapter 01) for the same full sequence, on one rank
+# alone (c = 1) and on each of c = 2 ranks, against `ring_attention_saved_bytes`:
+
+# %%
+memory = cps[0]["memory"]
+for name, saved in memory.saved.items():
+    print(f"{name:<10} saved per rank: c = 1 {saved[1]:>7,} B, c = {memory.cp_size} {saved[memory.cp_size]:>7,} B")
+print(f"{memory.title}: {'every row passes' if memory.passed else memory.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(memory)
+
+# %% [markdown]
+# ## 8. The tiny GPT trained with context parallelism
+# <a id="cp-training"></a>
+#
+# `context_parallel_gpt` swaps every block's attention for a CP one, embeds a rank's tokens at their **global**
+# positions, and averages the loss over all the group's tokens; after backward, `allreduce_cp_grads` sums the
+# replicated weights' partial gradients over the group (each rank's tokens contributed a part). Zig-zag ring
+# attention, 3 AdamW steps, against one device on the full sequences:
+
+# %%
+display(show.source(cp.ContextParallelGPT.forward))
+training = cps[0]["training"]
+print(f"losses (CP): {[round(x, 5) for x in training.losses]}")
+print(f"{training.title}: {'every row passes' if training.passed else training.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(training)
+
+# %% [markdown]
+# ## 9. PyTorch's own context parallelism
+# <a id="torch-context-parallel"></a>
+#
+# PyTorch has a ring-attention CP (`torch.distributed.tensor.experimental.context_parallel`): inside the context
+# manager, the listed buffers are sharded along their sequence dimension over a `DeviceMesh` and
+# `F.scaled_dot_product_attention` is dispatched to a ring implementation. It registers rings only for the CUDA
+# attention kernels (flash, memory-efficient, cuDNN). The same rank function as a script would have it:
+
+# %%
+def torch_context_parallel(seq=16):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from course_lib import context_parallel as cp
+    from course_lib.launch import device
+
+    dev = device()
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, seq, 8, generator=gen).to(dev) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # q, k, v: my shards now
+    except Exception as exc:  # noqa: BLE001 - report what torch raises on this device
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    r, c = dist.get_rank(), dist.get_world_size()
+    mine = cp.shard_sequence(want, r, c, "zigzag")  # torch's load-balanced layout for causal attention
+    return f"ran on {dev.type}: max |Δ| vs one device {(out - mine).abs().max().item():.1e}"
+
+
+print(spawn(torch_context_parallel, 2)[0])
+
+# %% [markdown]
+# On a CPU that is a `NotImplementedError` (no sharding strategy for the CPU attention kernel), which is why the
+# course's CP is its own. On GPUs, torch shards with its load-balanced layout by default (zig-zag-like), which is
+# why the check above would take one of 2c chunks; torchtitan turns it on with `--parallelism.context_parallel_degree`.
+
+# %% [markdown]
+# ## 10. Mixture of experts
+# <a id="moe"></a>
+#
+# An MoE layer replaces a block's one MLP with E MLPs ("experts") and a **router** that sends each token to k of
+# them: logits = x·Wᵀ, softmax over the E experts, top-k. The token's output is the gate-weighted sum of its k
+# experts' outputs. Parameters grow E-fold; compute per token only k-fold (DeepSeek-V3: 256 routed experts, 8 per
+# token). The router and the one-device layer:
+
+# %%
+display(show.source(M.route))
+display(show.source(M.MoE.forward))
+
+# %% [markdown]
+# <a id="capacity"></a>
+# **Capacity and drops.** Accelerators want fixed-size buffers, so expert i takes at most
+# C = ⌈capacity_factor · N · k / E⌉ assignments. Which ones when more arrive: the first C in the **global token
+# order** (the flattened batch; under EP, rank-major — all of rank 0's tokens, then rank 1's). A dropped assignment
+# adds nothing: the residual stream carries the token past the layer. The rule needs only counts, which is what
+# lets the EP layer below drop exactly the same tokens as one device.
+#
+# <a id="aux-loss"></a>
+# **The load-balancing loss** (Switch Transformer): aux = E · Σᵢ fᵢ · Pᵢ, with fᵢ the fraction of assignments routed
+# to expert i (counted, not differentiable) and Pᵢ its mean router probability. It is 1 when routing is uniform and
+# grows as tokens crowd onto few experts; its gradient, through P, pushes probability away from the crowded ones.
+# One layer, 64 tokens, 8 experts, top-2, capacity factor 0.75 (the chapter's setting, so that it drops):
+
+# %%
+cfg, mcfg = EE.moe_gpt_config(), EE.moe_config()
+torch.manual_seed(0)
+layer = M.MoE(cfg, mcfg)
+torch.nn.init.normal_(layer.router.weight, std=0.5)
+xs = torch.randn(64, cfg.d_model, generator=torch.Generator().manual_seed(1))
+y, aux, stats = layer(xs)
+f = stats.tokens_per_expert / (64 * mcfg.top_k)
+P = M.route(xs, layer.router.weight, mcfg.top_k)[0].mean(0)
+moe_table = Result(title=f"one MoE layer: N = 64, E = {mcfg.num_experts}, k = {mcfg.top_k}, "
+                         f"capacity factor {mcfg.capacity_factor}")
+moe_table.exact("capacity C", stats.capacity, M.expert_capacity(64, 8, 2, 0.75), "⌈0.75 · 64 · 2 / 8⌉ = 12")
+moe_table.exact("assignments routed", int(stats.tokens_per_expert.sum()), 128, "N · k")
+moe_table.exact("dropped", stats.dropped, int((stats.tokens_per_expert - stats.capacity).clamp(min=0).sum()),
+                "Σ max(0, routed − C)")
+moe_table.equal("aux loss", aux, mcfg.num_experts * (f * P).sum(), SGD, against="E · Σ f·P")
+print("assignments per expert:", stats.tokens_per_expert.tolist(), "→ kept:", stats.kept_per_expert.tolist())
+print(moe_table)
+
+# %% [markdown]
+# ## 11. Expert parallelism: tokens travel to their experts
+# <a id="expert-parallel"></a>
+#
+# Over e ranks, rank q holds experts q·E/e … (q+1)·E/e − 1; the ranks hold **different tokens** (a batch split, as
+# in DP) and a replicated router. Per MoE layer:
+# 1. **counts first**: every rank counts its assignments per expert and the group all-gathers the e × E matrix —
+#    the global drop rule needs every earlier rank's counts, and from them every rank knows its send and receive
+#    split sizes without another exchange;
+# 2. **dispatch**: the kept assignments, sorted by expert (so grouped by destination rank), go out with one uneven
+#    `all_to_all_single`;
+# 3. each rank runs its experts on what arrived;
+# 4. **combine**: a second `all_to_all_single`, splits swapped, brings every output home, where it is weighted by
+#    its gate and added.
+#
+# Both all-to-alls are differentiable (backward = the reverse exchange), so backward has two more: **two
+# all-to-alls per MoE layer forward and two backward**. An expert's weight gradient already sums every rank's
+# tokens (they came to it); the replicated router's must be all-reduced, like a DP parameter. The layer:
+
+# %%
+display(show.source(ExpertParallelMoE.forward))
+
+# %% [markdown]
+# A training script for EP = 2 (the rank function below): every rank builds the same MoE GPT, keeps its experts
+# (`expert_parallel_gpt`), trains on its half of each batch, and averages the gradients with
+# `allreduce_expert_parallel_grads` (dense ones over all ranks; the experts' are already complete). The parent
+# trains one device on the full batches and compares every parameter (each expert from the rank that holds it).
+
+# %%
+def ep_train(steps=3, global_batch=8):
+    import torch.distributed as dist
+
+    from course_lib.expert_parallel import allreduce_expert_parallel_grads, expert_parallel_gpt
+    from course_lib.experiments import expert_parallel as EE
+    from course_lib.experiments.common import step_batch
+    from course_lib.launch import device
+    from course_lib.moe import MoEGPT
+
+    cfg, mcfg, dev = EE.moe_gpt_config(), EE.moe_config(), device()
+    r, e = dist.get_rank(), dist.get_world_size()
+    model = expert_parallel_gpt(MoEGPT(cfg, mcfg, seed=0).to(dev))  # my E/e experts, the rest replicated
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    losses = []
+    for step in range(steps):
+        x, y = step_batch(step, cfg, global_batch, dev)
+        _, loss = model(x.chunk(e)[r], y.chunk(e)[r])  # my tokens
+        opt.zero_grad()
+        loss.backward()
+        allreduce_expert_parallel_grads(model)
+        opt.step()
+        losses.append(loss.item())
+    return {"state": {n: p.detach().cpu() for n, p in model.named_parameters()}, "losses": losses,
+            "experts": model.blocks[0].mlp.expert_ids}
+
+
+ep_runs = spawn(ep_train, 2)
+ref = M.MoEGPT(cfg, mcfg, seed=0)
+ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+ref_losses = []
+for step in range(3):
+    x, y_ = step_batch(step, cfg, 8)
+    _, loss = ref(x, y_)
+    ref_opt.zero_grad()
+    loss.backward()
+    ref_opt.step()
+    ref_losses.append(loss.item())
+merged = {n: t for run in ep_runs for n, t in run["state"].items()}
+ep_table = Result(title="EP = 2 MoE GPT, 3 AdamW steps, vs one device")
+ep_table.exact("expert ids per rank", [run["experts"] for run in ep_runs], [[0, 1, 2, 3], [4, 5, 6, 7]],
+               "E/e contiguous")
+ep_table.exact("parameters held, both ranks together", sorted(merged), sorted(n for n, _ in ref.named_parameters()),
+               "every one-device parameter, each expert once")
+ep_losses = torch.tensor([run["losses"] for run in ep_runs]).mean(0)  # the model's loss: mean over ranks
+ep_table.equal("loss per step (mean over ranks)", ep_losses, torch.tensor(ref_losses), ADAMW)
+ep_table.equal("parameters after 3 steps", merged, dict(ref.named_parameters()), ADAMW)
+print(f"{ep_table.title}: {'every row passes' if ep_table.passed else ep_table.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(ep_table)
+
+# %% [markdown]
+# The layer-level comparison — outputs, the loss with its auxiliary term, the input, router and expert gradients,
+# and **the same dropped tokens** — runs in the chapter's EP spawn (`EE.notebook_suite`, 2 ranks), with the
+# traffic, the imbalance and the hot expert below:
+
+# %%
+eps = spawn(EE.notebook_suite, 2)
+for key in ("equality", "training"):
+    res = eps[0][key]
+    print(f"{res.title}: {'every row passes' if res.passed else res.failures()}")
+print(f"dropped assignments, rank 0's layer: {eps[0]['equality'].dropped} (capacity {eps[0]['equality'].capacity})")
+
+# %% tags=["nbval-ignore-output"]
+print(eps[0]["equality"])
+
+# %% [markdown]
+# ## 12. What the all-to-alls send
+# <a id="ep-traffic"></a>
+#
+# Per rank and direction: the tokens kept for *other* ranks' experts × d_model × 4 bytes — the chunk for its own
+# experts is a local copy (`all_to_all_bytes`, from the kept matrix). A capacity-padded implementation (GShard,
+# Switch) sends a fixed E·C·d buffer instead, whatever the routing. One training step of the EP GPT, read off the
+# split sizes of every `all_to_all_single`:
+
+# %%
+tr = eps[0]["traffic"]
+for i, layer_bytes in enumerate(tr.layers):
+    print(f"layer {i}: forward (dispatch, combine) {layer_bytes['forward']} B, backward {layer_bytes['backward']} B;"
+          f" formula {layer_bytes['formula']}; padded buffer {layer_bytes['padded']:,} B")
+print("all-to-alls per phase:", tr.calls, "— 2 per MoE layer forward and 2 backward")
+print(f"{tr.title}: {'every row passes' if tr.passed else tr.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(tr)
+
+# %% [markdown]
+# ## 13. Imbalance: the auxiliary loss, and a hot expert
+# <a id="hot-expert"></a>
+#
+# A router left alone tends to collapse onto a few experts: they get better, so they get more tokens. Two short
+# trainings of an MoE GPT (8 experts, top-1, routers drawn ~ N(0, 1)), without and with the auxiliary loss; the
+# load of the busiest expert over the mean load, at every step:
+
+# %% tags=["nbval-ignore-output"]
+imb = eps[0]["imbalance"]
+fig, ax = plt.subplots(figsize=(6, 3))
+for name, run in imb.runs.items():
+    ax.plot(run["max_over_mean"].amax(dim=-1).tolist(), label=f"{name} (coef {run['aux_loss_coef']})")
+ax.axhline(1.0, color="k", lw=0.8, ls=":", label="perfect balance")
+ax.set(xlabel="training step", ylabel="busiest expert / mean (worst layer)",
+       title=f"routing load: aux loss ends at {imb.final['aux']:.2f}× the mean, none at {imb.final['no aux']:.2f}×")
+ax.legend(fontsize=8, frameon=False)
+plt.tight_layout()
+plt.show()
+
+# %%
+print(f"last {imb.tail} steps: busiest expert / mean — no aux {imb.final['no aux']:.2f}, aux {imb.final['aux']:.2f}; "
+      f"dropped per layer — no aux {imb.final_dropped['no aux']}, aux {imb.final_dropped['aux']}")
+print(f"{imb.title}: {'every row passes' if imb.passed else imb.failures()}")
+
+# %% [markdown]
+# Under EP an unbalanced router is not only a quality problem: the rank holding the hot experts computes more, and
+# the step (every rank meets at the combine all-to-all) waits for it. Below, the EP layer under the modelled clock,
+# experts costed by the tokens routed to them: designed routing, balanced (every expert N·k/E tokens) against
+# skewed (3/4 of the assignments to rank 0's experts). Predicted per rank: 3 · expert FLOPs / rate (forward and
+# backward).
+
+# %%
+hot = eps[0]["hot_expert"]
+for variant, ranks in hot.per_rank.items():
+    for r, d in enumerate(ranks):
+        print(f"{variant:>8}, rank {r}: {d['routed']:>3} assignments, expert time {d['measured_s'] * 1e3:6.1f} ms "
+              f"(predicted {d['predicted_s'] * 1e3:6.1f} ms)")
+print(f"{hot.title}: {'every row passes' if hot.passed else hot.failures()}")
+
+# %% tags=["nbval-ignore-output"]
+print(hot)
+
+# %% [markdown]
+# ## 14. EP × DP on 4 ranks
+# <a id="ep-dp"></a>
+#
+# On a (dp = 2, ep = 2) mesh, ranks {0, 1} and {2, 3} are EP groups (each holds all 8 experts between its two
+# ranks, on different tokens), and ranks {0, 2} and {1, 3} hold the same experts. Gradients: dense parameters
+# (embeddings, attention, LayerNorms, router, head) are replicated on every rank → all-reduced over **all 4**;
+# an expert's gradient already sums its EP group's tokens → all-reduced over its **DP group** only. The counts
+# all-gather runs on the EP group. Counted per group with `CommLog`:
+
+# %%
+mesh_runs = spawn(EE.ep_training, 4, kwargs=dict(ep_size=2))
+for res in mesh_runs:
+    print(f"{res.title}: {'every row passes' if res.passed else res.failures()}")
+print("collectives (op, tag, group):", mesh_runs[0].groups)
+
+# %% tags=["nbval-ignore-output"]
+print(mesh_runs[0])
+
+# %% [markdown]
+# ## 15. Exercises
+# `exercises/context_expert_parallel.py` — write `merge` (section 3's online-softmax rule) and `dispatch_splits`
+# (section 11's step 2 without capacity: how many rows this rank sends to each rank, from its tokens' chosen
+# experts `(N, k)`, experts sharded contiguously). Each is checked on real ranks against the library's version —
+# `dispatch_splits` also through a real `all_to_all_single`:
+#
+# ```python
+# from course_lib.check import check
+# check("merge"); check("dispatch_splits")      # or: course-lib check merge
+# ```
+
+# %% [markdown]
+# ## 16. O/X quiz
+
+# %%
+from course_lib.quiz import quiz
+
+quiz("context-expert-parallel")
+
+# %% [markdown]
+# ## Summary
+# - Context parallelism splits the sequence, not the weights: everything per token runs on S/c tokens with
+#   replicated weights (their gradients summed over the group); attention needs the other ranks' K/V.
+# - The online-softmax merge combines attention over blocks exactly; ring attention applies it to K/V blocks passed
+#   round the ring (c − 1 exchanges forward, K/V and dK/dV again in backward) and saves only S/c per rank.
+# - Causal attention with contiguous chunks gives the last rank c× the first's work; zig-zag evens it (counted and
+#   timed above).
+# - All-gather CP sends the ring's bytes in one collective and holds the full K/V; Ulysses' all-to-alls send
+#   bytes that fall as 1/c but need H divisible by c.
+# - MoE: top-k routing, capacity C = ⌈factor · N · k / E⌉ with a global drop order, and the Switch auxiliary loss
+#   that spreads the load (plotted above).
+# - Expert parallelism: counts all-gathered, then two all-to-alls per MoE layer forward (dispatch, combine) and two
+#   backward; bytes = tokens sent to other ranks × d; equal to one device, drops included; a hot expert's rank sets
+#   the step; with DP, dense gradients are all-reduced over every rank and expert gradients over the DP group.
+
+# %% tags=["nbval-ignore-output"]
+print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
