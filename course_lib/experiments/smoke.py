@@ -256,9 +256,7 @@ SMOKE += [  # chapter 07: context parallelism, then MoE / expert parallelism, ea
         dict(steps=2, batch_size=2, config=_tiny(block_size=16), PASSES=True),
     ),
     (_CPE, f"{_EP07}:ep_equality", dict(tokens=32, config=_moe_tiny(), PASSES=True)),
-    # Runs without PASSES: at world 1 (one GPU) its "collectives" row expects a dense-gradient
-    # all-reduce that allreduce_expert_parallel_grads rightly skips; its equality rows pass there.
-    (_CPE, f"{_EP07}:ep_training", dict(steps=2, global_batch=8, config=_moe_tiny())),
+    (_CPE, f"{_EP07}:ep_training", dict(steps=2, global_batch=8, config=_moe_tiny(), PASSES=True)),
 ]
 
 _E09 = "course_lib.experiments.horovod"
