@@ -148,7 +148,9 @@ def test_sanitizer_still_masks_temporary_paths_and_times():
 def test_sanitizer_masks_rounding_noise_but_not_counts_or_names():
     """max |Δ| values are fp32 rounding noise that differs between CPUs (AVX2 / AVX-512 kernels)."""
     row = "sgd, 5 steps     1.118e-08  one device  ≤ 1e-06 (SGD)  PASS  v1.2e3x 12,345 B"
-    assert _sanitize(row) == "sgd, 5 steps     SCI  one device  ≤ 1e-06 (SGD)  PASS  v1.2e3x 12,345 B"
+    assert (
+        _sanitize(row) == "sgd, 5 steps     SCI  one device  ≤ 1e-06 (SGD)  PASS  v1.2e3x 12,345 B"
+    )
 
 
 # --------------------------------------------------------------------------- structure of course_lib/
