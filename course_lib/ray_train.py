@@ -255,6 +255,30 @@ class ReportLog(_user_callback_base()):
 
         return ray.get(self._store.get.remote())[0]
 
+    def wait_for_report(self, epoch: int, step: int, timeout: float = 60.0) -> None:
+        """Block until the report just before ``(epoch, step)`` has reached this log (or ``timeout`` s).
+
+        A worker that fails on purpose calls it first (``fail_once`` with ``"after_report": log``):
+        a crash can lose the reports still in flight to the controller, so a demonstration that
+        wants to show the redone step waits for the last one to land. Before step 0 that is the
+        previous epoch's checkpoint report.
+        """
+        import time
+
+        def landed(h: dict) -> bool:
+            if step > 0:
+                return (h.get("epoch"), h.get("step")) == (epoch, step - 1)
+            return h.get("epoch") == epoch - 1 and h["checkpoint"]
+
+        deadline = time.monotonic() + timeout
+        while not any(landed(h) for h in self.history()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the report before (epoch {epoch}, step {step}) did not reach the log "
+                    f"in {timeout:g} s"
+                )
+            time.sleep(0.05)
+
     def failures(self) -> list[dict]:
         """One ``{rank: "ExceptionType: message"}`` per failure the controller saw."""
         import ray

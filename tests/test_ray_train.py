@@ -126,10 +126,9 @@ def test_too_many_workers_is_refused_before_a_pending_hang(local_ray):
 
 def test_ddp_fit_survives_a_raising_worker_and_equals_one_device(local_ray, tmp_path):
     """A worker raises in epoch 1; Ray restarts the group, it resumes from epoch 0's checkpoint, ends equal."""
-    cfg = ex.train_config(
-        fail={"rank": 1, "epoch": 1, "step": 1, "how": "raise", "marker": str(tmp_path / "raised")}
-    )
     log = ray_train.ReportLog()
+    fail = {"rank": 1, "epoch": 1, "step": 1, "how": "raise", "marker": str(tmp_path / "raised")}
+    cfg = ex.train_config(fail={**fail, "after_report": log})
     result = _trainer(ex.ddp_loop, cfg, callbacks=[log], max_failures=1).fit()
     assert (tmp_path / "raised").exists(), "the failure was injected"
     ex.equal_to_one_device(result, cfg).assert_passed()  # within for_optimizer("adamw") = ADAMW

@@ -146,7 +146,10 @@ def fail_once(cfg: dict, rank: int, epoch: int, step: int) -> None:
 
     ``cfg["fail"] = {"rank": r, "epoch": e, "step": s, "how": "raise" | "kill", "marker": path}``:
     ``raise`` raises a ``RuntimeError``; ``kill`` sends SIGKILL to the worker's own process (no Python
-    exception, no clean-up: what a crashed or preempted node looks like).
+    exception, no clean-up: what a crashed or preempted node looks like). With
+    ``"after_report": log`` (a ``ray_train.ReportLog``) the worker first waits until the report
+    before this step has reached the log, so the run always shows the step redone after the
+    restart (a real crash may also lose the reports still in flight).
     """
     f = cfg.get("fail")
     if (
@@ -155,6 +158,8 @@ def fail_once(cfg: dict, rank: int, epoch: int, step: int) -> None:
         or os.path.exists(f["marker"])
     ):
         return
+    if f.get("after_report") is not None:
+        f["after_report"].wait_for_report(epoch, step)
     with open(f["marker"], "w") as out:
         out.write(f"{rank} {epoch} {step}")
     if f["how"] == "kill":

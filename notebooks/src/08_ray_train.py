@@ -279,7 +279,8 @@ print("2 workers fit: ok")
 # failure: **rank 1 raises in epoch 1, step 1** (once: a marker file remembers). With
 # `FailureConfig(max_failures=1)`, Ray tears the worker group down, starts a new one, and calls the function
 # again — which resumes from epoch 0's checkpoint. Work since that checkpoint (epoch 1's first step) is redone;
-# nothing else is lost.
+# nothing else is lost. A real crash can also lose the reports still on their way to the controller; so that this
+# run always shows the redone step, the failing worker first waits until the report of step 0 has reached the log.
 #
 # Train v2's `Result.metrics_dataframe` keeps only reports *with* a checkpoint, so `ray_train.ReportLog` (a
 # `ray.train.UserCallback` whose `after_report` forwards every report to a small actor) collects all of them and
@@ -287,9 +288,10 @@ print("2 workers fit: ok")
 
 # %% tags=["nbval-ignore-output"]
 work = tempfile.mkdtemp(prefix="ch08_")      # this notebook's run storage and failure markers, removed at the end
-cfg = E.train_config(fail={"rank": 1, "epoch": 1, "step": 1, "how": "raise",
-                           "marker": os.path.join(work, "raised-once")})
 log = ray_train.ReportLog()
+cfg = E.train_config(fail={"rank": 1, "epoch": 1, "step": 1, "how": "raise",
+                           "marker": os.path.join(work, "raised-once"),
+                           "after_report": log})          # fail once rank 0's report of step 0 has landed
 trainer = TorchTrainer(
     train_loop_per_worker,
     train_loop_config=cfg,                                 # the function's one argument
