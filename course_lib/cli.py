@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         print(format_smoke(rows))
-        return 0 if all(r.status == "pass" for r in rows) else 1
+        return 0 if all(r.status != "FAIL" for r in rows) else 1
     return 2
 
 

@@ -37,6 +37,19 @@ def test_a_passes_entry_fails_on_a_failed_row_or_on_no_result():
         _assert_passed({"x": 1}, "rank 0: f")
 
 
+def test_an_entry_that_needs_more_ranks_is_a_skip_row_naming_why(monkeypatch):
+    import course_lib.experiments.smoke as smoke
+
+    p2p = [e for e in SMOKE if e[2].get(smoke.MIN_WORLD, 1) > 1]
+    assert p2p, "the point-to-point benchmark needs 2 ranks (one GPU runs world 1)"
+    monkeypatch.setattr(smoke, "SMOKE", p2p)
+    monkeypatch.setattr(smoke, "SMOKE_RAY", [])
+    rows = run_smoke(1)  # nothing is spawned: every entry needs more ranks than 1
+    assert [r.status for r in rows] == ["skip"] * len(p2p)
+    assert all("needs 2 ranks, this machine runs 1" in r.error for r in rows)
+    assert format_smoke(rows).splitlines()[-1] == f"0/0 passed, {len(p2p)} skipped"
+
+
 @pytest.mark.timeout(
     900
 )  # one spawn for ~50 entries and one Ray session: ~2-3 min on an idle 2-core machine

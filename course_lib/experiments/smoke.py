@@ -34,6 +34,7 @@ __all__ = [
 
 TMP = "<tmp>"  # stands for a fresh temporary directory, shared by the ranks (checkpoints)
 PASSES = "PASSES"  # a kwargs key: every Result the target returns must pass all its rows
+MIN_WORLD = "MIN_WORLD"  # a kwargs key: the fewest ranks the entry can run on (point-to-point: 2)
 
 
 def _tiny(**overrides):
@@ -87,7 +88,7 @@ SMOKE: list[tuple[str, str, dict]] = [
     (
         "collectives",
         f"{E00}:bandwidth_benchmark",
-        dict(sizes_bytes=(2**10,), ops=("send_recv",), iters=1, warmup=1, repeats=2),
+        dict(sizes_bytes=(2**10,), ops=("send_recv",), iters=1, warmup=1, repeats=2, MIN_WORLD=2),
     ),
     (
         "ddp",
@@ -299,7 +300,7 @@ class SmokeRow:
     world_size: int
     backend: str
     device: str
-    status: str  # "pass" | "FAIL"
+    status: str  # "pass" | "skip" (needs more ranks than the machine has) | "FAIL"
     seconds: float
     error: str = ""
 
@@ -313,6 +314,7 @@ def _run_one(target: str, kwargs: dict, tmp: str) -> dict:
     module, name = target.split(":")
     kwargs = {k: tmp if isinstance(v, str) and v == TMP else v for k, v in kwargs.items()}
     passes = kwargs.pop(PASSES, False)
+    kwargs.pop(MIN_WORLD, None)
     got = getattr(importlib.import_module(module), name)(**kwargs)
     if passes:
         _assert_passed(got, f"rank {dist.get_rank()}: {name}")
@@ -496,6 +498,8 @@ def run_smoke(
     world = smoke_world() if world_size is None else world_size
     backend = resolve_backend("auto", world)
     entries = smoke_entries(chapters)
+    too_few = [e for e in entries if e[2].get(MIN_WORLD, 1) > world]
+    entries = [e for e in entries if e not in too_few]
     plain = [e for e in entries if not e[3]]
     rows = _grouped(plain, world, timeout) if grouped else None
     if rows is not None and progress is not None:
@@ -530,6 +534,9 @@ def run_smoke(
             from .. import ray_train
 
             ray_train.stop()
+    for topic, target, kwargs, _ in too_few:
+        need = f"needs {kwargs[MIN_WORLD]} ranks, this machine runs {world}"
+        rows.append(SmokeRow(topic, target.split(":")[-1], world, backend, "-", "skip", 0.0, need))
     return rows
 
 
@@ -543,6 +550,8 @@ def format_smoke(rows: list[SmokeRow]) -> str:
             f"{r.chapter:<{w}}{r.function:<34}{r.world_size:>6}  {r.backend:<8}{r.device:<8}"
             f"{r.status:<7}{r.seconds:>6.1f}" + (f"  {r.error}" if r.error else "")
         )
-    failed = sum(r.status != "pass" for r in rows)
-    lines.append(f"{len(rows) - failed}/{len(rows)} passed")
+    failed = sum(r.status == "FAIL" for r in rows)
+    skipped = sum(r.status == "skip" for r in rows)
+    ran = len(rows) - skipped
+    lines.append(f"{ran - failed}/{ran} passed" + (f", {skipped} skipped" if skipped else ""))
     return "\n".join(lines)

@@ -279,7 +279,7 @@ print("2 workers fit: ok")
 # failure: **rank 1 raises in epoch 1, step 1** (once: a marker file remembers). With
 # `FailureConfig(max_failures=1)`, Ray tears the worker group down, starts a new one, and calls the function
 # again — which resumes from epoch 0's checkpoint. Work since that checkpoint (epoch 1's first step) is redone;
-# nothing else is lost. A real crash can also lose the reports still on their way to the controller; so that this
+# nothing else is lost. A real crash can also drop the reports still on their way to the controller; so that this
 # run always shows the redone step, the failing worker first waits until the report of step 0 has reached the log.
 #
 # Train v2's `Result.metrics_dataframe` keeps only reports *with* a checkpoint, so `ray_train.ReportLog` (a
