@@ -52,6 +52,8 @@ __all__ = [
     "all_reduce",
     "reduce_scatter",
     "all_gather",
+    "all_gather_single",
+    "reduce_scatter_single",
     "broadcast",
     "send",
     "recv",
@@ -204,6 +206,13 @@ def all_reduce(
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+# torch 2.13 names the flat collectives all_gather_single / reduce_scatter_single and marks the
+# older all_gather_into_tensor / reduce_scatter_tensor deprecated; a cluster's torch <= 2.12 has only
+# the older names (same arguments). These two are the uncounted calls; the functions below count.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -221,7 +230,7 @@ def reduce_scatter(
             f"output's {output.numel()} = {n * output.numel()}"
         )
     _record("reduce_scatter", input, tag, group)
-    return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    return reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather(
@@ -235,7 +244,7 @@ def all_gather(
             f"input's {input.numel()} = {n * input.numel()}"
         )
     _record("all_gather", output, tag, group)
-    return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    return all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, async_op: bool = False, tag=None):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import comm
 from ..clock import BACKWARD_FACTOR, AcceleratorClock, Calibration, calibrate, count_flops
 from ..launch import device, spawn
 from ..results import Measured, Result, Row
@@ -54,8 +55,8 @@ def _op_call(op: str, full: torch.Tensor, part: torch.Tensor, inbox: torch.Tenso
 
     calls = {
         "all_reduce": lambda: dist.all_reduce(full),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
-        "all_gather": lambda: dist.all_gather_single(full, part),
+        "reduce_scatter": lambda: comm.reduce_scatter_single(part, full),
+        "all_gather": lambda: comm.all_gather_single(full, part),
         "broadcast": lambda: dist.broadcast(full, src=0),
         "send_recv": send_recv,
     }
@@ -343,8 +344,8 @@ def idle_alpha(
     out = torch.zeros(256 * world, device=device())
     run = {
         "all_reduce": lambda: dist.all_reduce(x),
-        "all_gather": lambda: dist.all_gather_into_tensor(out, x),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(x, out),
+        "all_gather": lambda: comm.all_gather_single(out, x),
+        "reduce_scatter": lambda: comm.reduce_scatter_single(x, out),
     }
     medians = []
     for op in ops:

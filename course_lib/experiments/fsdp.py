@@ -399,6 +399,10 @@ def fsdp2_mixed_precision(
 
     config = config or zero_config()
     world, dev = dist.get_world_size(), device()
+    if world < 2:  # one rank gathers and reduces nothing: the byte ratios below would be 0 / 0
+        raise ValueError(
+            f"fsdp2_mixed_precision compares collective bytes: it needs world_size >= 2, got {world}"
+        )
     check_global_batch(global_batch, world)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     runs = {

@@ -532,6 +532,11 @@ def flat_vs_per_parameter(config: GPTConfig | None = None) -> FlatVsPerParameter
     from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    if dist.get_world_size() < 2:  # FSDP1 keeps whole (unflattened-shape) parameters on one rank
+        raise ValueError(
+            f"flat_vs_per_parameter compares shards: it needs world_size >= 2, got {dist.get_world_size()}"
+        )
+
     from ..models import Block
 
     config = config or features_config(n_layer=2)

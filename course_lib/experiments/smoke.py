@@ -151,7 +151,11 @@ SMOKE: list[tuple[str, str, dict]] = [
     ),
     ("fsdp", f"{E04}:fsdp2_vs_single_device", dict(steps=2, config=_zero_tiny(), global_batch=4)),
     ("fsdp", f"{E04}:fsdp2_vs_zero3", dict(steps=1, config=_zero_tiny(), global_batch=4)),
-    ("fsdp", f"{E04}:fsdp2_mixed_precision", dict(steps=1, config=_zero_tiny(), global_batch=4)),
+    (
+        "fsdp",
+        f"{E04}:fsdp2_mixed_precision",
+        dict(MIN_WORLD=2, steps=1, config=_zero_tiny(), global_batch=4),
+    ),
     (
         "fsdp",
         f"{E04}:fsdp2_checkpoint_roundtrip",
@@ -205,7 +209,7 @@ SMOKE += [  # chapter 04, part 2: FSDP2's features (HSDP and reshard-to-int need
         f"{_P04}:checkpoint_save",
         dict(tmp_dir=TMP, steps=1, global_batch=4, config=_zero_tiny()),
     ),
-    ("fsdp", f"{_P04}:flat_vs_per_parameter", dict(config=_zero_tiny())),
+    ("fsdp", f"{_P04}:flat_vs_per_parameter", dict(MIN_WORLD=2, config=_zero_tiny())),
 ]
 
 _E06 = "course_lib.experiments.tensor_parallel"
