@@ -237,6 +237,7 @@ SMOKE += [  # chapter 06: tensor parallelism (the 2-D mesh is (world/2, 2) here;
 ]
 
 _CP07, _EP07 = "course_lib.experiments.context_parallel", "course_lib.experiments.expert_parallel"
+_P3D = "course_lib.experiments.parallel_3d"
 _CPE = "context-expert-parallel"
 
 
@@ -262,6 +263,9 @@ SMOKE += [  # chapter 07: context parallelism, then MoE / expert parallelism, ea
     ),
     (_CPE, f"{_EP07}:ep_equality", dict(tokens=32, config=_moe_tiny(), PASSES=True)),
     (_CPE, f"{_EP07}:ep_training", dict(steps=2, global_batch=8, config=_moe_tiny(), PASSES=True)),
+    # the mesh: pipeline stages whose blocks are tensor-parallel (dp: the world's remaining factor)
+    (_CPE, f"{_P3D}:dp_pp_tp_training", dict(pp=1, tp=2, steps=2, PASSES=True, MIN_WORLD=2)),
+    (_CPE, f"{_P3D}:dp_pp_tp_training", dict(pp=2, tp=1, steps=2, PASSES=True, MIN_WORLD=2)),
 ]
 
 _E09 = "course_lib.experiments.horovod"
