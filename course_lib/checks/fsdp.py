@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from . import layered_hint
 from ..experiments.common import shard_batch, state_diff, step_batch, train_step, zero_config
 from ..fsdp import fsdp2_wrap, full_state_dict, full_training_state
 from ..fsdp_meters import counted_step
@@ -48,13 +49,7 @@ HINTS: dict[str, tuple[str, str]] = {
 
 def hint(name: str, level: int = 1) -> str:
     """Hint ``level`` (1: the idea, 2: the API) for exercise ``name``; never the code."""
-    if name not in HINTS:
-        raise ValueError(f"no hints for {name!r}; exercises with hints: {sorted(HINTS)}")
-    if level not in (1, 2):
-        raise ValueError(
-            f"level={level!r}: 1 is the idea, 2 the API (there is no level with the code)"
-        )
-    return HINTS[name][level - 1]
+    return layered_hint(HINTS, name, level)
 
 
 def check_fsdp2_wrap_blocks(fn) -> list[str]:

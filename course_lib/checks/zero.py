@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import layered_hint
 from .. import comm
 from ..configs import OPTIMIZERS, small_config
 from ..launch import device
@@ -55,13 +56,7 @@ HINTS: dict[str, tuple[str, str]] = {
 
 def hint(name: str, level: int = 1) -> str:
     """Hint ``level`` (1: the idea, 2: the API) for exercise ``name``; never the code."""
-    if name not in HINTS:
-        raise ValueError(f"no hints for {name!r}; exercises with hints: {sorted(HINTS)}")
-    if level not in (1, 2):
-        raise ValueError(
-            f"level={level!r}: 1 is the idea, 2 the API (there is no level with the code)"
-        )
-    return HINTS[name][level - 1]
+    return layered_hint(HINTS, name, level)
 
 
 def _close(got, want, tol: Tolerance) -> tuple[bool, float]:
