@@ -641,8 +641,9 @@ def planner_widget(
 ):
     """An ipywidgets form over ``plan.recommend``: model and cluster in, the plan (or the error) out.
 
-    Its text representation is the plan for the current values, so a headless run (nbval) stores
-    deterministic text.
+    The form shows the whole plan for its current values; its text representation (what a
+    notebook read without a kernel shows, and nbval compares) is one deterministic line naming the
+    layout chosen, since the notebook prints the same plan in full beside it.
     """
     import html
 
@@ -687,30 +688,39 @@ def planner_widget(
     }
     out = widgets.HTML()
 
-    def text() -> str:
+    def plan():
         v = {k: w.value for k, w in boxes.items()}
+        model = Model(
+            v["params_billions"] * 1e9, v["layers"], v["hidden"], v["heads"], v["seq_len"]
+        )
+        cluster = Cluster(v["gpu_memory_gb"], v["gpus_per_node"], v["nodes"])
+        return recommend(model, cluster, micro_batch=v["micro_batch"])
+
+    def text() -> str:
         try:
-            model = Model(
-                v["params_billions"] * 1e9, v["layers"], v["hidden"], v["heads"], v["seq_len"]
-            )
-            return str(
-                recommend(
-                    model,
-                    Cluster(v["gpu_memory_gb"], v["gpus_per_node"], v["nodes"]),
-                    micro_batch=v["micro_batch"],
-                )
-            )
+            return str(plan())
         except PlanError as err:
             return f"PlanError: {err}"
 
+    def summary() -> str:
+        """Outside a kernel, one line: the form's plan is the one the notebook prints in full."""
+        head = "planner form (change the values in JupyterLab)"
+        try:
+            chosen = plan()
+        except PlanError as err:
+            return f"{head} · PlanError: {err}"
+        line = f"{head} · → {chosen.layout.name()}: {chosen.memory['total'] / 1e9:.1f} GB per GPU"
+        fastest = chosen.fastest
+        return line + (f"; fastest predicted: {fastest.name()}" if fastest is not None else "")
+
     class PlannerWidget(widgets.VBox):
         def __repr__(self) -> str:
-            return text()
+            return summary()
 
         def _repr_mimebundle_(self, **kwargs):
             bundle = super()._repr_mimebundle_(**kwargs)
             data = bundle[0] if isinstance(bundle, tuple) else bundle
-            data["text/plain"] = text()
+            data["text/plain"] = summary()
             return bundle
 
     def update(*_):
