@@ -275,9 +275,9 @@ def test_widget_and_text_listings_are_deterministic():
     assert answer_key[1].startswith(f" 1. {form[0]['answer']} — ")
     first_plain = next(n for n, i in enumerate(form) if not i.get("seed"))
     plain = form[first_plain]
-    assert (
-        f"{first_plain + 1:2d}. [{course.number(plain['chapter']):02d}] {plain['statement']['en']}"
-        in lines
+    tag = f"{first_plain + 1:2d}. [{course.number(plain['chapter']):02d}] "
+    assert lines[lines.index(tag + plain["statement"]["ko"]) + 1] == (
+        f"    ({plain['statement']['en']})"
     )
     shown = x.final_exam(seed=3)  # pytest is not a kernel: the text fallback
     assert isinstance(shown, x.ExamText)
@@ -295,6 +295,19 @@ def test_widget_and_text_listings_are_deterministic():
     )
     with pytest.raises(ValueError, match="mode must be"):
         x.final_exam(mode="gui")
+
+
+@pytest.mark.parametrize("lang", ["ko", "en"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_every_exam_item_is_listed_in_both_languages(seed, lang):
+    """The exam's text fallback: each statement (tagged with its chapter) and each explanation in
+    Korean, then the English in parentheses, numeric questions included, in either language."""
+    from test_quiz import assert_bilingual_listing
+
+    shown = x.final_exam(seed=seed, lang=lang, mode="text")
+    tags = [f"[{course.number(item['chapter']):02d}] " for item in shown.items]
+    assert any(item.get("kind") == "numeric" for item in shown.items)
+    assert_bilingual_listing(repr(shown), shown.items, tags)
 
 
 # -- terminal and command line ----------------------------------------------------------------------

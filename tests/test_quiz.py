@@ -667,31 +667,33 @@ def test_widget_text_plain_is_deterministic_and_lists_the_statements():
         f" + {k} computations"
     )
     expected = []
-    for n, item in enumerate(items, 1):
-        if item.get("seed"):  # the Korean exam statement verbatim, the English translation under it
-            expected += [f"{n:2d}. {item['statement']['ko']}", f"    ({item['statement']['en']})"]
-        elif item.get("kind") == "numeric":
-            expected.append(f"{n:2d}. {item['statement']['en']} (compute it: answer with a number)")
-        else:
-            expected.append(f"{n:2d}. {item['statement']['en']}")
+    for n, item in enumerate(items, 1):  # every statement in Korean, the English under it
+        ko, en = item["statement"]["ko"], item["statement"]["en"]
+        if item.get("kind") == "numeric":
+            ko += " (계산해서 숫자로 답하세요)"
+            en += " (compute it: answer with a number)"
+        expected += [f"{n:2d}. {ko}", f"    ({en})"]
     assert text[1:-1] == expected
     assert text[-1] == "(interactive quiz: click O or X)"
     assert answer_key[0] == "Answers and explanations (read them after answering every statement):"
     numeric = [i for i in items if i.get("kind") == "numeric"]
     assert numeric and items[-len(numeric) :] == numeric  # the computations come last
-    for n, item in enumerate(items, 1):
+    expected = []
+    for n, item in enumerate(items, 1):  # each answer, its explanation in Korean, then English
         shown = item["answer"]
         if item in numeric:
             shown = f"{float(item['answer']):.6g} (± {float(item['tolerance']):.6g})"
-        assert f"{n:2d}. {shown} — {item['explanation']['en'].splitlines()[0]}" in answer_key
+        why = item["explanation"]
+        expected += [f"{n:2d}. {shown} — {why['ko']}", f"    ({why['en']})"]
+    assert answer_key[1:] == expected
     korean = q.quiz(2, lang="ko", mode="widget").text().splitlines()
-    korean = korean[: korean.index("")]
+    cut = korean.index("")
     assert korean[0] == (
         f"02장 O/X 퀴즈 — {q.chapter_title(2, 'ko')} ({len(items) - k}문항) + 계산 문제 {k}개"
     )
-    assert korean[1 : 1 + len(items) - len(numeric)] == [
-        f"{n:2d}. {item['statement']['ko']}" for n, item in enumerate(items[: -len(numeric)], 1)
-    ]
+    assert korean[1 : cut - 1] == text[1:-1]  # the same bilingual statements in either language
+    assert korean[cut + 2 :] == answer_key[1:]  # and the same key under a Korean heading
+    assert korean[cut + 1] == "정답과 해설 (답을 모두 정한 뒤에 읽으세요):"
 
 
 def test_displayed_widget_carries_the_deterministic_text():
@@ -720,9 +722,10 @@ def test_text_fallback_outside_a_kernel():
     lines = repr(shown).splitlines()
     lines = lines[: lines.index("")]  # the answer key follows the blank line
     assert lines[0].startswith("Chapter 04 O/X quiz") and lines[0].endswith("(3 statements)")
-    assert lines[1:4] == [
-        f"{n:2d}. {item['statement']['en']}" for n, item in enumerate(q.load_bank(4)[:3], 1)
-    ]
+    expected = []
+    for n, item in enumerate(q.load_bank(4)[:3], 1):
+        expected += [f"{n:2d}. {item['statement']['ko']}", f"    ({item['statement']['en']})"]
+    assert lines[1:-1] == expected
     assert (
         lines[-1]
         == "(answer with grade('fsdp', {item_id: 'O' or 'X'}) or: course-lib quiz --chapter fsdp)"
@@ -785,6 +788,52 @@ def test_seed_items_show_their_korean_text_in_both_languages():
         assert item["statement"]["ko"] in listing and item["statement"]["en"] in listing
     result = q.grade(0, {seeds[0]["id"]: seeds[0]["answer"]}, record=False)
     assert seeds[0]["statement"]["ko"] in repr(result)
+
+
+HANGUL = re.compile("[\uac00-\ud7a3]")
+
+
+def bilingual_blocks(item, position: int, tag: str = "") -> tuple[str, str]:
+    """The statement and the answer-key entry of ``item`` as the plain-text listing must show them:
+    the Korean line, then the English in parentheses on the next (indented) line."""
+    ko, en = item["statement"]["ko"], item["statement"]["en"]
+    answer = item["answer"]
+    if item.get("kind") == "numeric":
+        ko, en = f"{ko} {q.UI['ko']['compute']}", f"{en} {q.UI['en']['compute']}"
+        answer = f"{float(item['answer']):.6g} (± {float(item['tolerance']):.6g})"
+    why = item["explanation"]
+    return (
+        f"{position:2d}. {tag}{ko}\n    ({en})",
+        f"{position:2d}. {answer} — {why['ko']}\n    ({why['en']})",
+    )
+
+
+def assert_bilingual_listing(listing: str, items, tags=None) -> None:
+    statements, key = listing.split("\n\n", 1)
+    for position, item in enumerate(items, 1):
+        statement, entry = bilingual_blocks(item, position, tags[position - 1] if tags else "")
+        assert statement + "\n" in statements, item["id"]
+        assert entry in key, item["id"]
+    numbered = [line for line in statements.splitlines() if re.match(r"^ ?\d+\. ", line)]
+    english = [line for line in statements.splitlines() if line.startswith("    (")]
+    assert len(numbered) == len(english) == len(items)
+    assert all(HANGUL.search(line) for line in numbered)  # a Korean line per statement
+
+
+@pytest.mark.parametrize("lang", ["ko", "en"])
+@pytest.mark.parametrize("chapter", q.chapters())
+def test_every_listed_item_shows_both_languages(chapter, lang):
+    """The text fallback (what GitHub shows of a quiz cell) lists every statement and explanation
+    in Korean, then in English, whatever the display language; the heading follows the language."""
+    shown = q.quiz(chapter, lang=lang, mode="text")
+    listing = repr(shown)
+    assert_bilingual_listing(listing, shown.items)
+    widget = q.quiz(chapter, lang=lang, mode="widget", record=False).text().splitlines()
+    lines = listing.splitlines()
+    hint = lines.index("") - 1
+    assert widget[hint] == q.WIDGET_HINT  # the widget's text/plain: the same listing, its own hint
+    assert widget[:hint] + widget[hint + 1 :] == lines[:hint] + lines[hint + 1 :]
+    assert listing.startswith("Chapter" if lang == "en" else f"{course.number(chapter):02d}장")
 
 
 def test_widget_toggle_switches_language_and_keeps_answers():

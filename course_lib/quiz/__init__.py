@@ -15,7 +15,9 @@ by its topic (``quiz("ddp")``) or its notebook number (``quiz(2)``). One bank, s
   one file (:mod:`.progress`); ``EXERCISES`` -- the exercises ``check()`` knows (:mod:`.exercises`).
 
 Language: English by default; ``COURSE_LANG=ko`` or ``set_language("ko")`` switches every view to
-Korean, ``lang=`` on a call overrides it for that call (:mod:`.language`).
+Korean, ``lang=`` on a call overrides it for that call (:mod:`.language`). The ``text/plain``
+listing (what GitHub shows of a quiz cell) lists every statement and explanation in both languages,
+Korean first; only its heading and hint follow the language.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ statement, the answer ``O`` (true) or ``X`` (false), an explanation that says *w
 ``teaches`` (``"<chapter>#anchor"``: the notebook section that teaches it, in the item's chapter or
 an earlier one) and, for items that give each other away, a ``group`` (an exam form draws at most
 one item per group). Items marked ``seed: true`` are the course's 14 exam statements, kept verbatim:
-their Korean text is shown in both languages (in English with the translation under it).
+their Korean text is shown in both languages (in English with the translation under it). The
+plain-text listing (:mod:`.text`) shows every item that way, Korean first, whatever the language.
 """
 
 from __future__ import annotations

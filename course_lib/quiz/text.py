@@ -4,6 +4,11 @@ The listing is the heading, the numbered statements, one hint line (:data:`WIDGE
 the widget, a how-to-answer line under the plain-text objects), then the answer key: each answer
 with its explanation, for a reader without a kernel. Changing any of it changes every
 stored quiz output in the notebooks.
+
+The listing is what a reader without a kernel sees (GitHub, nbviewer), so it is bilingual whatever
+the display language: every statement and every explanation in Korean, then the English in
+parentheses on its own line (:func:`bilingual_text`). The heading and the hint follow the display
+language; the widget and the terminal show one language, the learner's choice.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ __all__ = [
     "exam_heading",
     "quiz_listing",
     "exam_listing",
+    "bilingual_text",
     "QuizText",
     "ExamText",
 ]
@@ -62,6 +68,19 @@ def shown_text(item: dict, lang: str) -> str:
     return f"{text} {UI[lang]['compute']}" if is_numeric(item) else text
 
 
+def _both(ko: str, en: str) -> str:
+    return f"{ko}\n({en})"
+
+
+def bilingual_text(item: dict) -> str:
+    """The statement as the plain-text listing shows it: Korean, then the English in parentheses
+    on its own line; a numeric question says in each language that it wants a number."""
+    ko, en = item["statement"]["ko"], item["statement"]["en"]
+    if is_numeric(item):
+        ko, en = f"{ko} {UI['ko']['compute']}", f"{en} {UI['en']['compute']}"
+    return _both(ko, en)
+
+
 def _key_answer(item: dict) -> str:
     if not is_numeric(item):
         return item["answer"]
@@ -69,18 +88,20 @@ def _key_answer(item: dict) -> str:
 
 
 def _answer_key(lines: list[str], items: Sequence[dict], lang: str) -> None:
-    """After the statements: each answer and its explanation, so that a reader without a kernel
-    (GitHub, nbviewer, a PDF) can check themselves once they have answered every statement."""
+    """After the statements: each answer and its explanation (Korean, then the English in
+    parentheses), so that a reader without a kernel (GitHub, nbviewer, a PDF) can check
+    themselves once they have answered every statement."""
     lines += ["", UI[lang]["key"] + ":"]
     for position, item in enumerate(items, 1):
-        _numbered(lines, position, f"{_key_answer(item)} — ", item["explanation"][lang])
+        why = _both(item["explanation"]["ko"], item["explanation"]["en"])
+        _numbered(lines, position, f"{_key_answer(item)} — ", why)
 
 
 def quiz_listing(topic: str, lang: str, title: str, items: Sequence[dict], hint: str) -> str:
-    """The heading, the numbered statements, ``hint``, then the answer key."""
+    """The heading, the numbered statements (both languages), ``hint``, then the answer key."""
     lines = [quiz_heading(topic, lang, title, items)]
     for position, item in enumerate(items, 1):
-        _numbered(lines, position, "", shown_text(item, lang))
+        _numbered(lines, position, "", bilingual_text(item))
     lines.append(hint)
     _answer_key(lines, items, lang)
     return "\n".join(lines)
@@ -91,7 +112,7 @@ def exam_listing(items: Sequence[dict], lang: str, seed: int, hint: str, bank_di
     lines = [exam_heading(lang, items, seed, bank_dir)]
     for position, item in enumerate(items, 1):
         tag = f"[{number(item['chapter']):02d}] "
-        _numbered(lines, position, tag, shown_text(item, lang))
+        _numbered(lines, position, tag, bilingual_text(item))
     lines.append(hint)
     _answer_key(lines, items, lang)
     return "\n".join(lines)
