@@ -447,6 +447,10 @@ class Plan:
         return "\n  - ".join(lines)
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, ranking: bool = True) -> str:
+        """The plan as text; ``ranking=False`` prints one line for the step-time ranking instead of its table."""
         mem = self.memory
         lines = [
             f"model:   {self.model.label()}",
@@ -460,12 +464,22 @@ class Plan:
         for lay, m, note in self.alternatives:
             lines.append(f"also fits: {lay.name()}: {m['total'] / GB:.1f} GB per GPU — {note}")
         lines += ["tried:", self.table()]
-        if self.profile is not None:
+        if self.profile is not None and ranking:
             lines += [
                 f"step time: {self.fastest_reason()}",
                 f"ranked by predicted step time on {self.profile.name}:",
                 self.ranking_table(),
             ]
+        elif self.profile is not None and self.ranking:
+            k, unit = self._unit()
+            i = next(i for i, (la, _, _) in enumerate(self.ranking, 1) if la == self.layout)
+            lines.append(
+                f"step time (model, {self.profile.name}): fastest predicted {self.fastest.name()} "
+                f"{k * self.ranking[0][2].total:.3f} {unit}; the ladder's choice ranks {i} of "
+                f"{len(self.ranking)} ({k * self.ranking[i - 1][2].total:.3f} {unit})"
+            )
+        elif self.profile is not None:
+            lines.append(f"step time: no ranking: {self.unranked}")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -694,19 +708,24 @@ def recommend(
             )
             if lay.tp > 1 and cluster.nodes > 1:
                 alt = _three_d(model, cluster, usable, micro_batch, num_microbatches, recompute)
-                if alt:
-                    p = alt[0].pp
-                    plan.alternatives.append(
-                        (
-                            *alt,
-                            f"3D (Megatron-DeepSpeed): the pipeline crosses nodes with only "
-                            f"boundary activations, ZeRO-1 data parallel; bubble "
-                            f"(p−1)/(m+p−1) = {pipeline_bubble(p, num_microbatches):.2f} "
-                            f"at m = {num_microbatches}",
-                        )
-                    )
+            else:
+                alt = None
             if profile is not None:
                 _rank_plan(plan, profile, global_batch, reserve)
+            if alt:
+                # the bubble at the m the ranking uses (a step of plan.global_batch sequences), so that
+                # one layout has one m in the printout; without a ranking, num_microbatches
+                p, g = alt[0].pp, plan.global_batch or global_batch
+                m = g // (alt[0].dp * micro_batch) if g else num_microbatches
+                where = f" (a step of {g} sequences)" if g else ""
+                plan.alternatives.append(
+                    (
+                        *alt,
+                        f"3D (Megatron-DeepSpeed): the pipeline crosses nodes with only "
+                        f"boundary activations, ZeRO-1 data parallel; bubble "
+                        f"(p−1)/(m+p−1) = {pipeline_bubble(p, m):.3f} at m = {m}{where}",
+                    )
+                )
             return plan
     raise PlanError(_missing(model, cluster, usable, micro_batch, reserve))
 
@@ -756,8 +775,9 @@ def _missing(
     )  # ZeRO-3 over G GPUs: 16Ψ/G + activations ≤ usable
     nodes = math.ceil(need / cluster.gpus_per_node)
     return (
-        f"{head}: the model states (16Ψ = {16 * model.params / GB:,.0f} GB in total) need at least "
-        f"{need} GPUs of {cluster.gpu_memory_gb:g} GB ({nodes} node{'s' if nodes > 1 else ''} of "
+        f"{head}: the model states (16Ψ = {16 * model.params / GB:,.0f} GB in total, sharded) plus "
+        f"{acts / GB:.1f} GB of activations per GPU (full recompute) need at least {need} GPUs of "
+        f"{cluster.gpu_memory_gb:g} GB ({nodes} node{'s' if nodes > 1 else ''} of "
         f"{cluster.gpus_per_node}) instead of {cluster.gpus}; or offload "
         f"optimizer states and parameters to CPU/NVMe (ZeRO-Offload / ZeRO-Infinity)"
     )

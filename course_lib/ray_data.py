@@ -35,6 +35,7 @@ __all__ = [
     "timed",
     "split_ids",
     "operator_times",
+    "operator_concurrency",
     "quiet",
     "KEEP_WORKERS",
 ]
@@ -196,3 +197,18 @@ def operator_times(stats_text: str) -> dict[str, float]:
             times[name] = float(m.group(1)) * _UNITS[m.group(2)]
             name = None
     return times
+
+
+def operator_concurrency(stats_text: str) -> dict[str, tuple[float, float]]:
+    """``{operator: (wall seconds from its first to its last block, total remote wall seconds of its tasks)}``
+    from ``Dataset.stats()``' text. Their ratio is how many of the operator's tasks ran at once on average."""
+    spans, name, wall = {}, None, None
+    for line in stats_text.splitlines():
+        if m := re.match(
+            rf"\s*Operator \d+ (.+?): \d+ tasks executed, .*produced in {_TIME}", line
+        ):
+            name, wall = m.group(1), float(m.group(2)) * _UNITS[m.group(3)]
+        elif name and (m := re.match(rf"\s*\* Remote wall time: .*?{_TIME} total", line)):
+            spans[name] = (wall, float(m.group(1)) * _UNITS[m.group(2)])
+            name = None
+    return spans

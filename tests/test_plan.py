@@ -5,6 +5,7 @@ import pytest
 
 from course_lib import plan, viz
 from course_lib.experiments import review as R
+from course_lib.formulas import pipeline_bubble
 from course_lib.experiments.common import bench_config, parallel_config, small_config, zero_config
 from course_lib.launch import spawn
 from course_lib.results import REORDERED  # formulas summed in another order: a few ulps
@@ -86,6 +87,29 @@ def test_fixed_cases_give_the_expected_layouts_by_name():
     assert got["GPT-2 small (124M) on 8×80 GB"]["plan"].layout == plan.Layout(dp=8)
     seventy = got["70B on 64×80 GB (8 per node)"]["plan"]
     assert [alt.name() for alt, _, _ in seventy.alternatives] == ["TP 8 + SP, PP 2, ZeRO-1 (dp 4)"]
+
+
+def test_the_3d_alternative_uses_the_rankings_micro_batches():
+    """One layout, one m in the printout: the "also fits" bubble is at the m the ranking uses."""
+    seventy = R.fixed_cases()[1]["plan"]
+    alt, _, note = seventy.alternatives[0]
+    m = seventy.global_batch // (alt.dp * seventy.micro_batch)
+    assert (
+        f"= {pipeline_bubble(alt.pp, m):.3f} at m = {m} (a step of {seventy.global_batch}" in note
+    )
+    ranked = {lay: pred for lay, _, pred in seventy.ranking}
+    assert alt in ranked, "the alternative is also in the ranking"
+    short = seventy.text(ranking=False)
+    assert "ranked by predicted step time" not in short and "fastest predicted" in short
+    assert "ranked by predicted step time" in str(seventy)
+
+
+def test_planner_result_shows_the_missing_gpus_whole():
+    rows = {r.quantity: r for r in R.planner_result().checks()}
+    got = rows["1T on 16×80 GB"].measured
+    assert got.startswith("PlanError: needs ≥ ") and got.endswith("has 16"), got
+    need = int(got.split("≥ ")[1].split()[0])
+    assert need > 16 * 1e12 / 72e9, "states alone give a lower bound; activations add to it"
 
 
 def test_one_gpu_that_fits_is_plain_training():

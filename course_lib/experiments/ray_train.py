@@ -1,7 +1,7 @@
 """Chapter 08's runs: Ray Core building blocks, and the course's tiny GPT trained by Ray Train.
 
 Ray Core (plain functions and a class; the notebook turns them into tasks/actors with ``ray.remote``):
-:func:`busy`, :func:`nap`, :func:`nap_span`, :func:`checksum`, :class:`ParameterServer`,
+:func:`busy`, :func:`busy_span`, :func:`nap`, :func:`nap_span`, :func:`checksum`, :class:`ParameterServer`,
 :func:`shard_gradient`; :func:`peak_concurrency` counts how many of a set of spans ran at once.
 
 Ray Train (``train_loop_per_worker`` functions: each runs on every worker *after* Ray has created the
@@ -44,6 +44,7 @@ from .common import Result, check_global_batch, make_optimizer, small_config, tr
 
 __all__ = [
     "busy",
+    "busy_span",
     "nap",
     "nap_span",
     "peak_concurrency",
@@ -72,6 +73,14 @@ def busy(n: int = 2_000_000) -> int:
     for i in range(n):
         total += i * i % 7
     return total
+
+
+def busy_span(n: int = 2_000_000) -> tuple[float, float]:
+    """Run :func:`busy` and return its (start, end) on this machine's wall clock: how long one call took
+    where it ran (the driver, or a Ray worker while another task does or does not run beside it)."""
+    start = time.time()
+    busy(n)
+    return start, time.time()
 
 
 def nap(seconds: float) -> float:
@@ -365,7 +374,7 @@ def equal_to_one_device(result, cfg: dict, world: int = 2, title: str = "") -> R
     global batches in the same order), within the optimizer's named tolerance (``results.for_optimizer``)."""
     out = Result(title=title or f"Ray Train, {world} workers, vs one device")
     out.equal(
-        "final parameters",
+        "final parameters: max |Δparam|",
         final_state(result),
         reference_params(cfg, world),
         for_optimizer(cfg["optimizer"]),

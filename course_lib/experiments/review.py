@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
@@ -522,11 +523,15 @@ def planner_result() -> Result:
             "ZeRO paper, Figure 1",
         )
     for c in fixed_cases():
-        got = (
-            c["plan"].layout.name()
-            if c["plan"] is not None
-            else f"PlanError: …{c['error'].split(': ')[-1][:60]}"
-        )
+        if c["plan"] is not None:
+            got = c["plan"].layout.name()
+        elif m := re.search(
+            r"need at least (\d+) GPUs .*?\((\d+) nodes?.*?instead of (\d+)", c["error"]
+        ):
+            got = f"PlanError: needs ≥ {m[1]} GPUs ({m[2]} nodes), has {m[3]}"
+        else:  # another error: its last clause, cut at a word boundary
+            tail = c["error"].split(": ")[-1]
+            got = "PlanError: …" + (tail if len(tail) <= 60 else tail[:60].rsplit(" ", 1)[0] + " …")
         out.condition(c["case"], got, c["ok"], c["expected"])
     return out
 
