@@ -209,7 +209,9 @@ class ScalingRace(Result):
     ratio: dict = field(default_factory=dict)  # case -> modelled / real compute
     grad_bytes: dict = field(default_factory=dict)
     beta: float = 0.0  # the fitted all-reduce β (bytes/s)
-    alpha: float = 0.0  # the all-reduce α after a sleep (s): gloo's threads woken first
+    alpha: float = 0.0  # the all-reduce α the prediction used (s): max(fit's α, idle_alpha)
+    # the all-reduce α measured after a sleep (s): gloo's threads woken first
+    idle_alpha: float = 0.0
     require_ratio: tuple = ()
 
     def name(self, case: str, variant: str) -> str:
@@ -427,12 +429,9 @@ def scaling_race(
     out.rate, out.clock = clock.rate, clock.name
     if fit is not None:
         # under the clock the all-reduce follows a sleep: gloo's threads must wake first
+        out.idle_alpha = idle_alpha(("all_reduce",))["all_reduce"]
         woken = AlphaBeta(
-            {
-                "all_reduce": max(
-                    fit.alpha_s["all_reduce"], idle_alpha(("all_reduce",))["all_reduce"]
-                )
-            },
+            {"all_reduce": max(fit.alpha_s["all_reduce"], out.idle_alpha)},
             {"all_reduce": fit.beta_bytes_per_s["all_reduce"]},
             fit.world_size,
             fit.min_bytes,
