@@ -550,10 +550,11 @@ check("ring_all_reduce", package="solutions")
 # %% [markdown]
 # ## 7. O/X quiz
 #
-# Click **O** (true) or **X** (false) for each statement; each answer shows why. The quiz is in English; the
+# Click **O** (true) or **X** (false) for each statement; each answer shows why. The widget starts in English; the
 # **한국어** toggle (or `COURSE_LANG=ko`, or `course_lib.quiz.set_language("ko")`) switches to Korean. The exam's own
-# Korean statements are always shown in Korean, with the English translation under them. In a terminal:
-# `course-lib quiz --chapter 0`.
+# Korean statements are always shown in Korean, with the English translation under them. Read without a kernel
+# (GitHub, nbviewer), the cell's text lists every statement in Korean with the English under it, then the answers and
+# explanations. In a terminal: `course-lib quiz --chapter 0`.
 
 # %%
 from course_lib.quiz import quiz
