@@ -26,7 +26,9 @@ A step is compute plus the communication that compute does not hide. The model h
                        ZeRO-2: the reduce-scatters overlap backward as DDP's all-reduces
   :func:`zero3_step`   an all-gather per unit before it runs (forward and backward) and
                        a reduce-scatter after its backward; ``prefetch`` issues unit
-                       i+1's all-gather before unit i computes, hiding it
+                       i+1's all-gather before unit i computes, hiding it; the
+                       first all-gather (before any compute) and the last
+                       reduce-scatter (after all of it) stay exposed
   :func:`pipeline_step`  each stage's schedule, F and B costs per micro-batch, p2p sends;
                        the bubble (p−1)/(m+p−1) (:func:`bubble_fraction`) comes out of it
   :func:`tp_step`      2 all-reduces per block forward, 2 backward, all on the critical
@@ -207,6 +209,10 @@ class Prediction:
     why: str
     hidden: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self):
+        # hidden = busy − exposed, a difference of sums: a float round-off may make it −1e-18
+        self.hidden = {k: max(0.0, v) for k, v in self.hidden.items()}
+
     @property
     def total(self) -> float:
         return sum(self.parts.values())
@@ -294,29 +300,35 @@ def param_parts(model: nn.Module) -> dict[nn.Parameter, str]:
     """The costed part whose backward makes each parameter's gradient ready.
 
     A parameter of a costed part: that part (the clock sleeps the part's backward *before* its
-    backward ops, so its gradients land at the end of that sleep). A parameter outside every
-    part (``ln_f`` between the blocks and the head): the next part in registration order — the
-    one whose backward runs just before it (``lm_head`` for ``ln_f``); none after it: the first
-    part (whose backward ends the backward pass).
+    backward ops, so its gradients land at the end of that sleep); a weight shared by two parts
+    (the tied ``wte`` / ``lm_head``): the first, whose backward comes last and completes the
+    accumulated gradient. A parameter outside every part (``ln_f`` between the blocks and the
+    head): the next costed part in **module** order — the one whose backward runs just before
+    it (``lm_head`` for ``ln_f``); none after it: the first part (whose backward ends the
+    backward pass).
+
+    Why module order, not parameter order: a head whose only weight is tied to the embedding
+    owns no parameter of its own, so in parameter order nothing comes after ``ln_f`` and it
+    would be assigned to ``wte`` — ready only when backward ends, which held every DDP / ZeRO-2
+    bucket holding ``ln_f`` (the first to be reduced) until then, and predicted no overlap.
     """
     parts = costed_parts(model)
     owner = {}
     for name, module, _ in parts:
         for p in module.parameters():
             owner.setdefault(p, name)
-    order = list(dict.fromkeys(model.parameters()))
-    first_at = {}
-    for i, p in enumerate(order):
-        if p in owner:
-            first_at.setdefault(owner[p], i)
-    starts = sorted((i, n) for n, i in first_at.items())
+    position = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    starts = sorted((position[id(m)], name) for name, m, _ in parts)
     out = {}
-    for i, p in enumerate(order):
-        if p in owner:
-            out[p] = owner[p]
-        else:
-            later = [n for j, n in starts if j > i]
-            out[p] = later[0] if later else starts[0][1]
+    for i, module in enumerate(m for _, m in model.named_modules()):
+        for p in module.parameters(recurse=False):
+            if p in out:
+                continue
+            if p in owner:
+                out[p] = owner[p]
+            else:
+                later = [n for j, n in starts if j > i]
+                out[p] = later[0] if later else starts[0][1]
     return out
 
 
@@ -774,10 +786,22 @@ def layout_step(
       recompute adds one forward (2 of the 6 FLOPs per parameter and token);
     * pipeline: the 1F1B bubble, compute · (p−1)/m, and 2(p−1) activation sends on the path;
     * TP: 4 all-reduces of b·s·h per layer and micro-batch (2 more with full recompute), exposed;
-    * data parallel (ZeRO stage z): DDP / ZeRO-2 reduce during the last micro-batch's backward
-      and show what is longer; ZeRO-1 reduces after it; ZeRO-1/2 all-gather after the step;
-      ZeRO-3 gathers per micro-batch (forward and backward, prefetched behind compute) and
-      reduce-scatters per micro-batch.
+    * data parallel (ZeRO stage z), each rule the mechanism of :func:`ddp_step`,
+      :func:`zero_step`, :func:`zero3_step` at one bucket / unit per layer:
+
+      - DDP / ZeRO-2 reduce during the last micro-batch's backward (the others accumulate
+        locally); exposed: what the link needs beyond that backward, and at least the last
+        bucket (the first layers' gradients, ready only when backward ends);
+      - ZeRO-1 reduces after backward, all exposed;
+      - ZeRO-1/2 all-gather the updated parameters after the optimizer step, exposed (as
+        DeepSpeed and ``course_lib.zero`` do; FSDP2 with ``reshard_after_forward=False`` would
+        instead gather in the next forward, prefetched — not modelled here);
+      - ZeRO-3 all-gathers every layer in forward and again in backward and reduce-scatters it,
+        every micro-batch. The **first** layer's all-gather (nothing to compute before it) and
+        the **last** layer's reduce-scatter (nothing left to compute after it) are exposed each
+        micro-batch; the others are prefetched and show only where one layer's transfer takes
+        longer than one layer's compute. So ZeRO-3 pays an exposed head and tail where DDP pays
+        one tail, and 3Ψ of traffic against 2Ψ: it is never predicted faster than DDP.
     """
     dp, tp, pp, z = layout.dp, layout.tp, layout.pp, layout.zero
     s, h, n = model.seq_len, model.hidden, profile.gpus_per_node
@@ -804,18 +828,29 @@ def layout_step(
         ab = profile.alpha_beta(dp, tp * dp > n)
         shard = model.params / (tp * pp) * 2  # 16-bit gradients / parameters of one rank
         micro_bwd = 2 * micro_fwd
+        per_layer = model.layers / pp  # this rank's layers: ZeRO-3's units, DDP's buckets
         if z == 3:
-            gather = ab.predict("all_gather", shard)
-            scatter = ab.predict("reduce_scatter", shard)
-            exposed = max(0.0, gather - micro_fwd) + max(0.0, gather + scatter - micro_bwd)
-            parts["exposed all_gather + reduce_scatter"] = m * exposed
+            # one unit per layer: its all-gather before it runs (forward and backward), its
+            # reduce-scatter after its backward, all on one link (see zero3_step)
+            g = ab.predict("all_gather", shard / per_layer)
+            r = ab.predict("reduce_scatter", shard / per_layer)
+            f, b = micro_fwd / per_layer, micro_bwd / per_layer
+            # the first unit's all-gather: forward cannot start before it; the last unit's
+            # reduce-scatter: after backward ends (the next micro-batch's first all-gather
+            # queues behind it, the optimizer step waits for it) — both exposed every micro-batch
+            edges = g + r
+            # the others, prefetched: unit i+1's all-gather runs behind unit i's forward; in
+            # backward unit i−1's all-gather and unit i's reduce-scatter behind unit i's
+            # backward — exposed only where the link needs longer than the compute
+            inner = (per_layer - 1) * (max(0.0, g - f) + max(0.0, g + r - b))
+            parts["exposed all_gather + reduce_scatter"] = m * (edges + inner)
         else:
             if z == 0:
                 reduce = ab.predict("all_reduce", shard)
             else:
                 reduce = ab.predict("reduce_scatter", shard)
             hidden = 0.0 if z == 1 else micro_bwd
-            last = reduce / model.layers  # the first layers' bucket is ready only at the end
+            last = reduce / per_layer  # the first layers' bucket is ready only at the end
             parts["exposed gradient reduction"] = max(reduce - hidden, last)
             if z in (1, 2):
                 parts["exposed all_gather"] = ab.predict("all_gather", shard)

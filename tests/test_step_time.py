@@ -130,6 +130,35 @@ def test_planner_ranks_layouts_by_predicted_step_time_on_the_h100_node():
     assert "H100" in st.H100_NODE.name and st.H100_NODE.rate == pytest.approx(0.4 * 989e12)
 
 
+def test_planner_zero3_pays_its_first_all_gather_and_last_reduce_scatter():
+    # regression: ZeRO-3 once paid no exposed head or tail and ranked above DDP everywhere
+    small = Model(params=124e6, layers=12, hidden=768, heads=12, seq_len=1024, vocab=50257)
+    big = Model(params=7e9, layers=32, hidden=4096, heads=32, seq_len=4096, vocab=32000)
+    for model in (small, big):
+        for dp, g in ((8, 64), (32, 512)):
+            ddp = st.layout_step(model, Layout(dp=dp, zero=0), st.H100_NODE, global_batch=g)
+            z3 = st.layout_step(model, Layout(dp=dp, zero=3), st.H100_NODE, global_batch=g)
+            exposed = z3.parts["exposed all_gather + reduce_scatter"]
+            ab = st.H100_NODE.alpha_beta(dp, dp > 8)
+            shard = model.params * 2 / model.layers  # one layer's 16-bit parameters
+            m = g / dp
+            head_tail = ab.predict("all_gather", shard) + ab.predict("reduce_scatter", shard)
+            assert exposed >= m * head_tail * (1 - 1e-9)
+            assert z3.total > ddp.total
+
+
+def test_param_parts_puts_ln_f_before_a_tied_head():
+    from course_lib.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, d_model=16))
+    owner = st.param_parts(model)
+    assert model.config.tie_weights
+    # ln_f's backward runs right after the head's, not at the end of backward with wte's
+    assert owner[model.ln_f.weight] == "lm_head"
+    assert owner[model.wte.weight] == "wte"
+    assert owner[model.blocks[1].ln_1.weight] == "blocks.1"
+
+
 # --------------------------------------------------------------------------- measured, under the clock
 
 

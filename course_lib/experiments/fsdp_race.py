@@ -246,7 +246,8 @@ def zero3_clocked(
     ``clock.calibrate``) and predicted by ``step_time.zero3_step(prefetch=…, recompute=…)`` from
     the units Zero3 really holds and α–β fitted on the spot. Rows: each variant's measured
     median within ``timing.AGREEMENT_BAND`` of its prediction; what prefetch saves and what
-    recompute costs (one forward of the blocks), measured against predicted. Same on every rank.
+    recompute costs, measured against predicted; and the measured recompute cost against one
+    forward of the blocks (what the clock sleeps for it). Same on every rank.
     """
     config = config or clocked_config()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -298,12 +299,14 @@ def zero3_clocked(
             AGREEMENT_BAND,
             against="zero3_step",
         )
+    # the claim "recompute adds one forward of the blocks", measured: the extra step time against
+    # what the clock sleeps for one forward of the blocks (not against the model's own input)
     one_forward = sum(s for n, s in fwd if n.startswith("blocks."))
     res.within(
-        "predicted recompute = one forward of the blocks, s",
-        predicted["prefetch + recompute"].parts.get("recompute", 0.0),
+        "recompute costs (measured) vs one forward of the blocks, s",
+        res.saving("prefetch + recompute", "prefetch", "measured"),
         one_forward,
-        1e-9,
-        against="Σ block forward",
+        AGREEMENT_BAND,
+        against="Σ block forward sleeps",
     )
     return res

@@ -318,9 +318,11 @@ for p in step_pred.values():
 # %% [markdown]
 # The table's rows compare each measured median with its prediction within the course's `AGREEMENT_BAND`. The parts
 # say where each stage's time goes: compute dominates by construction (the clock's rate makes every block sleep
-# ≥ 40× its real compute), and what differs between stages is only the *exposed* communication — DDP's last bucket,
-# ZeRO-1's reduce-scatters and all-gathers after backward, ZeRO-2's all-gathers, ZeRO-3's first gathers, which nothing can
-# prefetch.
+# ≥ 40× its real compute), and what differs between stages is only the *exposed* communication — DDP's last bucket
+# (the embeddings' gradients, ready only when backward ends), ZeRO-1's reduce-scatters and all-gathers after backward,
+# ZeRO-2's last bucket and its all-gathers, ZeRO-3's first all-gather (nothing to compute before it) and last
+# reduce-scatter (nothing left to compute after it). "Used flags" is ZeRO-1/2's one-byte-per-parameter all-reduce
+# that tells every rank which parameters got a gradient (as DDP's `find_unused_parameters` does), issued in `step()`.
 #
 # ## 4. Activations are not sharded
 #
@@ -364,7 +366,9 @@ print(
 # Each stage's final weights against one device trained on the full batches (AdamW with weight decay):
 
 # %% tags=["nbval-ignore-output"]
-print(claim_rows("weights after 3 AdamW steps vs one device (rank 0)", "weights"))
+weights = claim_rows("weights after 3 AdamW steps vs one device (rank 0)", "weights")
+print(weights)
+weights.assert_passed()
 
 # %% [markdown]
 # **Gradient clipping** needs the norm of the *whole* gradient, but each rank holds only a partition: each rank
@@ -465,6 +469,7 @@ z1_rows.condition(
     against="our flat buffer: 1.00",
 )
 print(z1_rows)
+z1_rows.assert_passed()
 
 # %% [markdown]
 # ### DeepSpeed ZeRO, stages 0–3, on the same model
@@ -545,6 +550,27 @@ if ds_ok:
     print("deepspeed_zero(stage=2), the measured run below:          " + ", ".join(f"{v:.5f}" for v in ds[2]["losses"]))
     print("one device, the same data and AdamW:                      " + ", ".join(f"{v:.5f}" for v in ref["losses"]))
     print(zero_libraries.deepspeed_table(ds))
+    ds_same = Result(title="DeepSpeed ZeRO vs one device, N = 2 (rank 0, AdamW tolerance)")
+    for r in ds:
+        ds_same.checked += [
+            replace(row, quantity=f"stage {r['stage']}: {row.quantity}")
+            for row in r.checks()
+            if row.quantity.startswith(("mean loss", "weights"))
+        ]
+    print()
+    print(ds_same)
+    for what in ("mean loss", "weights"):
+        d = [row.measured for row in ds_same.checks() if what in row.quantity]
+        print(f"max |Δ {what}| vs one device over stages 0–3 (0: no partitioning): {min(d):.4g} … {max(d):.4g}")
+
+# %% [markdown]
+# The table above is shown, not asserted. Stage 0 is DeepSpeed's engine with no ZeRO partitioning at all (a plain
+# data-parallel all-reduce): when it is off from one device by the same amount as stages 1–3, the difference comes from
+# something the engine does around the optimizer, not from sharding — our `ZeroOptimizer` on the same model and data
+# is within the AdamW tolerance at every stage (§5). The two first losses are printed to 5 digits; a max |Δ| near
+# the learning rate (3e-3) is one AdamW step on some element, the size Adam gives any update whatever the gradient's
+# scale. What in the engine causes it is not pinned down here; on a smaller model (vocabulary 32 instead of 512,
+# d_model 27, 10 steps) the course's tests require DeepSpeed to equal one device within that tolerance at every stage.
 
 # %%
 if ds_ok:
@@ -577,6 +603,7 @@ if ds_ok:
         against="20Ψ_pad/N = 16Ψ/N + the 4Ψ/N fp32 master",
     )
     print(ds_rows)
+    ds_rows.assert_passed()
 else:
     print("DeepSpeed cells skipped:", ds_reason)
 
@@ -671,8 +698,9 @@ quiz("zero")
 #   gathers by unit; a per-use, per-parameter gather pays the tied weight's second use on top. Stage 2 reduce-scatters
 #   during backward, bucket by bucket; stage 1 after it.
 # - Peaks are above the after-step numbers: stage 2 by its staging buckets (at most two reduce-scatters in flight, so
-#   its peak is below bucketed DDP's by the formulas' difference less that staging), stage 3 by the root and at most
-#   two gathered blocks (checked with four blocks).
+#   its peak is below bucketed DDP's by the formulas' difference, less that staging, plus the activations freed
+#   between the moments the two peaks happen — a term measured at those two moments, not a formula), stage 3 by the
+#   root and at most two gathered blocks (checked with four blocks).
 # - On gloo a reduce-scatter is an all-reduce of its input (twice a ring reduce-scatter's bytes); the α–β fit carries
 #   that into the step-time predictions, which the clocked measurements meet within the agreement band.
 # - Activations are not sharded: equal at an equal per-rank micro-batch, whatever N.
