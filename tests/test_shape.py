@@ -190,7 +190,10 @@ LAYERS = {
         "ray_data",
         "plan",
     },
-    "instruments": {"fsdp_meters"},  # meters and timelines that attach to a technique from outside
+    "instruments": {
+        "fsdp_meters",
+        "profiling",  # torch.profiler traces of a step, read back, classified and drawn
+    },  # meters and timelines that attach to a technique from outside
     "experiments": {"experiments", "checks"},
     "learner": {"check", "quiz", "viz", "show"},
     "entry points": {"cli", "bench"},

@@ -1,0 +1,151 @@
+"""course_lib.profiling: real profiler traces of real steps, read back, classified and drawn.
+
+One single-process profile (module fixture) and one 2-rank spawn per DDP variant; nothing mocked.
+"""
+
+import json
+
+import matplotlib
+import pytest
+import torch
+
+from course_lib import profiling as P
+from course_lib.clock import AcceleratorClock
+from course_lib.configs import make_optimizer, small_config
+from course_lib.launch import spawn
+from course_lib.models import GPT
+from course_lib.train import step_batch
+
+matplotlib.use("Agg")
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """Two profiled steps (after one warm-up) of the small GPT under a fast modelled clock."""
+    cfg = small_config()
+    model = GPT(cfg)
+    opt = make_optimizer("adamw", model.parameters())
+    clock = AcceleratorClock(5e9)  # short sleeps: the trace holds the clock's ranges, cheaply
+    clock.apply(model)
+    x, y = step_batch(0, cfg, 8)
+    path = tmp_path_factory.mktemp("traces") / "one_device.json"
+    prof = P.profile_steps(lambda: P.marked_step(model, opt, x, y), steps=STEPS, trace_path=path)
+    clock.remove()
+    return prof, P.read_trace(prof.trace_path)
+
+
+def test_profile_writes_a_chrome_trace_with_one_profiler_step_range_per_step(one_device):
+    prof, events = one_device
+    with open(prof.trace_path, encoding="utf-8") as f:
+        data = json.load(f)
+    assert any(e.get("ph") == "X" for e in data["traceEvents"])
+    steps = sorted(e.name for e in events if e.name.startswith("ProfilerStep#"))
+    assert len(steps) == STEPS
+    assert len(prof.step_s_trace) == len(prof.step_s_wall) == STEPS
+    assert prof.checks()[0].verdict, (
+        prof
+    )  # the ProfilerStep count row (the timing row is shown only)
+    assert prof.top_ops and {"name", "calls", "self_cpu_ms"} <= set(prof.top_ops[0])
+    text = str(prof)
+    assert "top ops by self time" in text and prof.trace_file in text
+
+
+def test_the_classification_finds_every_phase_and_the_clock(one_device):
+    _, events = one_device
+    kinds = {e.kind for e in events}
+    assert {"forward", "backward", "optimizer", "clock sleep"} <= kinds, kinds
+    assert {e.kind for e in events if e.name == "aten::mm"} <= {"forward", "backward"}
+    assert any(e.kind == "backward" and e.name.endswith("Backward0") for e in events)
+    sleeps = [e for e in events if e.kind == "clock sleep"]
+    assert all(e.name.startswith(P.CLOCK_PREFIX) for e in sleeps)
+    assert {e.phase for e in sleeps} == {"forward", "backward"}
+    assert any(e.name.startswith("Optimizer.step#") for e in events if e.kind == "optimizer")
+
+
+def test_classify_inherits_from_the_innermost_enclosing_range_and_overlap_adds_up():
+    raw = [
+        {"thread": "main", "name": "backward", "start": 0.0, "duration": 10.0},
+        {"thread": "main", "name": "autograd::engine::evaluate_function: MmBackward0", "start": 1.0, "duration": 4.0},
+        {"thread": "main", "name": "aten::mm", "start": 2.0, "duration": 1.0},
+        {"thread": "main", "name": "clock: blocks.0 bwd", "start": 5.0, "duration": 3.0},
+        {"thread": "main", "name": "c10d::allreduce_", "start": 8.0, "duration": 0.1},
+        {"thread": "main", "name": "aten::add", "start": 12.0, "duration": 1.0},
+        {"thread": "gloo", "name": "gloo:all_reduce", "start": 7.0, "duration": 4.0},
+    ]  # fmt: skip
+    ev = {e.name: e for e in P.classify(raw)}
+    assert (ev["aten::mm"].kind, ev["aten::mm"].phase) == ("backward", "backward")
+    assert (ev["clock: blocks.0 bwd"].kind, ev["clock: blocks.0 bwd"].phase) == (
+        "clock sleep",
+        "backward",
+    )
+    assert (ev["c10d::allreduce_"].kind, ev["c10d::allreduce_"].phase) == (
+        "communication",
+        "backward",
+    )
+    assert (ev["gloo:all_reduce"].kind, ev["gloo:all_reduce"].phase) == ("communication", "")
+    assert ev["aten::add"].kind == "other"
+    # the gloo range 7–11 overlaps backward work (the sleep, 5–8) for 1 s; the mark (0–10) is not work
+    assert P.overlap(list(ev.values())) == pytest.approx(1.0)
+    # the enqueueing c10d call sits on the training thread (it holds the "backward" mark): not counted
+    assert P.training_threads(list(ev.values())) == {"main"}
+    assert P.busy(list(ev.values())) == pytest.approx(4.0)
+
+
+def test_draw_trace_returns_axes_with_a_legend_of_the_kinds_in_ms(one_device):
+    _, events = one_device
+    ax = P.draw_trace(events, title="one device")
+    labels = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert {
+        "forward",
+        "backward",
+        "optimizer",
+        "clock sleep in forward",
+        "clock sleep in backward",
+    } <= labels
+    assert "ms" in ax.get_xlabel() and ax.get_title() == "one device"
+    matplotlib.pyplot.close(ax.figure)
+
+
+def test_relative_prints_paths_inside_the_repository_from_its_root():
+    assert P.relative(P.TRACE_DIR / "x.json") == ".cache/traces/x.json"
+
+
+@pytest.mark.parametrize("variant", ["torch_ddp", "own"])
+def test_a_two_rank_ddp_trace_shows_gloo_collectives(variant, tmp_path):
+    res = spawn(
+        P.ddp_step_trace,
+        2,
+        kwargs={"variant": variant, "steps": STEPS, "trace_dir": str(tmp_path), "clock_rate": 5e9},
+        timeout=120,
+    )
+    assert [r.rank for r in res] == [0, 1]
+    for r in res:
+        assert r.trace_path.endswith(f"ddp_{variant}_rank{r.rank}.json")
+        assert "gloo:all_reduce" in r.comm_names, r.comm_names
+        assert r.comm_s > 0
+        assert r.checks()[0].verdict and r.claims()["collective ranges off the training thread"], r
+        events = P.read_trace(r.trace_path)
+        gloo = [e for e in events if e.name == "gloo:all_reduce"]
+        main = {e.thread for e in events if e.name == "backward"}
+        assert gloo and all(e.kind == "communication" for e in gloo)
+        assert {e.thread for e in gloo}.isdisjoint(main)  # gloo runs on its own threads
+    both = P.read_traces([r.trace_path for r in res])  # one time axis: the ranks' steps line up
+    firsts = [
+        min(e.start for e in evs if e.name.startswith("ProfilerStep#")) for evs in both.values()
+    ]
+    assert min(firsts) >= 0 and max(firsts) - min(firsts) < 1.0
+    ax = P.draw_trace(both, title=f"{variant}, 2 ranks")
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    assert sum("training thread" in t for t in rows) == 2 and rows[0].startswith("rank 0 · ")
+    assert "communication" in {t.get_text() for t in ax.get_legend().get_texts()}
+    matplotlib.pyplot.close(ax.figure)
+
+
+def test_cuda_activities_are_added_only_where_cuda_is():
+    acts = P._activities(torch.device("cpu"))
+    assert torch.profiler.ProfilerActivity.CPU in acts
+    assert (
+        torch.profiler.ProfilerActivity.CUDA in P._activities(None)
+    ) == torch.cuda.is_available()
