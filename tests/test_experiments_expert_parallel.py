@@ -65,7 +65,11 @@ def test_bytes_sent_out_come_back_and_exclude_the_local_chunk(suite):
             kept = torch.tensor(lay["kept"])
             everything = int(kept[rank].sum()) * row  # the self chunk counted too: wrong
             assert lay["forward"][0] < everything
-            assert lay["forward"][0] < lay["padded"]
+            # GShard's buffer: C per rank (on this rank's tokens), E·C·d·4, (e−1)/e of it off-rank
+            c = lay["capacity_per_rank"]
+            assert c < lay["capacity_group"]
+            assert lay["padded"] == E.moe_config().num_experts * c * row
+            assert lay["padded_offrank"] == lay["padded"] * (WORLD - 1) // WORLD
     assert all(r.calls == {"forward": 2 * cfg.n_layer, "backward": 2 * cfg.n_layer} for r in tr)
 
 

@@ -6,6 +6,9 @@
    batch within :data:`~course_lib.results.SGD` (micro-batches reorder the fp32 sums). One device
    is ``reference_run`` for one SGD step on this rank: its ``.grad`` is the full-batch gradient.
    This stage's peak live micro-batches must be ≤ p − stage.
+
+Stuck: :func:`hint` gives the idea (level 1), then the API (level 2), never the code. An exercise
+that still raises ``NotImplementedError`` is reported as unsolved with a pointer to the hints.
 """
 
 from __future__ import annotations
@@ -19,16 +22,57 @@ from ..pipeline import Action, PipelineRunner, measured_step, one_f_one_b, split
 from ..results import SGD, max_abs_diff
 from ..train import reference_run, step_batch
 
-__all__ = ["check_one_f_one_b_schedule"]
+__all__ = ["GRID", "HINTS", "hint", "check_one_f_one_b_schedule"]
 
 GRID = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8)]
+
+HINTS: dict[str, tuple[str, str]] = {
+    "one_f_one_b_schedule": (
+        "What 1F1B bounds is memory: the micro-batches whose forward has run on this stage but "
+        "whose backward has not. Stage `stage` may hold at most p − stage of them: one for "
+        "itself and one for each stage after it. Ask how many forwards that lets the "
+        "stage run before it needs its first backward, and how it keeps that count afterwards; "
+        "count them along each rank's row of notebook 05's p = 4, 1F1B timeline.",
+        "Return a list of course_lib.pipeline.Action(op, microbatch): op is 'F' or 'B', "
+        "microbatch 0…m−1; every micro-batch once as 'F' and once as 'B', its 'F' first. "
+        "pipeline.make_schedules(one_f_one_b_schedule, p, m) gives every stage's list (with "
+        "'gpipe' in place of your function: GPipe's, in the same format); pipeline.simulate("
+        "schedules, m) runs them on paper, raising if they cannot run, and viz.gantt draws its "
+        "events as section 2 does. The checker compares every stage for p in 1…4 and m in "
+        "{1, 2, 3, 4, 6, 8}, then trains with your lists on 2 ranks.",
+    ),
+}
+
+UNSOLVED = (
+    "one_f_one_b_schedule: implement it (hints in layers, the idea then the API: "
+    "course_lib.checks.pipeline.hint('one_f_one_b_schedule', 1), then level 2)"
+)
+
+
+def hint(name: str, level: int = 1) -> str:
+    """Hint ``level`` (1: the idea, 2: the API) for exercise ``name``; never the code."""
+    if name not in HINTS:
+        raise ValueError(f"no hints for {name!r}; exercises with hints: {sorted(HINTS)}")
+    if level not in (1, 2):
+        raise ValueError(
+            f"level={level!r}: 1 is the idea, 2 the API (there is no level with the code)"
+        )
+    return HINTS[name][level - 1]
+
+
+def _actions(fn, p: int, m: int, stage: int) -> list[Action]:
+    """The learner's list for one stage; a TODO is reported with the pointer to the hints."""
+    try:
+        return [Action(*a) for a in fn(p, m, stage)]
+    except NotImplementedError:
+        raise NotImplementedError(UNSOLVED) from None
 
 
 def _first_difference(fn) -> list[str]:
     rank = dist.get_rank()
     for q, m in GRID:
         for stage in range(q):
-            got = [Action(*a) for a in fn(q, m, stage)]
+            got = _actions(fn, q, m, stage)
             want = one_f_one_b(q, m, stage)
             if got != want:
                 i = next(

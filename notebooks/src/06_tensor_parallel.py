@@ -8,8 +8,8 @@
 #   backward** — counted on real ranks;
 # - that the tensor-parallel GPT *is* the one-device GPT (outputs, gradients, 10 AdamW steps), and what each rank
 #   stores (1/t of the block weights, not of the LayerNorms);
-# - TP's traffic per token against data parallelism's: the batch size where they cross, and why the bandwidth inside
-#   vs across nodes still puts TP inside a node (chapter 00's α–β model);
+# - TP's traffic against data parallelism's, per rank and step at the same global batch: the batch size where they
+#   cross, and why the bandwidth inside vs across nodes still puts TP inside a node (chapter 00's α–β model);
 # - sequence parallelism (all-reduce → reduce-scatter + all-gather) and the activation bytes it saves;
 # - PyTorch's DTensor version (`parallelize_module`, `ColwiseParallel`, `RowwiseParallel`, `loss_parallel`) and
 #   its traps; DP × TP on a 2-D `DeviceMesh`, with FSDP2 on the data-parallel dimension.
@@ -191,10 +191,10 @@ equal.equal("loss", tp[0]["loss"], ref_loss.item(), SGD)
 equal.equal("gradients (shards merged)", E.merge_shards(tp), ref_grads, SGD)
 equal.equal("weights after 10 AdamW steps (lr 1e-3)", E.merge_shards([r["train"] for r in runs], "state"), trained,
             ADAMW)
-print(f"{equal.title}: {'every row passes' if equal.passed else equal.failures()}")
 
 # %% tags=["nbval-ignore-output"]
 print(equal)
+equal.assert_passed()
 
 # %% [markdown]
 # **Dropout.** The course's models train without dropout, and the TP model refuses it: dropout on a split activation
@@ -243,42 +243,51 @@ print(f"everything else per rank: {tp[0]['other_param_bytes']:,} B (embeddings s
       f"position embedding whole)")
 
 # %% [markdown]
-# **TP's traffic against DP's, and why TP still stays inside a node.** TP sends every token's activations through the group in every
-# layer, forward and backward: per token and rank, $L \cdot 4 \cdot h \cdot \text{bytes} \cdot 2(t-1)/t$, whatever
-# the batch size. Data parallelism sends the gradients once per step, $2(N-1)/N \cdot \Psi \cdot \text{bytes}$,
-# spread over all tokens of the step: a bigger batch makes it cheaper per token, and it overlaps with backward
-# (chapter 02), while TP's all-reduces sit on the critical path between layers. Measured vs formula here, then
-# predicted with chapter 00's α–β model for one layer of a GPT-3-sized model (L=96, h=12288, bf16, s=2048,
-# micro-batch 1, t=8). The link numbers are *assumptions* for illustration: NVLink inside a node β ≈ 400 GB/s,
-# InfiniBand between nodes β ≈ 50 GB/s per GPU (a 400 Gb/s NIC), α = 10 µs; compute at 300 TFLOP/s per GPU.
+# **TP's traffic against DP's, and why TP still stays inside a node.** Compare the bytes one rank sends per step
+# for the same global batch of B sequences of s tokens on the same 2 ranks. Every TP rank runs all B·s tokens
+# (split along h), and every token's activations cross the group in every layer, forward and backward:
+# $B s \cdot L \cdot 4 \cdot h \cdot \text{bytes} \cdot 2(t-1)/t$, which grows with the batch. Each DP rank trains on
+# B·s/N of the tokens and sends the gradients once per step, $2(N-1)/N \cdot \Psi \cdot \text{bytes}$, whatever the
+# batch; it also overlaps with backward (chapter 02), while TP's all-reduces sit on the critical path between layers.
+# The two cross at $B s = 2(N-1)/N \cdot \Psi \,/\, (L \cdot 4 h \cdot 2(t-1)/t)$ global tokens. What moves the
+# crossover in *time* is the bandwidth each one gets: TP inside a node on NVLink, DP across nodes on InfiniBand.
+# Measured vs formula here, then predicted with chapter 00's α–β model for one layer of a GPT-3-sized model (L=96,
+# h=12288, bf16, s=2048, micro-batch 1, t=8). The link numbers are *assumptions* for illustration: NVLink inside a
+# node β ≈ 400 GB/s, InfiniBand between nodes β ≈ 50 GB/s per GPU (a 400 Gb/s NIC), α = 10 µs; compute at
+# 300 TFLOP/s per GPU.
 
 # %%
-tokens = 8 * cfg.block_size
+tokens = 8 * cfg.block_size  # the step above: 8 sequences, all of them on every TP rank
 tp_per_token = tp[0]["block_tp_ring_bytes"] / tokens
 tp_formula = tp_ring_bytes_per_token(L, cfg.d_model, 2)
-print(f"TP, measured: {tp_per_token:,.0f} B per token per rank; formula {tp_formula:,.0f}")
+print(f"TP, measured: {tp[0]['block_tp_ring_bytes']:,.0f} B per rank per step for {tokens} tokens = "
+      f"{tp_per_token:,.0f} B per token; formula {tp_formula:,.0f}")
 psi = one.num_params()
-for batch in (8, 64, 512):
-    dp_b = dp_ring_bytes_per_token(psi, 2, batch * cfg.block_size // 2)
-    print(f"  batch {batch:>3} × s={cfg.block_size}: TP {tp_formula:>7,.0f} B/token, DP (N=2) {dp_b:>9,.1f} B/token "
-          f"→ {'TP' if tp_formula < dp_b else 'DP'} sends fewer bytes")
-# DP's bytes per token fall as 1/(tokens per rank); TP's do not: they cross where the two are equal
-cross = dp_ring_bytes_per_token(psi, 2, 1) / tp_formula  # tokens per rank per step
-print(f"crossover in bytes: DP sends fewer bytes per token than TP beyond {cross:,.0f} tokens per rank per step "
-      f"({2 * cross / cfg.block_size:,.0f} sequences of {cfg.block_size} at N = t = 2)")
+dp_step = dp_ring_bytes_per_token(psi, 2, 1)  # 2(N−1)/N·Ψ·4: per rank and step, whatever the batch
+print(f"DP (N = 2), per rank per step: 2(N−1)/N·Ψ·4 = {dp_step:,.0f} B (Ψ = {psi:,})")
+for batch in (8, 12, 13, 16, 64):
+    tp_step = tp_formula * batch * cfg.block_size
+    print(f"  global batch {batch:>3} × s={cfg.block_size}: TP {tp_step:>9,.0f} B, DP {dp_step:>9,.0f} B per rank "
+          f"per step → {'TP' if tp_step < dp_step else 'DP'} sends fewer bytes")
+cross = dp_step / tp_formula  # global tokens per step where TP's bytes reach DP's
+print(f"crossover in bytes: DP sends fewer bytes per rank per step than TP beyond {cross:,.0f} global tokens per "
+      f"step ({cross / cfg.block_size:,.1f} sequences of {cfg.block_size} at N = t = 2)")
 for b_in, b_out in ((400e9, 50e9),):
     print(f"crossover in time, TP on NVLink ({b_in / 1e9:.0f} GB/s) and DP across InfiniBand ({b_out / 1e9:.0f} GB/s): "
-          f"DP is faster per token beyond {cross * b_in / b_out:,.0f} tokens per rank — and once TP must cross nodes "
-          f"too, its every-layer all-reduces run at {b_out / 1e9:.0f} GB/s on the critical path")
+          f"DP's transfer is shorter than TP's beyond {cross * b_in / b_out:,.0f} global tokens per step "
+          f"({cross * b_in / b_out / cfg.block_size:,.0f} sequences; the bandwidth ratio {b_in / b_out:.0f}× moves it) "
+          f"— and once TP must cross nodes too, its every-layer all-reduces run at {b_out / 1e9:.0f} GB/s on the "
+          f"critical path")
 
 # %% tags=["nbval-ignore-output"]
-batches = [8, 16, 32, 64, 128, 256, 512]
+batches = [2, 4, 8, 16, 32, 64, 128]
 fig, ax = plt.subplots(figsize=(6, 3.2))
-ax.loglog(batches, [tp_ring_bytes_per_token(L, cfg.d_model, 2)] * len(batches), "o-", label="TP (t=2): every layer")
-ax.loglog(batches, [dp_ring_bytes_per_token(psi, 2, b * cfg.block_size // 2) for b in batches], "s-",
-          label="DP (N=2): gradients once per step")
-ax.plot([8], [tp_per_token], "k*", markersize=12, label="TP measured (CommLog)")
-ax.set(xlabel="sequences per step", ylabel="bytes sent per token per rank", title="tiny GPT: traffic per token")
+ax.loglog(batches, [tp_formula * b * cfg.block_size for b in batches], "o-", label="TP (t=2): every layer, every token")
+ax.loglog(batches, [dp_step] * len(batches), "s-", label="DP (N=2): gradients once per step")
+ax.plot([8], [tp[0]["block_tp_ring_bytes"]], "k*", markersize=12, label="TP measured (CommLog)")
+ax.axvline(cross / cfg.block_size, color="grey", linestyle=":", label="crossover")
+ax.set(xlabel="sequences per step (global batch)", ylabel="bytes sent per rank per step",
+       title=f"DP sends fewer bytes beyond {cross / cfg.block_size:.1f} sequences per step")
 ax.legend(fontsize=8, frameon=False)
 plt.tight_layout()
 plt.show()
@@ -300,10 +309,20 @@ for link, beta in (("NVLink, inside a node", 400e9), ("InfiniBand, across nodes"
 # %% tags=["nbval-ignore-output"]
 fit = fit_alpha_beta(runs[0]["alpha_beta_rows"], min_bytes=2**20)
 print(fit.table())
-per_call = cfg.block_size * 8 * cfg.d_model * 4
-print(f"predicted here: TP's {4 * L} block all-reduces of {per_call:,} B per step ≈ "
-      f"{4 * L * fit.predict('all_reduce', per_call, 2) * 1e3:.2f} ms; DP's one gradient all-reduce of "
-      f"{psi * 4:,} B ≈ {fit.predict('all_reduce', psi * 4, 2) * 1e3:.2f} ms")
+per_call = cfg.block_size * 8 * cfg.d_model * 4  # one (b, s, h) activation in fp32
+loss_call = cfg.block_size * 8 * 4  # the loss's all-reduces carry one float per token
+tp_calls = sum(tp[0]["forward"].values()) + sum(tp[0]["backward"].values())  # every all-reduce of one step
+n_loss = tp[0]["forward"].get("all_reduce:loss", 0)
+tp_bytes = (tp_calls - n_loss) * per_call + n_loss * loss_call
+tp_time = (tp_calls - n_loss) * fit.predict("all_reduce", per_call, 2) + n_loss * fit.predict("all_reduce", loss_call, 2)
+dp_time = fit.predict("all_reduce", psi * 4, 2)
+alpha = fit.alpha_s["all_reduce"]
+print(f"predicted here, batch 8: TP's {tp_calls} all-reduces per step ({tp_calls - n_loss} of {per_call:,} B, "
+      f"{n_loss} of {loss_call} B: {tp_bytes:,} B in all) ≈ {tp_time * 1e3:.2f} ms, of which latency "
+      f"{tp_calls} × α = {tp_calls * alpha * 1e3:.2f} ms; DP's 1 gradient all-reduce of {psi * 4:,} B ≈ "
+      f"{dp_time * 1e3:.2f} ms, of which latency 1 × α = {alpha * 1e3:.2f} ms")
+print(f"TP's tensors hold {tp_bytes / (psi * 4):.2f}× DP's bytes, yet its predicted time is {tp_time / dp_time:.1f}× "
+      f"DP's: latency (calls × α) is {tp_calls * alpha / tp_time:.0%} of TP's time here — {tp_calls} calls vs 1")
 
 # %% [markdown]
 # ## 8. Sequence parallelism: the all-reduce becomes reduce-scatter + all-gather
@@ -316,7 +335,7 @@ print(f"predicted here: TP's {4 * L} block all-reduces of {per_call:,} B per ste
 # g becomes a **reduce-scatter** along s (each rank gets the summed output for its positions) and f an
 # **all-gather** along s: the same bytes, but the activations in between are 1/t. LayerNorm weights (and here the
 # position embedding) now see only s/t positions per rank: their gradients are **partial** and must be all-reduced
-# over the TP group (`allreduce_sequence_parallel_grads`; the tests check the partial ones are wrong alone).
+# over the TP group (`allreduce_sequence_parallel_grads`; each rank's partial gradient alone is wrong).
 # DTensor's `SequenceParallel` style gets the same rule right by marking those gradients `Partial(sum)` (below).
 #
 # *Context parallelism* goes further for long sequences: it splits the sequence *through attention* too (ring
@@ -338,10 +357,10 @@ sp_table.exact("block ring bytes per rank", sp[0]["block_tp_ring_bytes"], tp[0][
 sp_table.condition("activation bytes per rank", sp[0]["activation_bytes"],
                    sp[0]["activation_bytes"] < tp[0]["activation_bytes"] < one_device_activation,
                    "TP + SP < TP < one device", reference=tp[0]["activation_bytes"], against="TP")
-print(f"{sp_table.title}: {'every row passes' if sp_table.passed else sp_table.failures()}")
 
 # %% tags=["nbval-ignore-output"]
 print(sp_table)
+sp_table.assert_passed()
 
 # %% [markdown]
 # The saving is modest here: in this fp32 model without dropout the replicated part is mostly the LayerNorm inputs,
@@ -385,7 +404,10 @@ def dtensor_tp(batch_size=8):
             logits, loss = model(x, y)
         with CommDebugMode() as bwd:
             loss.backward()
-    full = lambda g: (g.full_tensor() if hasattr(g, "full_tensor") else g).cpu()  # noqa: E731
+
+    def full(g):  # a DTensor's global value; a plain tensor as it is
+        return (g.full_tensor() if hasattr(g, "full_tensor") else g).cpu()
+
     out = {"loss": full(loss).item(), "grads": {n: full(q.grad) for n, q in model.named_parameters()},
            "forward": {str(k): v for k, v in fwd.get_comm_counts().items()},
            "backward": {str(k): v for k, v in bwd.get_comm_counts().items()}}
@@ -432,10 +454,10 @@ dtensor.equal("SP blocks: gradients (full_tensor)", dtp["sp_grads"],
               {n: q.grad for n, q in blocks_ref.named_parameters()}, SGD)
 dtensor.condition("SP blocks: LayerNorm weight gradients' placement", dtp["ln_placements"],
                   dtp["ln_placements"] == {"Partial"}, "Partial: DTensor defers their all-reduce over TP")
-print(f"{dtensor.title}: {'every row passes' if dtensor.passed else dtensor.failures()}")
 
 # %% tags=["nbval-ignore-output"]
 print(dtensor)
+dtensor.assert_passed()
 
 # %% [markdown]
 # Two traps (`tensor_parallel.dtensor_plan` and `parallelize_gpt` are the plan above, kept in `course_lib`):
@@ -467,7 +489,6 @@ mesh_table = Result(title="2-D mesh (dp = 2, tp = 2) vs one device")
 mesh_table.equal("DP×TP (ours), weights after 5 AdamW steps", E.merge_shards(dp0, "state"),
                  reference_run(cfg, 5, 8, "adamw")[0].state_dict(), ADAMW)
 mesh_table.equal("FSDP2 (dp) × DTensor TP (tp), gradients", mesh_runs[0]["fsdp_tp"].grads, ref_grads, SGD)
-print(f"{mesh_table.title}: {'every row passes' if mesh_table.passed else mesh_table.failures()}")
 print("collectives per step and mesh dimension:", mesh_runs[0]["dp_tp"].collectives_step0)
 ring = mesh_runs[0]["dp_tp"].ring_bytes_step0
 print(f"ring bytes per rank and step: tp {ring['tp']:,.0f}, dp {ring['dp']:,.0f}")
@@ -475,6 +496,7 @@ print("FSDP2 × TP collectives per mesh dimension:", mesh_runs[0]["fsdp_tp"].col
 
 # %% tags=["nbval-ignore-output"]
 print(mesh_table)
+mesh_table.assert_passed()
 
 # %% [markdown]
 # **3-D placement on a cluster (DP × PP × TP).** Put the dimension that talks most on the fastest links: **TP
@@ -515,9 +537,11 @@ quiz("tensor-parallel")
 #   TP + sequence parallelism, DTensor's `parallelize_module` (the same collective counts), DP × TP on a 2 × 2 mesh
 #   and FSDP2 × TP.
 # - Each rank stores 1/t of the block Linears; LayerNorms and the position embedding stay whole.
-# - TP's traffic is per token and per layer (measured = formula), DP's per step: at this notebook's small batch TP
-#   even sends fewer bytes per token; past the crossover printed above DP sends fewer, and the 8× bandwidth of
-#   NVLink over InfiniBand is what keeps TP inside a node, with PP and DP across nodes.
+# - Per rank and step at the same global batch, TP's bytes grow with the batch (every token, every layer; measured
+#   = formula) and DP's do not (the gradients once): they cross at the batch printed above. The bandwidth ratio of
+#   NVLink over InfiniBand moves that crossover in time by the same factor, which is why TP stays inside a node,
+#   with PP and DP across nodes. At small sizes the number of calls matters too: each all-reduce pays α, and TP
+#   makes one per parallel region and direction.
 # - Sequence parallelism turns each all-reduce into reduce-scatter + all-gather (same bytes) and cuts the activation
 #   bytes saved per rank (printed above); its LayerNorm gradients must be all-reduced over the TP group.
 
