@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from . import layered_hint
 from ..configs import parallel_config
 from ..launch import device
 from ..models import GPT
@@ -51,13 +52,7 @@ UNSOLVED = (
 
 def hint(name: str, level: int = 1) -> str:
     """Hint ``level`` (1: the idea, 2: the API) for exercise ``name``; never the code."""
-    if name not in HINTS:
-        raise ValueError(f"no hints for {name!r}; exercises with hints: {sorted(HINTS)}")
-    if level not in (1, 2):
-        raise ValueError(
-            f"level={level!r}: 1 is the idea, 2 the API (there is no level with the code)"
-        )
-    return HINTS[name][level - 1]
+    return layered_hint(HINTS, name, level)
 
 
 def _actions(fn, p: int, m: int, stage: int) -> list[Action]:
