@@ -14,7 +14,9 @@
 # - **mixture of experts** (MoE): a router, top-k, expert capacity and the drop rule, the load-balancing loss;
 # - **expert parallelism** (EP): each rank holds E/e experts, tokens travel to them and back with **two
 #   all-to-alls per MoE layer each way**; equal to one device, bytes = formula, a hot expert slowing its rank,
-#   and EP × DP on 4 ranks (which gradients are all-reduced over which group).
+#   and EP × DP on 4 ranks (which gradients are all-reduced over which group);
+# - how the axes **compose** on one mesh: pipeline stages whose blocks are tensor-parallel (PP × TP on 4 ranks, and
+#   DP × PP × TP on 8 in the tests), each rank's shard equal to one device's.
 #
 # **What you need**: chapters 00 (collectives, the α–β model, the modelled accelerator clock), 02 (data
 # parallelism) and 06 (tensor parallelism: attention heads, process groups). 2 CPU cores are enough: ranks are
@@ -662,7 +664,43 @@ for res in mesh_runs:  # every rank's table, not only rank 0's
     res.assert_passed()
 
 # %% [markdown]
-# ## 15. Exercises
+# ## 15. Three axes on one mesh: PP × TP (× DP)
+# <a id="pp-tp"></a>
+#
+# The axes compose because each one talks only inside its own process groups. With pp = 2 stages and tp = 2 on
+# 4 ranks, rank = stage · 2 + k: ranks {0, 1} hold stage 0's blocks, split by heads and MLP columns (chapter
+# 06's f and g, all-reduced inside their TP group); ranks {2, 3} hold stage 1's. Ranks {0, 2} and {1, 3} form two
+# pipelines that pass the whole boundary activation point to point (chapter 05's runner, given the pipeline's
+# global ranks). The embedding, the final LayerNorm and the head stay whole: inside a TP group they see the same
+# input and the same upstream gradient, so their gradients agree with no reduction. With dp > 1 each
+# (stage, k) pair adds a data group that averages gradients after the pipeline step.
+#
+# The order of the axes in the rank number is a choice: pipeline outermost, tensor innermost is torchtitan's mesh
+# order, because TP's four all-reduces per block are the most frequent messages and its ranks should be the
+# closest ones (the GPUs of one NVLink island).
+
+# %%
+from course_lib.experiments import parallel_3d as P3
+
+display(show.source(P3.mesh_3d))
+display(show.source(P3.tensor_parallel_stage))
+
+# %% [markdown]
+# Each rank trains its shard for 3 AdamW steps; the check cuts and splits the one-device model, trained on the
+# full batches, with the same two functions and compares shard with shard. The 8-rank DP 2 × PP 2 × TP 2 run is
+# the same function with `dp=2`: `tests/test_parallel_3d.py` runs it on 8 ranks.
+
+# %%
+mesh3_runs = spawn(P3.dp_pp_tp_training, 4, kwargs=dict(pp=2, tp=2, steps=3))
+for res in mesh3_runs:
+    res.assert_passed()
+print("rank → (stage, replica, TP index):", {r.rank: (r.stage, r.replica, r.k) for r in mesh3_runs})
+
+# %% tags=["nbval-ignore-output"]
+print(mesh3_runs[0])
+
+# %% [markdown]
+# ## 16. Exercises
 # `exercises/context_expert_parallel.py` — write `merge` (section 3's online-softmax rule) and `dispatch_splits`
 # (section 11's step 2 without capacity: how many rows this rank sends to each rank, from its tokens' chosen
 # experts `(N, k)`, experts sharded contiguously). Each is checked on real ranks against the library's version —
@@ -674,7 +712,7 @@ for res in mesh_runs:  # every rank's table, not only rank 0's
 # ```
 
 # %% [markdown]
-# ## 16. O/X quiz
+# ## 17. O/X quiz
 
 # %%
 from course_lib.quiz import quiz
@@ -696,6 +734,9 @@ quiz("context-expert-parallel")
 # - Expert parallelism: counts all-gathered, then two all-to-alls per MoE layer forward (dispatch, combine) and two
 #   backward; bytes = tokens sent to other ranks × d; equal to one device, drops included; a hot expert's rank sets
 #   the step; with DP, dense gradients are all-reduced over every rank and expert gradients over the DP group.
+# - The axes compose because each talks only inside its own groups: on a (pp, dp, tp) mesh, TP's all-reduces stay in
+#   a stage's TP group, activations travel along a pipeline of one rank per stage, gradients are averaged over a data
+#   group; the shards equal one device's (checked above for PP 2 × TP 2).
 
 # %% tags=["nbval-ignore-output"]
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
