@@ -153,7 +153,8 @@ def fit_alpha_beta(
 
     α is the smallest time of the latency regime (rows with ``bytes ≤ latency_bytes``, each
     already a median of repeats; the smallest size if none) — a busy machine only ever adds
-    time, so the minimum is the robust estimate of the fixed cost; β is fitted on the
+    time, so the minimum is the robust estimate of the fixed cost — and never more than the
+    quickest call of any size (a larger message cannot take less than α); β is fitted on the
     **bandwidth regime** only (``bytes ≥ min_bytes``): the slope of ``time − α`` against
     ``ring_factor · bytes``, least squares in relative error.
     Why two regimes: gloo switches algorithm with the message size, so one straight line
@@ -180,7 +181,10 @@ def fit_alpha_beta(
                 f"fit_alpha_beta: op {op!r} has no row with bytes ≥ min_bytes={min_bytes}; "
                 f"sweep larger messages (largest measured: {mine[-1]['bytes']})"
             )
-        a = min(small)
+        # time only grows with size, so no call is quicker than α: a latency row slower than a
+        # bandwidth-regime call was slowed by something else (a wake-up, the load), and taking it
+        # as α would leave nothing for β to explain (β → ∞)
+        a = min(min(small), min(r["time_s"] for r in mine))
         xs = [op_factor(op, n) * r["bytes"] for r in big]
         ys = [max(r["time_s"] - a, 1e-12) for r in big]
         ts = [r["time_s"] for r in big]

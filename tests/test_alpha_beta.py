@@ -41,6 +41,17 @@ def test_fit_recovers_a_known_model():
     assert "β (GB/s)" in fit.table()
 
 
+def test_a_slow_latency_row_cannot_make_beta_infinite():
+    # the 1 KiB call woke up late (5 ms): taken as α it would exceed every 1-16 MiB call, leaving
+    # nothing for β (the fit gave β ≈ 3e18 B/s once); α is capped by the quickest call of any size
+    rows = _rows(1e-4, 2e9, ops=("all_reduce",))
+    rows[0]["time_s"] = 5e-3
+    fit = ch00.fit_alpha_beta(rows)
+    quickest = min(r["time_s"] for r in rows)
+    REORDERED.assert_close(fit.alpha_s["all_reduce"], quickest)
+    assert 1e8 < fit.beta_bytes_per_s["all_reduce"] < 1e11  # finite, within 50x of the true 2 GB/s
+
+
 def test_fit_refuses_bad_input():
     with pytest.raises(ValueError, match="no rows"):
         ch00.fit_alpha_beta([])

@@ -583,7 +583,7 @@ def routing_imbalance(
         against="no aux",
     )
     res.condition(
-        "final max/mean load, no aux: collapsed",
+        "final max/mean load, no aux: unbalanced",
         final["no aux"],
         final["no aux"] >= collapsed,
         f"≥ {collapsed:g}: the busiest expert takes ≥ {collapsed:g}× its share",

@@ -287,7 +287,7 @@ def fsdp_loop(cfg: dict) -> None:
                     json.dump({"epoch": epoch}, f)
                 torch.save(
                     full, os.path.join(d, "full.pt")
-                )  # for the test: full tensors, one device's view
+                )  # also the full tensors (one device's view), to compare with one device
             ray.train.report(
                 {"epoch": epoch, "loss": loss}, checkpoint=Checkpoint.from_directory(d)
             )

@@ -197,12 +197,12 @@ print(same)
 
 # %%
 cmp = spawn(fsdp.fsdp2_vs_zero3, 2)[0]
-print(f"16Ψ/N = {cmp['formula_16psi_over_n']:,.0f} bytes per rank")
+print(f"16Ψ/N = {cmp['formula_16psi_over_n']:,.0f} bytes per rank (Ψ unpadded; each row's ratio uses its own Ψ_pad)")
 for name in ("fsdp2", "zero3"):
     s = cmp[name]
     ag, rs = s["collectives"]["all_gather"], s["collectives"]["reduce_scatter"]
     print(f"{name:<6} Ψ_pad {s['psi_pad']:>7,}  model states {s['memory']['total']:>9,} B "
-          f"({s['memory_ratio']:.3f} × formula)  all-gathers fwd/bwd {ag['forward']}/{ag['backward']}, "
+          f"({s['memory_ratio']:.3f} × 16Ψ_pad/N)  all-gathers fwd/bwd {ag['forward']}/{ag['backward']}, "
           f"reduce-scatters {rs['backward']}, sent / 3Ψ·(N−1)/N = {s['comm_ratio']:.3f}")
 
 # %%

@@ -199,7 +199,7 @@ import torch
 ours_1f1b = {k: v for g in spawn(one_f_one_b_step, 2) for k, v in g.items()}
 tiny_ref = one_device_grads()
 core = Result(title="one 1F1B step written out (p = 2, m = 4) vs one device")
-core.equal("gradients of both stages", ours_1f1b, tiny_ref, SGD)
+core.equal("gradients of both stages", ours_1f1b, tiny_ref, SGD);
 
 # %% tags=["nbval-ignore-output"]
 print(core)
@@ -492,7 +492,7 @@ for replica in (0, 1):
     ppdp_table.equal(f"replica {replica}: weights", E.merge_states([r for r in ppdp if r.replica == replica]),
                      ref5.state_dict(), SGD)
 ppdp_table.exact("process groups each rank's all-reduces ran in", max(len(r.groups) for r in ppdp), 1,
-                 "its stage's data-parallel group")
+                 "its stage's data-parallel group");
 
 # %% tags=["nbval-ignore-output"]
 print(ppdp_table)

@@ -190,7 +190,7 @@ equal.equal("logits (V/t columns per rank, concatenated)", torch.cat([r["logits"
 equal.equal("loss", tp[0]["loss"], ref_loss.item(), SGD)
 equal.equal("gradients (shards merged)", E.merge_shards(tp), ref_grads, SGD)
 equal.equal("weights after 10 AdamW steps (lr 1e-3)", E.merge_shards([r["train"] for r in runs], "state"), trained,
-            ADAMW)
+            ADAMW);
 
 # %% tags=["nbval-ignore-output"]
 print(equal)
@@ -356,7 +356,7 @@ sp_table.exact("block ring bytes per rank", sp[0]["block_tp_ring_bytes"], tp[0][
                "TP's all-reduces (= reduce-scatter + all-gather)")
 sp_table.condition("activation bytes per rank", sp[0]["activation_bytes"],
                    sp[0]["activation_bytes"] < tp[0]["activation_bytes"] < one_device_activation,
-                   "TP + SP < TP < one device", reference=tp[0]["activation_bytes"], against="TP")
+                   "TP + SP < TP < one device", reference=tp[0]["activation_bytes"], against="TP");
 
 # %% tags=["nbval-ignore-output"]
 print(sp_table)
@@ -453,7 +453,7 @@ dtensor.exact("all-reduces backward: CommDebugMode vs our CommLog", sum(dtp["bac
 dtensor.equal("SP blocks: gradients (full_tensor)", dtp["sp_grads"],
               {n: q.grad for n, q in blocks_ref.named_parameters()}, SGD)
 dtensor.condition("SP blocks: LayerNorm weight gradients' placement", dtp["ln_placements"],
-                  dtp["ln_placements"] == {"Partial"}, "Partial: DTensor defers their all-reduce over TP")
+                  dtp["ln_placements"] == {"Partial"}, "Partial: DTensor defers their all-reduce over TP");
 
 # %% tags=["nbval-ignore-output"]
 print(dtensor)
