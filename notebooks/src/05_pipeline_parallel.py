@@ -15,7 +15,7 @@
 # GPT) and 02 (data parallelism). 2 CPU cores are enough: ranks are processes with the gloo backend; on GPUs the same
 # code runs on nccl.
 #
-# **Stored build:** 59 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 51 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/pipeline.py` (stages, schedules, the runner) and `course_lib/experiments/pipeline.py`
 # (what this notebook runs on ranks).
@@ -199,7 +199,7 @@ import torch
 ours_1f1b = {k: v for g in spawn(one_f_one_b_step, 2) for k, v in g.items()}
 tiny_ref = one_device_grads()
 core = Result(title="one 1F1B step written out (p = 2, m = 4) vs one device")
-core.equal("gradients of both stages", ours_1f1b, tiny_ref, SGD);
+_ = core.equal("gradients of both stages", ours_1f1b, tiny_ref, SGD)
 
 # %% tags=["nbval-ignore-output"]
 print(core)
@@ -491,8 +491,8 @@ ppdp_table = Result(title="PP × DP: 2 stages × 2 replicas, 5 SGD steps")
 for replica in (0, 1):
     ppdp_table.equal(f"replica {replica}: weights", E.merge_states([r for r in ppdp if r.replica == replica]),
                      ref5.state_dict(), SGD)
-ppdp_table.exact("process groups each rank's all-reduces ran in", max(len(r.groups) for r in ppdp), 1,
-                 "its stage's data-parallel group");
+_ = ppdp_table.exact("process groups each rank's all-reduces ran in", max(len(r.groups) for r in ppdp), 1,
+                     "its stage's data-parallel group")
 
 # %% tags=["nbval-ignore-output"]
 print(ppdp_table)

@@ -17,7 +17,7 @@
 # **What you need**: chapters 00 (collectives, α–β), 02 (DDP) and 05 (model vs data parallelism). 2 CPU cores are
 # enough: ranks are processes with the gloo backend.
 #
-# **Stored build:** 22 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 20 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/tensor_parallel.py` (the algorithm, top to bottom) and
 # `course_lib/experiments/tensor_parallel.py` (what this notebook runs on ranks).
@@ -189,8 +189,8 @@ equal.condition("layers: Column/RowParallelLinear (bias) vs nn.Linear", runs[0][
 equal.equal("logits (V/t columns per rank, concatenated)", torch.cat([r["logits"] for r in tp], -1), ref_logits, SGD)
 equal.equal("loss", tp[0]["loss"], ref_loss.item(), SGD)
 equal.equal("gradients (shards merged)", E.merge_shards(tp), ref_grads, SGD)
-equal.equal("weights after 10 AdamW steps (lr 1e-3)", E.merge_shards([r["train"] for r in runs], "state"), trained,
-            ADAMW);
+_ = equal.equal("weights after 10 AdamW steps (lr 1e-3)", E.merge_shards([r["train"] for r in runs], "state"),
+                trained, ADAMW)
 
 # %% tags=["nbval-ignore-output"]
 print(equal)
@@ -354,9 +354,9 @@ sp_table.exact("all-reduces left in the blocks (forward)", sp[0]["forward"].get(
                "g → reduce-scatter, f → all-gather")
 sp_table.exact("block ring bytes per rank", sp[0]["block_tp_ring_bytes"], tp[0]["block_tp_ring_bytes"],
                "TP's all-reduces (= reduce-scatter + all-gather)")
-sp_table.condition("activation bytes per rank", sp[0]["activation_bytes"],
-                   sp[0]["activation_bytes"] < tp[0]["activation_bytes"] < one_device_activation,
-                   "TP + SP < TP < one device", reference=tp[0]["activation_bytes"], against="TP");
+_ = sp_table.condition("activation bytes per rank", sp[0]["activation_bytes"],
+                       sp[0]["activation_bytes"] < tp[0]["activation_bytes"] < one_device_activation,
+                       "TP + SP < TP < one device", reference=tp[0]["activation_bytes"], against="TP")
 
 # %% tags=["nbval-ignore-output"]
 print(sp_table)
@@ -452,8 +452,8 @@ dtensor.exact("all-reduces backward: CommDebugMode vs our CommLog", sum(dtp["bac
               sum(tp[0]["backward"].values()), "ours (2 per block + head)")
 dtensor.equal("SP blocks: gradients (full_tensor)", dtp["sp_grads"],
               {n: q.grad for n, q in blocks_ref.named_parameters()}, SGD)
-dtensor.condition("SP blocks: LayerNorm weight gradients' placement", dtp["ln_placements"],
-                  dtp["ln_placements"] == {"Partial"}, "Partial: DTensor defers their all-reduce over TP");
+_ = dtensor.condition("SP blocks: LayerNorm weight gradients' placement", dtp["ln_placements"],
+                      dtp["ln_placements"] == {"Partial"}, "Partial: DTensor defers their all-reduce over TP")
 
 # %% tags=["nbval-ignore-output"]
 print(dtensor)
