@@ -19,11 +19,12 @@ its bytes are in :mod:`course_lib.experiments.zero_deepspeed`.
 ``deepspeed_zero`` / ``deepspeed_zero_stages``
     DeepSpeed (``deepspeed.initialize``) on CPU with gloo, ZeRO stages 0-3. It prints more than it
     should (silenced here) and JIT-compiles a C++ op on first use (cached, see
-    ``torch_extensions_dir``). On the tests' small model (vocabulary 32) it trains like one
-    device (same losses and weights to ~1e-7 after 10 AdamW steps); on chapter 03's model
-    (vocabulary 512) every stage, 0 included, is off from one device by about one AdamW step
-    on some element after step 2, so the cause is in the engine, not in ZeRO's sharding
-    (not pinned down). It is measured per rank against the course's fp32 formula on
+    ``torch_extensions_dir``). Its config sets ``gradient_clipping`` to 0: DeepSpeed's default
+    is 1.0, which clips the global gradient norm of chapter 03's model (vocabulary 512, norm
+    above 1 in its first steps) and so moved every stage, 0 included, about one AdamW step
+    (lr) away from an unclipped device; the tests' model (vocabulary 32) stays below 1 and
+    never showed it. Unclipped, every stage trains like one device within ``ADAMW``.
+    It is measured per rank against the course's fp32 formula on
     the padded count Ψ: stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N, stage 3 16Ψ/N.
     DeepSpeed holds **more**, and every byte of the difference has a name in its source
     (``deepspeed/runtime/zero/stage_1_and_2.py``, ``stage3.py``; see ``deepspeed_decomposition``):
@@ -100,9 +101,11 @@ __all__ = [
     "DeepSpeedZero",
 ]
 
-# This section's AdamW: lr 3e-3, weight decay 0.1, torch's default eps -- not
-# configs.OPTIMIZERS["adamw"]: the libraries' runs predate it; chapters 03 and 09 show their numbers
-LR, WEIGHT_DECAY = 3e-3, 0.1
+# This section's AdamW: lr 3e-3, weight decay 0.1 (the libraries' runs predate configs.OPTIMIZERS),
+# and the course's eps = 1e-6 (see configs.py): with torch's 1e-8, an element whose gradient is
+# ~1e-8 turns the 1e-10 rounding difference between one device and N ranks into an update
+# difference of up to lr * 1e-10 / eps -- 3e-5 measured on chapter 03's model, next to ADAMW's 5e-5
+LR, WEIGHT_DECAY, EPS = 3e-3, 0.1, 1e-6
 SEQ_LEN = 16
 
 
@@ -194,7 +197,11 @@ def torch_zero1_memory(
     names = {id(p): n for n, p in model.named_parameters()}
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(
-        ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY
+        ddp.parameters(),
+        optimizer_class=torch.optim.AdamW,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        eps=EPS,
     )
     losses = []
     for step in range(steps):
@@ -258,7 +265,9 @@ def deepspeed_config(
 
     Bucket sizes are set to ``bucket_elements`` instead of DeepSpeed's defaults of 5e8 elements
     (a 2 GB fp32 reduction buffer -- sized for billion-parameter models, allocated in full even
-    for ours). ``stage3_param_persistence_threshold=0``: by default stage 3 does *not*
+    for ours). ``gradient_clipping=0.0``: DeepSpeed clips the gradients' global norm at 1.0
+    by default (``GRADIENT_CLIPPING_DEFAULT``), one device here does not clip.
+    ``stage3_param_persistence_threshold=0``: by default stage 3 does *not*
     partition parameters smaller than 1e5 elements (it keeps them whole on every rank, to save
     all-gathers) -- that would be every tensor of the tiny GPT -- and
     ``stage3_max_reuse_distance=0`` releases a module's gathered weights right after use (by
@@ -284,6 +293,8 @@ def deepspeed_config(
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
+        # DeepSpeed clips the global gradient norm at 1.0 unless told otherwise; one device does not
+        "gradient_clipping": 0.0,
         "zero_optimization": zero,
         "steps_per_print": 10**9,  # never print throughput
         "wall_clock_breakdown": False,
@@ -293,7 +304,10 @@ def deepspeed_config(
             raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3")
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
         # ZeRO-Offload steps on the CPU with DeepSpeedCPUAdam: let DeepSpeed build it from the config
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "eps": EPS},
+        }
     return config
 
 
@@ -452,7 +466,7 @@ def deepspeed_zero(
     optimizer = (
         None
         if offload_optimizer
-        else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
     )
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints build and config messages
         engine, _, _, _ = deepspeed.initialize(
@@ -603,7 +617,7 @@ def reference_training(
     """
     config = config or small_config()
     model = GPT(config, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
     losses = []
     for step in range(steps):
         x, y = make_batch(
