@@ -8,6 +8,8 @@ gradients of its slice, within :data:`~course_lib.results.SGD` (a technique's ou
 against one device before any update: only the order of fp32 additions may differ). It also counts
 the collectives (``CollectiveCounter``): column parallel communicates only in backward, row parallel
 only in forward — one all-reduce each.
+
+Stuck: :func:`hint` gives the idea (level 1), then the API (level 2), never the code.
 """
 
 from __future__ import annotations
@@ -16,11 +18,42 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import layered_hint
 from ..comm import CollectiveCounter
 from ..launch import device
 from ..results import SGD, max_abs_diff
 
-__all__ = ["check_column_parallel_linear", "check_row_parallel_linear"]
+__all__ = ["HINTS", "hint", "check_column_parallel_linear", "check_row_parallel_linear"]
+
+HINTS: dict[str, tuple[str, str]] = {
+    "column_parallel_linear": (
+        "Ask which tensors this rank holds whole and which only in part. Forward: x is whole and "
+        "W_i is this rank's output rows, so its output columns y_i = x·W_iᵀ (+ b_i) are complete "
+        "here. Backward: ∂L/∂x = Σ_i ∂L/∂y_i · W_i is a sum over every rank's columns, and this "
+        "rank holds one term of it; ∂L/∂W_i and ∂L/∂b_i need only this rank's ∂L/∂y_i.",
+        "A torch.autograd.Function: forward(ctx, x, weight, bias, group) saves what backward "
+        "needs (ctx.save_for_backward) and returns x @ weight.t() (+ bias); backward(ctx, grad_y) "
+        "returns one gradient per forward input, None for group. dist.all_reduce(t, group=group) "
+        "sums t in place over the group. For a 3-D x, flatten the leading dims (reshape(-1, in)) "
+        "before grad_yᵀ @ x; the bias gradient sums grad_y over every dim but the last.",
+    ),
+    "row_parallel_linear": (
+        "Each rank holds a block of the input's last dim and the matching columns of W, so "
+        "x_i·W_iᵀ already has the full output shape but is one term of a sum over ranks: the "
+        "terms must be added before anyone uses y, and the bias added once (not t times). "
+        "Backward: ∂L/∂x_i = ∂L/∂y · W_i uses the full ∂L/∂y, which every rank has.",
+        "The same torch.autograd.Function shape as the column layer: forward sums the partial "
+        "product with dist.all_reduce(t, group=group) (in place; sum is the default op) and then "
+        "adds the bias; backward returns grad_y @ weight, grad_yᵀ @ x_shard (leading dims "
+        "flattened) and grad_y summed over every dim but the last, None for group.",
+    ),
+}
+
+
+def hint(name: str, level: int = 1) -> str:
+    """Hint ``level`` (1: the idea, 2: the API) for exercise ``name``; never the code."""
+    return layered_hint(HINTS, name, level)
+
 
 CASES = [
     ((4, 8), 12, True),

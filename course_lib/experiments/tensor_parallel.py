@@ -75,6 +75,7 @@ __all__ = [
     "fsdp_tp_step",
     "notebook_suite",
     "mesh_suite",
+    "tp_vs_dp_step_times",
 ]
 
 
@@ -621,6 +622,87 @@ def fsdp_tp_step(
             f"{', '.join(kinds)} > 0; none @default",
         )
     return res
+
+
+# =========================================================================== TP vs DP step time
+
+
+def tp_vs_dp_step_times(
+    batches: tuple = (8, 16),
+    rounds: int = 3,
+    ratio: float = 10.0,
+    bucket_cap_mb: float = 0.2,
+    config: GPTConfig | None = None,
+) -> dict:
+    """Rank function: TP and DP steps at the same global batches, timed under the modelled clock.
+
+    For each global batch B of ``batches``: "TP, B=…", our TP GPT over all ranks (every rank the
+    same B sequences, 1/t of every layer), and "DP, B=…", our ``DDP`` (each rank B/N sequences,
+    all of every layer; buckets of ``bucket_cap_mb``, about one block), SGD steps through
+    ``train_step``. One clock rate for all, calibrated on DP's smallest shard so that every block
+    sleeps ≥ ``ratio`` × 2 its real compute (10: TP's all-reduces stay a visible part of a step of
+    this tiny model); timed in interleaved rounds (``time_steps``).
+
+    Returns what a prediction needs, for the caller to predict with ``course_lib.step_time``:
+    ``timings`` (a Timings, no predictions yet), ``forward_s`` (``{name: [(part, forward s)]}``
+    at the clock's rate, :func:`~course_lib.step_time.part_seconds`), ``buckets`` (DP's
+    ``[(bytes, part whose backward completes it)]``), ``idle_alpha`` (one small all-reduce issued
+    after a sleep, as the calls come under the clock), ``tp_allreduces`` (counted in one TP step
+    at each batch, by ``CommLog``), ``rate`` and ``clock``.
+    """
+    from .. import step_time as st
+    from ..clock import AcceleratorClock, calibrate, costed_parts
+    from ..ddp import DDP
+    from ..timing import time_steps
+    from .collectives import idle_alpha
+
+    world, dev = dist.get_world_size(), device()
+    config = config or parallel_config()
+    bad = [b for b in batches if b % world]
+    if bad:
+        raise ValueError(f"global batches {bad} do not split over {world} DP ranks")
+    alpha = idle_alpha(ops=("all_reduce",))["all_reduce"]
+    x, y = shard_batch(*step_batch(0, config, min(batches), dev))
+    rate = calibrate(GPT(config, seed=0).to(dev), x, y, ratio=ratio).rate
+    rate = torch.tensor([rate], dtype=torch.float64, device=dev)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # one rate on every rank
+    clock = AcceleratorClock(float(rate.item()))
+
+    tp = clock.apply(tensor_parallel_gpt(GPT(config, seed=0).to(dev)))
+    tp_opt = torch.optim.SGD(tp.parameters(), lr=1e-3)
+    model = clock.apply(GPT(config, seed=0).to(dev))
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    dp_opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    owner, order = st.param_parts(model), [n for n, _, _ in costed_parts(model)]
+    params = dict(model.named_parameters())
+    buckets = []
+    for names in ddp.buckets:  # a bucket is ready when its latest part in backward is done
+        ps = [params[n] for n in names]
+        buckets.append(
+            (sum(p.numel() * 4 for p in ps), min((owner[p] for p in ps), key=order.index))
+        )
+
+    steps, forward_s, counted = {}, {}, {}
+    for b in batches:
+        tx, ty = step_batch(0, config, b, dev)  # TP: every rank the whole batch
+        dx, dy = shard_batch(tx, ty)  # DP: this rank's B/N of it
+        steps[f"TP, B={b}"] = lambda x=tx, y=ty: train_step(tp, tp_opt, x, y)
+        steps[f"DP, B={b}"] = lambda x=dx, y=dy: train_step(ddp, dp_opt, x, y)
+        forward_s[f"TP, B={b}"] = st.part_seconds(st.part_flops(tp, tx, ty), clock.rate)
+        forward_s[f"DP, B={b}"] = st.part_seconds(st.part_flops(model, dx, dy), clock.rate)
+        with clock.paused(), comm.CommLog() as log:
+            steps[f"TP, B={b}"]()
+        counted[b] = sum(1 for r in log.records if r.op == "all_reduce")
+    timings = time_steps(steps, rounds=rounds, clock=clock)
+    return {
+        "timings": timings,
+        "forward_s": forward_s,
+        "buckets": buckets,
+        "idle_alpha": alpha,
+        "tp_allreduces": counted,
+        "rate": clock.rate,
+        "clock": clock.name,
+    }
 
 
 # =========================================================================== one spawn for the notebook

@@ -8,8 +8,9 @@
 #   backward** — counted on real ranks;
 # - that the tensor-parallel GPT *is* the one-device GPT (outputs, gradients, 10 AdamW steps), and what each rank
 #   stores (1/t of the block weights, not of the LayerNorms);
-# - TP's traffic against data parallelism's, per rank and step at the same global batch: the batch size where they
-#   cross, and why the bandwidth inside vs across nodes still puts TP inside a node (chapter 00's α–β model);
+# - TP's traffic against data parallelism's, per rank and step at the same global batch, and their step times under
+#   the modelled accelerator clock, predicted with the step-time model and measured: where they cross, and how the
+#   bandwidth inside vs across nodes and each call's α move the crossover (chapter 00's α–β model);
 # - sequence parallelism (all-reduce → reduce-scatter + all-gather) and the activation bytes it saves;
 # - PyTorch's DTensor version (`parallelize_module`, `ColwiseParallel`, `RowwiseParallel`, `loss_parallel`) and
 #   its traps; DP × TP on a 2-D `DeviceMesh`, with FSDP2 on the data-parallel dimension.
@@ -272,12 +273,6 @@ for batch in (8, 12, 13, 16, 64):
 cross = dp_step / tp_formula  # global tokens per step where TP's bytes reach DP's
 print(f"crossover in bytes: DP sends fewer bytes per rank per step than TP beyond {cross:,.0f} global tokens per "
       f"step ({cross / cfg.block_size:,.1f} sequences of {cfg.block_size} at N = t = 2)")
-for b_in, b_out in ((400e9, 50e9),):
-    print(f"crossover in time, TP on NVLink ({b_in / 1e9:.0f} GB/s) and DP across InfiniBand ({b_out / 1e9:.0f} GB/s): "
-          f"DP's transfer is shorter than TP's beyond {cross * b_in / b_out:,.0f} global tokens per step "
-          f"({cross * b_in / b_out / cfg.block_size:,.0f} sequences; the bandwidth ratio {b_in / b_out:.0f}× moves it) "
-          f"— and once TP must cross nodes too, its every-layer all-reduces run at {b_out / 1e9:.0f} GB/s on the "
-          f"critical path")
 
 # %% tags=["nbval-ignore-output"]
 batches = [2, 4, 8, 16, 32, 64, 128]
@@ -293,36 +288,131 @@ plt.tight_layout()
 plt.show()
 
 # %%
+NVLINK, INFINIBAND, LINK_ALPHA = 400e9, 50e9, 10e-6  # the assumed links: β (B/s) inside / across nodes, α (s)
 big_L, big_h, s, t = 96, 12288, 2048, 8
 layer = tp_allreduce_bytes_per_layer(1, s, big_h, dtype_bytes=2)
 flops = 3 * 24 * s * big_h**2 / t  # forward 24·s·h² per layer (b = 1), ×3 for training, split over t
 compute_s = flops / 300e12
-for link, beta in (("NVLink, inside a node", 400e9), ("InfiniBand, across nodes", 50e9)):
-    ab = AlphaBeta({"all_reduce": 10e-6}, {"all_reduce": beta}, t, 0)
+for link, beta in (("NVLink, inside a node", NVLINK), ("InfiniBand, across nodes", INFINIBAND)):
+    ab = AlphaBeta({"all_reduce": LINK_ALPHA}, {"all_reduce": beta}, t, 0)
     comm_s = layer["calls"] * ab.predict("all_reduce", layer["tensor_bytes"] / layer["calls"])
     print(f"one layer at t={t} over {link:<25}: TP comm {comm_s * 1e3:5.2f} ms vs compute {compute_s * 1e3:4.1f} ms "
           f"per micro-batch → {comm_s / compute_s:4.0%} of compute")
 
 # %% [markdown]
-# On this machine (gloo over shared memory), chapter 00's fit from a short all-reduce sweep run in the same spawn:
+# <a id="tp-vs-dp-time"></a>
+# **TP vs DP step time on this machine, predicted then measured.** Bytes are not time. `E.tp_vs_dp_step_times`
+# trains the same GPT on 2 ranks at global batches 8 and 16 (either side of the byte crossover above), once with
+# our TP (t = 2: every rank all B sequences, 1/t of every layer) and once with our `DDP` (N = 2: every rank B/N
+# sequences, all of every layer; buckets of about one block), under chapter 00's **modelled accelerator clock**
+# ([accelerator-clock](00_setup_and_collectives.ipynb#accelerator-clock)): every block also sleeps its FLOPs / a
+# calibrated rate, and gloo's threads have the cores meanwhile, as a GPU's communication runs beside its kernels.
+# The cell first **predicts** each step with the step-time model (`course_lib.step_time`):
+#
+# - compute = FLOPs / rate, the same in both: a TP rank computes 1/t of every layer for all B sequences, a DP rank
+#   all of every layer for B/N of them;
+# - TP adds every all-reduce whole (`step_time.tp_step`): each sits on the critical path, since the next operation
+#   needs the sum;
+# - DP adds what its buckets leave after backward (`step_time.ddp_step`): a bucket all-reduces while backward
+#   computes the layers before it, and the last one (the embeddings') is ready only when backward ends;
+# - α–β: chapter 00's fit from the all-reduce sweep of section 6's spawn, with α measured as one small all-reduce
+#   issued after a sleep, the way the calls come under the clock.
+#
+# Then it measures the four steps in interleaved rounds (`course_lib.timing.time_steps`: median [min–max] over
+# rounds), and compares each median with its prediction within the course's ±20 % band (displayed, not asserted).
 
 # %% tags=["nbval-ignore-output"]
-fit = fit_alpha_beta(runs[0]["alpha_beta_rows"], min_bytes=2**20)
-print(fit.table())
-per_call = cfg.block_size * 8 * cfg.d_model * 4  # one (b, s, h) activation in fp32
-loss_call = cfg.block_size * 8 * 4  # the loss's all-reduces carry one float per token
-tp_calls = sum(tp[0]["forward"].values()) + sum(tp[0]["backward"].values())  # every all-reduce of one step
-n_loss = tp[0]["forward"].get("all_reduce:loss", 0)
-tp_bytes = (tp_calls - n_loss) * per_call + n_loss * loss_call
-tp_time = (tp_calls - n_loss) * fit.predict("all_reduce", per_call, 2) + n_loss * fit.predict("all_reduce", loss_call, 2)
-dp_time = fit.predict("all_reduce", psi * 4, 2)
-alpha = fit.alpha_s["all_reduce"]
-print(f"predicted here, batch 8: TP's {tp_calls} all-reduces per step ({tp_calls - n_loss} of {per_call:,} B, "
-      f"{n_loss} of {loss_call} B: {tp_bytes:,} B in all) ≈ {tp_time * 1e3:.2f} ms, of which latency "
-      f"{tp_calls} × α = {tp_calls * alpha * 1e3:.2f} ms; DP's 1 gradient all-reduce of {psi * 4:,} B ≈ "
-      f"{dp_time * 1e3:.2f} ms, of which latency 1 × α = {alpha * 1e3:.2f} ms")
-print(f"TP's tensors hold {tp_bytes / (psi * 4):.2f}× DP's bytes, yet its predicted time is {tp_time / dp_time:.1f}× "
-      f"DP's: latency (calls × α) is {tp_calls * alpha / tp_time:.0%} of TP's time here — {tp_calls} calls vs 1")
+from dataclasses import replace
+
+from course_lib import step_time as st
+
+race = spawn(E.tp_vs_dp_step_times, 2, kwargs=dict(batches=(8, 16)), timeout=240)[0]
+fit = fit_alpha_beta(runs[0]["alpha_beta_rows"], min_bytes=2**20)  # chapter 00's fit of the sweep
+here = AlphaBeta({"all_reduce": max(fit.alpha_s["all_reduce"], race["idle_alpha"])},  # α: a call after a sleep
+                 fit.beta_bytes_per_s, 2, fit.min_bytes, fit.points)
+print(here.table())
+
+
+def predict(name, forward_s, link):
+    """The step-time model of one timed step: TP's all-reduces all exposed, DP's buckets beside backward."""
+    batch = int(name.split("=")[1])
+    if name.startswith("TP"):
+        fwd_bytes, bwd_bytes = st.tp_allreduces(L, batch * cfg.block_size, cfg.d_model)
+        return st.tp_step(forward_s, fwd_bytes, bwd_bytes, link, 2)
+    return st.ddp_step(forward_s, race["buckets"], link, 2)
+
+
+pred = {name: predict(name, fwd, here) for name, fwd in race["forward_s"].items()}
+timed = replace(race["timings"], predicted={name: p.total for name, p in pred.items()},
+                title="TP (t = 2) vs DP (N = 2) at the same global batch: step time, measured vs predicted")
+print(timed.table())
+
+# %% [markdown]
+# Where the time goes, batch by batch: the compute part of each prediction, the all-reduce time it leaves on the
+# step, and which of the two the model and the measurement put first.
+
+# %% tags=["nbval-ignore-output"]
+for b in (8, 16):
+    p_tp, p_dp = pred[f"TP, B={b}"], pred[f"DP, B={b}"]
+    tp_exposed, dp_exposed = p_tp.total - p_tp.parts["compute"], p_dp.total - p_dp.parts["compute"]
+    first = "TP" if p_tp.total < p_dp.total else "DP"
+    print(f"B={b:>2}: compute {p_tp.parts['compute'] * 1e3:.0f} ms (TP) vs {p_dp.parts['compute'] * 1e3:.0f} ms (DP); "
+          f"all-reduce left on the step: TP {tp_exposed * 1e3:.1f} ms ({race['tp_allreduces'][b]} calls, "
+          f"{race['tp_allreduces'][b]} × α = {race['tp_allreduces'][b] * here.alpha_s['all_reduce'] * 1e3:.1f} ms), "
+          f"DP {dp_exposed * 1e3:.1f} ms ({len(race['buckets'])} buckets, "
+          f"{sum(p_dp.hidden.values()) * 1e3:.1f} ms more ran beside backward)")
+    print(f"      predicted: {first} faster by {max(p_tp.total, p_dp.total) / min(p_tp.total, p_dp.total):.2f}×; "
+          f"measured: {timed.compare(f'TP, B={b}', f'DP, B={b}').verdict}")
+tp_ring = tp[0]["forward_ring_bytes"] + tp[0]["backward_ring_bytes"]  # every all-reduce of TP's step, batch 8
+left = {name: p.total - p.parts["compute"] for name, p in pred.items()}  # all-reduce time left on each step
+print(f"at B=8 TP's all-reduces carry {tp_ring:,.0f} ring bytes per rank, {tp_ring / dp_step:.2f}× DP's "
+      f"{dp_step:,.0f}, and leave {left['TP, B=8'] / left['DP, B=8']:.1f}× DP's all-reduce time on the step")
+
+# %% [markdown]
+# **Where TP and DP cross, and what moves the crossover.** The compute is the same in both, so the crossover lies in
+# the communication. Per step, TP makes $n_{TP}$ all-reduces whose ring bytes grow with the $Bs$ global tokens; DP
+# makes $n_{DP}$ (its buckets) of $2(N-1)/N \cdot \Psi \cdot 4$ bytes, whatever the batch. With $\alpha + \text{ring
+# bytes}/\beta$ per call, TP's all-reduces add up to more than DP's from
+# $$Bs = \big(n_{DP}\,\alpha_{DP} + \text{DP's ring bytes}/\beta_{DP} - n_{TP}\,\alpha_{TP}\big)
+# \cdot \beta_{TP} \,/\, \text{TP's ring bytes per token}$$
+# global tokens per step on. With α = 0 and one link for both, that is the plot's byte crossover (counted here over
+# all of TP's all-reduces, the embedding's, the head's and the loss's too; the plot counts the blocks'). Giving TP a
+# link with a larger β than DP's (NVLink inside a node, InfiniBand across nodes) multiplies it by
+# $\beta_{TP}/\beta_{DP}$; each of TP's calls subtracts its α. At or below zero, DP's all-reduces add up to less at
+# every batch. The formula compares the all-reduces whole: DP's also run beside backward (above), which leaves even
+# less of them on the step.
+
+# %% tags=["nbval-ignore-output"]
+n_tp, n_dp = race["tp_allreduces"][8], len(race["buckets"])
+tp_ring_per_token = tp_ring / tokens  # all of TP's all-reduces: blocks, embedding, head, loss
+
+
+def crossover_tokens(alpha_tp, beta_tp, alpha_dp, beta_dp):
+    """Global tokens per step from which TP's all-reduces add up to more than DP's (α + ring bytes / β each)."""
+    return (n_dp * alpha_dp + dp_step / beta_dp - n_tp * alpha_tp) * beta_tp / tp_ring_per_token
+
+
+a_here, b_here = here.alpha_s["all_reduce"], here.beta_bytes_per_s["all_reduce"]
+cases = {
+    "one link, α = 0 (bytes alone)": (0, b_here, 0, b_here),
+    f"this machine for both (α {a_here * 1e3:.2f} ms, β {b_here / 1e9:.2f} GB/s)": (a_here, b_here, a_here, b_here),
+    f"TP on NVLink {NVLINK / 1e9:.0f} GB/s, DP on InfiniBand {INFINIBAND / 1e9:.0f} GB/s, α = 0":
+        (0, NVLINK, 0, INFINIBAND),
+    f"the same links, α = {LINK_ALPHA * 1e6:.0f} µs per call": (LINK_ALPHA, NVLINK, LINK_ALPHA, INFINIBAND),
+}
+print(f"TP: {n_tp} all-reduces per step, {tp_ring_per_token:,.0f} ring bytes per token; "
+      f"DP: {n_dp} bucket all-reduces, {dp_step:,.0f} ring bytes per step")
+for label, links in cases.items():
+    c = crossover_tokens(*links)
+    where = (f"from {c:,.0f} global tokens per step ({c / cfg.block_size:,.1f} sequences) on" if c > 0 else
+             f"at every batch ({n_tp} × α of TP ≥ DP's {n_dp} calls with all their bytes)")
+    print(f"{label:<62} → DP's all-reduces add up to less {where}")
+bytes_only = crossover_tokens(0, b_here, 0, b_here)
+print(f"the bandwidth ratio NVLink / InfiniBand = {NVLINK / INFINIBAND:.0f}× moves the crossover "
+      f"{crossover_tokens(0, NVLINK, 0, INFINIBAND) / bytes_only:.0f}× further out; "
+      f"at α = {LINK_ALPHA * 1e6:.0f} µs, "
+      f"TP's {n_tp} calls take {n_tp * LINK_ALPHA * NVLINK / tp_ring_per_token:,.0f} tokens off it and DP's "
+      f"{n_dp} add {n_dp * LINK_ALPHA * NVLINK / tp_ring_per_token:,.0f}")
 
 # %% [markdown]
 # ## 8. Sequence parallelism: the all-reduce becomes reduce-scatter + all-gather
@@ -511,13 +601,29 @@ mesh_table.assert_passed()
 # %% [markdown]
 # ## 11. Exercise
 # `exercises/tensor_parallel.py` — write `column_parallel_linear` and `row_parallel_linear` as
-# `torch.autograd.Function`s, forward **and** backward by hand: where does each need its all-reduce? Check them on
-# 2 and 4 real ranks against `nn.Linear` (outputs, gradients, and the number of all-reduces in each direction):
+# `torch.autograd.Function`s, forward **and** backward by hand: where does each need its all-reduce? The checker runs
+# them on 2 and then 4 real ranks against `nn.Linear` (2-D and 3-D inputs, with and without bias): the output,
+# ∂L/∂x and this rank's weight and bias gradients within `SGD`, and the number of all-reduces in each direction
+# (column: none forward, one backward; row: one forward, none backward). `check(name)` prints PASS, FAIL with the
+# first wrong tensor and its error, or UNSOLVED while the `TODO` is still there (or run
+# `course-lib check column_parallel_linear` in a terminal). Stuck? Hints come in two layers —
+# `hint(name, 1)` the idea, `hint(name, 2)` the API — and never the code.
 #
-# ```python
-# from course_lib.check import check
-# check("column_parallel_linear"); check("row_parallel_linear")      # or: course-lib check column_parallel_linear
-# ```
+# Until you write them, the checker reports *unsolved*:
+
+# %%
+from course_lib.check import check
+from course_lib.checks.tensor_parallel import hint
+
+print(check("column_parallel_linear"))
+print(check("row_parallel_linear"))
+
+# %% [markdown]
+# The reference solutions (`solutions/tensor_parallel.py`) pass the same checks:
+
+# %%
+print(check("column_parallel_linear", package="solutions"))
+print(check("row_parallel_linear", package="solutions"))
 
 # %% [markdown]
 # ## 12. O/X quiz
@@ -541,7 +647,10 @@ quiz("tensor-parallel")
 #   = formula) and DP's do not (the gradients once): they cross at the batch printed above. The bandwidth ratio of
 #   NVLink over InfiniBand moves that crossover in time by the same factor, which is why TP stays inside a node,
 #   with PP and DP across nodes. At small sizes the number of calls matters too: each all-reduce pays α, and TP
-#   makes one per parallel region and direction.
+#   makes one per parallel region and direction — the crossover cell prints how far α moves it.
+# - Under the modelled clock both steps are predicted from the same parts (compute = FLOPs / rate, equal in both;
+#   TP's all-reduces all on the critical path; DP's buckets beside backward) and measured at batches 8 and 16: the
+#   table prints each median against its prediction, and the lines under it which of the two came first.
 # - Sequence parallelism turns each all-reduce into reduce-scatter + all-gather (same bytes) and cuts the activation
 #   bytes saved per rank (printed above); its LayerNorm gradients must be all-reduced over the TP group.
 
