@@ -89,6 +89,15 @@ __all__ = [
     "draw_trace",
     "DDPTrace",
     "ddp_step_trace",
+    "quiet_stderr",
+    "top_ops",
+    "ops_text",
+    "MemoryCurve",
+    "memory_curve",
+    "read_memory",
+    "draw_memory_curve",
+    "MEMORY_PEAK_BAND",
+    "draw_ops",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +118,14 @@ TRACE_VS_WALL_BAND = 0.20  # the trace's step ranges against perf_counter around
 CLOCK_PREFIX = "clock: "
 MARKS = ("forward", "backward", "optimizer")  # what marked_step names its phases
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # ranges that run on a device stream
+MEMORY_PEAK_BAND = 0.10
+"""A step's allocated peak against model states + saved activations (the course's meters): ±10 %.
+
+Why 10 %. At the peak (early in backward) the allocator also holds what neither meter counts:
+the loss's and logits' gradients, each op's gradient outputs before autograd accumulates them, and
+the gradients already written while some activations are not yet freed. On the tiny GPT at b=32
+these add about 4 % (measured, notebook 01); an accounting that missed a whole term — the
+optimizer state, the gradients, the activations — would be off by 10 % or more."""
 
 
 def relative(path: str | os.PathLike) -> str:
@@ -158,6 +175,9 @@ def _quiet_stderr():
         os.close(saved)
 
 
+quiet_stderr = _quiet_stderr  # public: a notebook's own ``with profile(...)`` block runs inside it
+
+
 def _sync(dev) -> None:
     if dev is not None and torch.device(dev).type == "cuda":
         torch.cuda.synchronize(dev)
@@ -186,6 +206,17 @@ def _op_rows(prof, n: int) -> list[dict]:
         )
     rows.sort(key=lambda r: max(r["self_cpu_ms"], r["self_device_ms"]), reverse=True)
     return rows[:n]
+
+
+def top_ops(prof, n: int = 10) -> list[dict]:
+    """The top ``n`` ops of a finished ``torch.profiler.profile`` by self time, summed over its
+    steps: rows ``{name, calls, self_cpu_ms, cpu_total_ms, self_device_ms}``."""
+    return _op_rows(prof, n)
+
+
+def ops_text(rows: list[dict], per: int = 1) -> str:
+    """:func:`top_ops` rows as an aligned table, each number divided by ``per`` (the steps)."""
+    return _ops_text(rows, per)
 
 
 def _ops_text(rows: list[dict], per: int) -> str:
@@ -797,3 +828,265 @@ def ddp_step_trace(
         "shown, not asserted",
     )
     return res
+
+
+# --------------------------------------------------------------------------- memory over a step
+
+
+def read_memory(path: str | os.PathLike, device_type: int = 0) -> tuple[list[float], list[int]]:
+    """The allocator's ``[memory]`` events of a trace recorded with ``profile_memory=True``.
+
+    Returns ``(times_s, allocated)``: seconds from the trace's first complete range (the axis of
+    :func:`read_trace`) and the bytes allocated on that device *since profiling began* (each
+    event's ``Total Allocated`` less what was allocated before its first event). ``device_type``:
+    0 CPU, 1 CUDA (Kineto's numbering). Memory allocated before the profiler started is not
+    tracked: its frees are not reported (Kineto warns once), so profile from a clean point.
+    """
+    ranges, _, _, _ = _load(path)
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    raw = data["traceEvents"] if isinstance(data, dict) else data
+    mem = [
+        e
+        for e in raw
+        if e.get("name") == "[memory]"
+        and int((e.get("args") or {}).get("Device Type", -1)) == device_type
+    ]
+    if not mem:
+        return [], []
+    mem.sort(key=lambda e: float(e["ts"]))
+    t0 = min((float(e["ts"]) for e in ranges), default=float(mem[0]["ts"]))
+    first = mem[0]["args"]
+    base = int(first["Total Allocated"]) - int(first["Bytes"])
+    times = [(float(e["ts"]) - t0) / 1e6 for e in mem]
+    return times, [int(e["args"]["Total Allocated"]) - base for e in mem]
+
+
+@dataclass
+class MemoryCurve(FieldAccess, Result):
+    """What :func:`memory_curve` measured: bytes held over one training step, its peak and phases.
+
+    ``times`` (s from the trace's start) and ``allocated`` (bytes: the model states held before
+    the step + what the allocator handed out since, net of frees), ``phases``
+    ``[(name, start_s, end_s)]`` from :func:`marked_step`'s marks, ``peak`` / ``peak_s`` /
+    ``peak_phase``, ``states_before`` / ``states_after`` (:func:`course_lib.memory.model_state_bytes`).
+    """
+
+    trace_path: str = ""
+    times: list = field(default_factory=list)
+    allocated: list = field(default_factory=list)
+    phases: list = field(default_factory=list)
+    peak: int = 0
+    peak_s: float = 0.0
+    peak_phase: str = ""
+    states_before: dict = field(default_factory=dict)
+    states_after: dict = field(default_factory=dict)
+
+    @property
+    def trace_file(self) -> str:
+        return relative(self.trace_path)
+
+    def at_end_of(self, phase: str) -> int:
+        """Bytes held at the end of the last ``phase`` range (``forward``, ``backward``, ``optimizer``)."""
+        ends = [b for n, _, b in self.phases if n == phase]
+        if not ends:
+            raise ValueError(
+                f"no {phase!r} range in the trace: phases {[n for n, _, _ in self.phases]}"
+            )
+        held = [a for t, a in zip(self.times, self.allocated, strict=True) if t <= ends[-1]]
+        return held[-1] if held else self.states_before["total"]
+
+
+def memory_curve(
+    model,
+    optimizer,
+    x,
+    y,
+    *,
+    name: str = "memory_curve",
+    trace_path: str | os.PathLike | None = None,
+    title: str | None = None,
+) -> MemoryCurve:
+    """Profile one :func:`marked_step` with ``profile_memory=True``; the bytes held over it.
+
+    The gradients are set to None first, outside the profiler (their frees would otherwise
+    happen inside it, untracked: the allocator only reports memory it saw allocated). The curve
+    starts at the model states held then (parameters + optimizer state, counted by
+    :func:`course_lib.memory.model_state_bytes`) and adds every allocation and free of the step
+    on the inputs' device. Rows: the bytes the step left allocated equal the model states it added
+    (the gradients, and on a first step Adam's moments), exactly. The trace goes to
+    ``.cache/traces/<name>.json`` or ``trace_path``.
+    """
+    import gc
+
+    from torch.profiler import profile
+
+    from . import memory
+
+    dev = torch.device(x.device)
+    path = Path(trace_path) if trace_path is not None else TRACE_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    before = memory.model_state_bytes(model, optimizer)
+    prof = profile(activities=_activities(dev), profile_memory=True)
+    _sync(dev)
+    with _quiet_stderr():
+        prof.start()
+    try:
+        marked_step(model, optimizer, x, y)
+        _sync(dev)
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    prof.export_chrome_trace(str(path))
+    after = memory.model_state_bytes(model, optimizer)
+    times, allocated = read_memory(path, device_type=1 if dev.type == "cuda" else 0)
+    held = [before["total"] + a for a in allocated]
+    mains = training_threads(read_trace(path))
+    phases = sorted(
+        (
+            (e.name, e.start, e.end)
+            for e in read_trace(path)
+            if e.name in MARKS and e.thread in mains
+        ),
+        key=lambda p: p[1],
+    )
+    i = max(range(len(held)), key=held.__getitem__) if held else 0
+    peak = held[i] if held else before["total"]
+    peak_s = times[i] if held else 0.0
+    peak_phase = next((n for n, a, b in phases if a <= peak_s <= b), "")
+    res = MemoryCurve(
+        title=title or f"memory over one training step ({name})",
+        trace_path=str(path),
+        times=times,
+        allocated=held,
+        phases=phases,
+        peak=peak,
+        peak_s=peak_s,
+        peak_phase=peak_phase,
+        states_before=before,
+        states_after=after,
+    )
+    res.exact(
+        "bytes left allocated by the step",
+        (held[-1] if held else before["total"]) - before["total"],
+        after["total"] - before["total"],
+        "model states added (memory.model_state_bytes after − before)",
+    )
+    return res
+
+
+def draw_memory_curve(
+    curve: MemoryCurve,
+    ax=None,
+    title: str | None = None,
+    *,
+    references: dict[str, float] | None = None,
+):
+    """Bytes held over the step (MB against ms), the phases shaded, the peak annotated.
+
+    ``references``: ``{label: bytes}`` drawn as dashed horizontal lines (e.g. the meters' model
+    states + activations). Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.2))
+    t0 = curve.phases[0][1] if curve.phases else 0.0
+    ms = [(t - t0) * 1e3 for t in curve.times]
+    mb = [a / 1e6 for a in curve.allocated]
+    seen = set()
+    for name, a, b in curve.phases:
+        label = name if name not in seen else None
+        seen.add(name)
+        ax.axvspan(
+            (a - t0) * 1e3, (b - t0) * 1e3, color=COLORS[name], alpha=0.15, lw=0, label=label
+        )
+    ax.step(ms, mb, where="post", color="black", lw=1.2, label="allocated")
+    ax.axhline(curve.states_before["total"] / 1e6, color="gray", ls=":", lw=1,
+               label="model states before the step")  # fmt: skip
+    for k, (label, v) in enumerate((references or {}).items()):
+        ax.axhline(v / 1e6, color=f"C{k + 1}", ls="--", lw=1, label=label)
+    pk = ((curve.peak_s - t0) * 1e3, curve.peak / 1e6)
+    ax.plot(*pk, "o", color="crimson", ms=6)
+    ax.annotate(
+        f"peak {curve.peak / 1e6:.2f} MB ({curve.peak_phase or 'step'})",
+        pk,
+        xytext=(8, -4),
+        textcoords="offset points",
+        fontsize=8,
+        va="top",
+    )
+    ax.set_xlabel("time from the start of the step (ms)")
+    ax.set_ylabel("allocated (MB)")
+    ax.set_ylim(0, max(mb + [0.0]) * 1.15 or 1.0)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def draw_ops(
+    events: Sequence[TraceEvent],
+    window: tuple[float, float],
+    ax=None,
+    title: str | None = None,
+    *,
+    max_depth: int = 5,
+    chars: int = 120,
+):
+    """The training thread's ranges in ``window`` as a flame chart: one lane per nesting depth
+    (depth 0: the phase marks; below them the ops each one called), coloured by kind; a range
+    carries as much of its name as fits (``chars``: the characters the whole window holds). Returns the axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lo, hi = window
+    mains = training_threads(events)
+    evs = sorted(
+        (
+            e
+            for e in events
+            if e.thread in mains
+            and e.end > lo
+            and e.start < hi
+            and e.duration > 0
+            and not e.name.startswith(("ProfilerStep#", "PyTorch Profiler"))
+        ),
+        key=lambda e: (e.start, -e.duration),
+    )
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.5 * max_depth + 1.2))
+    stack: list[float] = []
+    seen = set()
+    for e in evs:
+        while stack and stack[-1] <= e.start + 1e-9:
+            stack.pop()
+        depth = len(stack)
+        stack.append(e.end)
+        if depth >= max_depth:
+            continue
+        x0, x1 = (max(e.start, lo) - lo) * 1e3, (min(e.end, hi) - lo) * 1e3
+        style = _style(e)
+        seen.add(style)
+        ax.broken_barh([(x0, x1 - x0)], (depth - 0.42, 0.84), facecolors=COLORS[style],
+                       edgecolor="white", linewidth=0.3)  # fmt: skip
+        fits = int((x1 - x0) / ((hi - lo) * 1e3) * chars)  # characters that fit in the bar
+        if fits >= 6:
+            name = e.name.replace("aten::", "").replace("autograd::engine::evaluate_function: ", "")
+            ax.text(x0 + 0.01 * (hi - lo) * 1e3 / 10, depth, name.split("#")[0][: fits - 1],
+                    fontsize=6.5, va="center", color="white", clip_on=True)  # fmt: skip
+    ax.set_yticks(range(max_depth), ["phase marks"] + [f"depth {d}" for d in range(1, max_depth)])
+    ax.set_ylim(max_depth - 0.5, -0.5)
+    ax.set_xlim(0, (hi - lo) * 1e3)
+    ax.set_xlabel("time from the start of the step (ms)")
+    ax.legend(
+        handles=[Patch(color=COLORS[k], label=k) for k in COLORS if k in seen],
+        loc="center left",
+        bbox_to_anchor=(1.01, 0.5),
+        frameon=False,
+        fontsize=8,
+    )
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax

@@ -149,3 +149,39 @@ def test_cuda_activities_are_added_only_where_cuda_is():
     assert (
         torch.profiler.ProfilerActivity.CUDA in P._activities(None)
     ) == torch.cuda.is_available()
+
+
+def test_memory_curve_agrees_with_the_course_meters(tmp_path):
+    """One profiled step's allocator events against memory.model_state_bytes and SavedTensorMeter."""
+    from course_lib import memory
+    from course_lib.models import tiny_config
+
+    cfg = tiny_config()
+    model = GPT(cfg)
+    opt = make_optimizer("adamw", model.parameters())
+    x, y = step_batch(0, cfg, 8)
+    first = P.memory_curve(model, opt, x, y, trace_path=tmp_path / "first.json")
+    assert first.passed, first  # the first step leaves the gradients and Adam's moments behind
+    assert first.states_after["total"] - first.states_before["total"] == (
+        first.states_after["grads"] + first.states_after["optimizer"]
+    )
+    curve = P.memory_curve(model, opt, x, y, trace_path=tmp_path / "step.json")
+    assert curve.passed, curve  # a later step: exactly the gradients stay
+    assert curve.allocated[-1] - curve.states_before["total"] == curve.states_after["grads"]
+    with memory.SavedTensorMeter(exclude=model) as meter:
+        model(x, y)
+    expected = curve.states_after["total"] + meter.bytes
+    assert abs(curve.peak / expected - 1) <= P.MEMORY_PEAK_BAND, (curve.peak, expected)
+    fwd = curve.at_end_of("forward") - curve.states_before["total"]
+    assert abs(fwd / meter.bytes - 1) <= P.MEMORY_PEAK_BAND, (fwd, meter.bytes)
+    assert curve.peak_phase in ("forward", "backward")
+    assert [n for n, _, _ in curve.phases] == ["optimizer", "forward", "backward", "optimizer"]
+    ax = P.draw_memory_curve(curve, references={"meters": expected})
+    assert "peak" in " ".join(t.get_text() for t in ax.texts)
+    matplotlib.pyplot.close(ax.figure)
+    ev = P.read_trace(curve.trace_path)
+    ax = P.draw_ops(ev, (curve.phases[0][1], curve.phases[-1][2]))
+    assert {"forward", "backward", "optimizer"} <= {
+        t.get_text() for t in ax.get_legend().get_texts()
+    }
+    matplotlib.pyplot.close(ax.figure)

@@ -11,7 +11,12 @@
 # - **bf16 mixed precision** (`torch.autocast` on the CPU): what it does to memory, step time and loss, and why
 #   mixed precision keeps fp32 master weights (the ZeRO paper's 2 + 2 + 12 = 16 bytes per parameter);
 # - how many FLOPs a training token costs (6Ψ + 12·L·s·d) and what fraction of a measured matmul rate the run
-#   achieves (MFU).
+#   achieves (MFU);
+# - performance engineering as practitioners do it: a `torch.profiler` trace of a few steps (Chrome-trace JSON
+#   for Perfetto, drawn here from the file, with the top ops of `key_averages()`); `torch.compile` (inductor on
+#   the CPU) against eager — compile time, step time, equal losses — and a graph break found with
+#   `torch._dynamo.explain`; the bytes allocated over one step (forward, backward, optimizer), its peak checked
+#   against the model states + activations measured in section 3.
 #
 # **What you need**: chapter 00 is not required; PyTorch at the level of a training loop (`loss.backward()`,
 # `optimizer.step()`).
@@ -531,7 +536,204 @@ for n_ in (64, 512):
     print(f"{n_}×{n_} matmul: fp32 {r32 / 1e9:.1f} GFLOP/s, bf16 {r16 / 1e9:.1f} GFLOP/s (bf16 / fp32 ×{r16 / r32:.2f})")
 
 # %% [markdown]
-# ## 5. Exercise: count the bytes yourself
+# ## 5. Performance engineering: a trace, torch.compile, memory over a step
+#
+# <a id="profiler-trace"></a>
+# **A profiler trace.** `torch.profiler.profile` records every op a step dispatches (`aten::addmm`,
+# `aten::_softmax`, …) as a range with a start and a duration on the thread that ran it; `record_shapes=True`
+# adds each op's input shapes. `torch.profiler.record_function("forward")` adds a range of our own around a
+# phase. A `schedule` of two warm-up steps (recorded, then dropped: first calls allocate and warm caches) and three active steps, with
+# `prof.step()` at each step's end, puts each active step in a `ProfilerStep#N` range. `export_chrome_trace`
+# writes the Chrome-trace JSON that practitioners open in **https://ui.perfetto.dev** (drag the file in) or in
+# Chrome at **chrome://tracing** (Load). The step below is `profiling.marked_step`, written out.
+
+# %% tags=["nbval-ignore-output"]
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from course_lib import profiling
+
+model_t = GPT(cfg)
+opt_t = torch.optim.AdamW(model_t.parameters(), lr=3e-3)
+
+
+def profiled_step():
+    with record_function("optimizer"):
+        opt_t.zero_grad(set_to_none=True)
+    with record_function("forward"):
+        _, loss_ = model_t(x, y)
+    with record_function("backward"):
+        loss_.backward()
+    with record_function("optimizer"):
+        opt_t.step()
+
+
+trace_path = profiling.TRACE_DIR / "01_tiny_gpt.json"
+trace_path.parent.mkdir(parents=True, exist_ok=True)
+ACTIVE = 3
+with profiling.quiet_stderr():  # the profiler's C++ side prints its start and stop lines on stderr
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 schedule=schedule(wait=0, warmup=2, active=ACTIVE, repeat=1)) as prof:
+        for _ in range(2 + ACTIVE):
+            profiled_step()
+            prof.step()
+prof.export_chrome_trace(str(trace_path))
+print(f"trace of {ACTIVE} steps (b={b}, s={s}): {profiling.relative(trace_path)}")
+print("open it at https://ui.perfetto.dev (drag the file in) or chrome://tracing (Load)")
+
+# %% [markdown]
+# **Reading the file back.** `profiling.read_trace` keeps every complete range of the JSON with its thread and
+# classifies it by the range that encloses it: our `forward` / `backward` / `optimizer` marks, autograd's
+# `…Backward0` nodes, `Optimizer.step#AdamW.step`. `profiling.draw_ops` draws the last profiled step from the
+# file as a Gantt of the training thread: one lane per nesting depth, our phase marks on top, under each range
+# the ops it called, long ranges labelled. The table under it is `prof.key_averages()`: the ops of all profiled
+# steps grouped by name, sorted by **self** time (time in the op itself, not in the ops it calls), divided by
+# the number of steps.
+
+# %% tags=["nbval-ignore-output"]
+import statistics
+
+events = profiling.read_trace(trace_path)
+steps_ev = [e for e in events if e.name.startswith("ProfilerStep#")]
+main = profiling.training_threads(events)
+last = steps_ev[-1]
+in_last = [e for e in events if e.thread in main and last.start <= e.start and e.end <= last.end + 1e-9]
+phase_ms = {ph: sum(e.duration for e in in_last if e.name == ph) * 1e3 for ph in profiling.MARKS}
+aten = [e for e in in_last if e.name.startswith("aten::")]
+trace_ms = statistics.median(e.duration for e in steps_ev) * 1e3
+step_ms = ac_t["plain"].median * 1e3
+print(f"{len(steps_ev)} ProfilerStep ranges; a step in the trace {trace_ms:.1f} ms (median) vs {step_ms:.1f} ms "
+      f"measured without the profiler (time_steps, section 3): ×{trace_ms / step_ms:.2f}, the profiler's own cost")
+print(f"last step: forward {phase_ms['forward']:.1f} ms, backward {phase_ms['backward']:.1f} ms, "
+      f"optimizer {phase_ms['optimizer']:.1f} ms; {len(aten)} aten:: ranges "
+      f"({len({e.name for e in aten})} distinct ops)")
+ax = profiling.draw_ops(events, window=(last.start, last.end),
+                       title=f"one training step of the tiny GPT, b={b}: forward "
+                             f"{phase_ms['forward']:.1f} ms, backward {phase_ms['backward']:.1f} ms, "
+                             f"optimizer {phase_ms['optimizer']:.1f} ms")
+plt.show()
+ours = profiling.MARKS + ("ProfilerStep#",)  # our own ranges, not ops
+top = sorted((a for a in prof.key_averages() if not a.key.startswith(ours)),
+             key=lambda a: -a.self_cpu_time_total)[:8]
+print(f"{'op (key_averages, by self CPU time)':<56}{'calls/step':>11}{'self ms/step':>13}{'total ms/step':>14}")
+for a in top:
+    print(f"{a.key[:55]:<56}{a.count / ACTIVE:>11g}{a.self_cpu_time_total / ACTIVE / 1e3:>13.2f}"
+          f"{a.cpu_time_total / ACTIVE / 1e3:>14.2f}")
+top_share = sum(a.self_cpu_time_total for a in top) / sum(e.duration for e in steps_ev) / 1e6
+print(f"these {len(top)} ops hold {top_share:.0%} of the profiled steps' time")
+
+# %% [markdown]
+# **A worked reading.** The top lane holds the step from left to right: the blue `forward` range, and under it each block's `aten::layer_norm`, `aten::linear` (→ `aten::addmm`, the matmul with its bias),
+# `aten::scaled_dot_product_attention` and `aten::gelu`; then the green `backward` range, where autograd's
+# `autograd::engine::evaluate_function: …Backward0` ranges run the same layers in reverse order, each calling the
+# matmuls of its input's and its weight's gradients; then the purple `optimizer` range, `Optimizer.step#AdamW.step`,
+# a handful of `aten::_foreach_*` ops over all parameters at once. The printed lines say how long each phase took
+# and which ops took the most self time; what the step spends outside the matmuls (the count of `aten::` ranges
+# against the few that do FLOPs) is the overhead the MFU paragraph of section 2 pointed at. In Perfetto, click a
+# range to see its input shapes (`record_shapes`), and select a span to sum the ranges in it.
+
+# %% [markdown]
+# <a id="torch-compile"></a>
+# **torch.compile.** `torch.compile(model)` returns a wrapper; nothing happens until its first call. Then
+# **Dynamo** reads the Python bytecode of `forward` and records the torch ops it runs into an FX graph,
+# **AOTAutograd** derives the backward graph from it ahead of time, and the backend, **inductor**, fuses chains of
+# elementwise ops into single loops and generates code: C++ with OpenMP on a CPU (compiled here by g++), Triton
+# kernels on a GPU. The first call pays all of that; later calls with the same shapes and dtypes run the
+# generated code (other shapes recompile). The generated files go to `TORCHINDUCTOR_CACHE_DIR`, here the
+# project's `.cache/inductor` (`use_project_cache`): a clean clone compiles cold, as timed below. The optimizer
+# stays eager. `compile_vs_eager` trains both copies on the same batches and times them in interleaved rounds.
+
+# %% tags=["nbval-ignore-output"]
+from course_lib.experiments.compile import compile_vs_eager, twins, use_project_cache
+
+_ = use_project_cache()  # TORCHINDUCTOR_CACHE_DIR = .cache/inductor
+eager_m, twin_m = twins(cfg)  # two GPTs with the same initial weights
+compiled_m = torch.compile(twin_m)  # backend="inductor", the default
+run_c = compile_vs_eager(eager_m, compiled_m, batch_size=b, steps=5, rounds=5, steps_per_round=2)
+print(run_c)
+vs = run_c.timings.compare("compiled", "eager")
+print(vs.verdict)
+gain = run_c.timings["eager"].median - run_c.timings["compiled"].median
+print(f"compile time paid back after {run_c.compile_s / gain:,.0f} steps (compile time / median gain per step)"
+      if vs.sign < 0 else "no payback to compute: the compiled step is not measurably shorter on this machine")
+
+# %%
+run_c.assert_passed()
+
+# %% [markdown]
+# Why the tolerances: the first loss comes before any update, the same forward computed by other code (fused
+# loops add in another order): `REORDERED`. After AdamW steps, rounding differences on near-zero gradients are
+# scaled up by Adam's division by √v: `ADAMW`. What compiling changes is the work between the matmuls: each
+# fused loop replaces several ops that each read and write the whole tensor, and the Python dispatch between
+# them. The eager optimizer and the matmuls themselves (the same library calls either way) stay as they were.
+# On a GPU, fusion removes a trip to memory per fused op, and `mode="reduce-overhead"` replays the step as a
+# CUDA graph.
+#
+# <a id="graph-break"></a>
+# **A graph break.** Dynamo captures only what it can trace. `.item()` turns a tensor into a Python number, and
+# an `if` on that number is Python control flow that no graph can hold: Dynamo ends the graph before it, runs
+# the Python, and starts a new graph after it. `torch._dynamo.explain` traces a function once and reports the
+# graphs and why each one ended.
+
+# %%
+from course_lib.experiments.compile import quiet_dynamo
+
+
+def normalise_then_softmax(logits):
+    scale = logits.abs().max().item()  # a tensor → a Python float
+    if scale > 1.0:  # Python control flow on it
+        logits = logits / scale
+    return torch.softmax(logits, dim=-1)
+
+
+with quiet_dynamo():  # Dynamo also logs each break as a warning; explain reports it below
+    explanation = torch._dynamo.explain(normalise_then_softmax)(torch.randn(4, 8))
+print(f"graphs: {explanation.graph_count}, graph breaks: {explanation.graph_break_count}")
+for r in explanation.break_reasons:
+    print("break reason:", r.reason.strip().splitlines()[0])
+
+# %% [markdown]
+# <a id="memory-over-a-step"></a>
+# **Memory over a step.** Section 3 counted the bytes by kind; a profiler with `profile_memory=True` records
+# every allocation and free with the running total, so the bytes held can be drawn over time.
+# `profiling.memory_curve(model, optimizer, x, y)` profiles one `marked_step` so (after setting the gradients to
+# None, outside the profiler: it sees only frees of memory it saw allocated), reads the `[memory]` events back
+# from the trace file and adds the model states held before the step. In the forward, the curve climbs as autograd
+# saves activations; in backward, each node frees what it saved and allocates its parameters' gradients; the
+# optimizer allocates its temporaries. The peak comes where the activations not yet freed and the gradients
+# already written add up; it is compared below with section 3's meters: model states (with gradients) + saved
+# activations. On a GPU, `torch.cuda.memory._record_memory_history()` records every allocation of the caching
+# allocator with its Python stack, and `torch.cuda.memory._dump_snapshot("snap.pickle")` writes a file that
+# https://pytorch.org/memory_viz draws as the same curve, each block coloured by the tensor that holds it.
+
+# %% tags=["nbval-ignore-output"]
+model_m = GPT(cfg)
+opt_m = torch.optim.AdamW(model_m.parameters(), lr=3e-3)
+train_step(model_m, opt_m, x, y)  # Adam's moments exist: a step like every later one
+curve = profiling.memory_curve(model_m, opt_m, x, y, name="01_memory_step")
+expected = states["total"] + meter.bytes
+print(f"trace with memory events: {curve.trace_file}")
+print(f"held before the step {curve.states_before['total']:,} bytes (parameters + Adam state); peak "
+      f"{curve.peak:,} bytes in {curve.peak_phase}; at the end of forward {curve.at_end_of('forward'):,}")
+ax = profiling.draw_memory_curve(curve, title=f"one training step, b={b}: allocated bytes peak in "
+                                 f"{curve.peak_phase}, ×{curve.peak / expected:.2f} the meters' sum",
+                                 references={"model states + activations (section 3)": expected})
+plt.show()
+
+# %% tags=["nbval-ignore-output"]
+mem = Result(title=f"memory over one step, b={b}: the profiler's allocator events against the course's meters")
+mem.checked += curve.checked
+mem.within("peak allocated (bytes)", curve.peak, expected, profiling.MEMORY_PEAK_BAND,
+           "model states + saved activations (section 3)")
+mem.within("allocated at the end of forward − before (bytes)",
+           curve.at_end_of("forward") - curve.states_before["total"], meter.bytes,
+           profiling.MEMORY_PEAK_BAND, "saved activations (SavedTensorMeter)")
+print(mem)
+
+# %%
+mem.assert_passed()
+
+# %% [markdown]
+# ## 6. Exercise: count the bytes yourself
 #
 # **The task.** In `exercises/single_device.py`, write
 #
@@ -573,7 +775,7 @@ check("count_model_state_bytes")
 check("count_model_state_bytes", package="solutions")
 
 # %% [markdown]
-# ## 6. O/X quiz
+# ## 7. O/X quiz
 
 # %%
 from course_lib.quiz import quiz
@@ -592,6 +794,10 @@ quiz("single-device")
 # - Activation checkpointing keeps one input per block and runs each block's forward twice; bf16 autocast keeps
 #   fp32 parameters and gradients (16 bytes per parameter still), saves fewer activation bytes, and follows the
 #   fp32 loss curve; a bf16 weight would round small updates away, hence fp32 master weights.
+# - A profiler trace shows what a step runs, op by op, on which thread; `torch.compile` compiles at the first
+#   call and then runs the generated code (its losses, timing and a graph break are printed in section 5); the
+#   bytes held over a step rise through forward as autograd keeps activations for backward and fall through
+#   backward as it frees them (the peak, its phase and its ratio to section 3's meters are printed below).
 # - This run's numbers:
 
 # %% tags=["nbval-ignore-output"]
@@ -604,4 +810,7 @@ print(f"300 steps at batch 32 took {run['seconds']:.1f} s; tokens/s from b=1 to 
 print(f"checkpointing: activations ÷{bytes_plain / bytes_ckpt:.1f}, step ×{ac_t['checkpointed'].median / ac_t['plain'].median:.2f}"
       f"; bf16 autocast: activations ×{meter16.bytes / meter.bytes:.2f}, step "
       f"×{amp_t['bf16 autocast'].median / amp_t['fp32'].median:.2f}, last-20 loss {mean20_16:.3f} vs {mean20:.3f}")
+print(f"profiled step {trace_ms:.1f} ms vs {step_ms:.1f} ms unprofiled; torch.compile: {run_c.compile_s:.1f} s to "
+      f"compile, step {run_c.timings['compiled'].median * 1e3:.1f} vs {run_c.timings['eager'].median * 1e3:.1f} ms "
+      f"eager; memory peak {curve.peak:,} bytes in {curve.peak_phase} (×{curve.peak / expected:.2f} states + activations)")
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
