@@ -11,14 +11,22 @@ The course measured each technique alone; a real job combines them. This module 
   worth of one micro-batch), plus the fp32 logits of the loss; for the course's own model in fp32 on the CPU,
   ``formulas.activation_bytes_estimate`` (derived op by op and measured in chapters 01 and 03).
 
+**Five axes** (:class:`Layout`): data (``dp``, with ZeRO stage ``zero``), tensor (``tp``), pipeline (``pp``),
+context (``cp``: each rank holds S/c tokens of every sequence — activations ÷ c, ring attention's K/V sent round
+c ranks, :func:`~course_lib.step_time.cp_ring_bytes`) and expert (``ep``: an MoE :class:`Model`'s experts ÷ e
+per rank with their gradients and optimizer states, two all-to-alls per MoE layer each way,
+:func:`~course_lib.step_time.ep_all_to_all_bytes`). The world is dp·tp·pp·cp; ep divides dp·cp. Chapter 07
+checks the bytes against its measurements (``tests/test_plan_five_axes.py``).
+
 :func:`recommend` then walks a ladder, cheapest communication first, and stops at the first layout that fits in the
 usable memory (``gpu_memory_gb`` minus a ``reserve`` for the CUDA context, communication buffers and fragmentation):
 
 1. **DDP** — nothing sharded, one gradient all-reduce per step (2Ψ), overlapped with backward, no model changes;
-2. **ZeRO-2** (DeepSpeed stage 2; FSDP2 with ``reshard_after_forward=False``) — the same 2Ψ of traffic, gradients
-   and optimizer states sharded. ZeRO-1 sends the same bytes and saves less, so the ladder skips it (pipeline
-   engines pair with it: they accumulate gradients over micro-batches, which sharded gradients would make
-   communicate every micro-batch);
+2. **ZeRO-2** as DeepSpeed stage 2 runs it (gradients reduce-scattered during backward, the updated parameters
+   all-gathered after the optimizer step; FSDP2's ``reshard_after_forward=False`` gathers in the next forward
+   instead, which is not what is modelled) — the same 2Ψ of traffic, gradients and optimizer states sharded.
+   ZeRO-1 sends the same bytes and saves less, so the ladder skips it (pipeline engines pair with it: they
+   accumulate gradients over micro-batches, which sharded gradients would make communicate every micro-batch);
 3. **ZeRO-3** (DeepSpeed stage 3; FSDP2 ``fully_shard``) — parameters sharded too, 3Ψ;
 4. **tensor parallelism inside a node** (its 4 all-reduces per layer sit on the critical path: NVLink, not the
    network) at the node's size, "TP up to the GPUs of a server" (Narayanan et al. 2021, takeaway 1), with sequence
@@ -29,7 +37,8 @@ usable memory (``gpu_memory_gb`` minus a ``reserve`` for the CUDA context, commu
 6. nothing fits: :class:`PlanError` says what is missing (how many GPUs, or that activations alone are too big).
 
 **Which is fastest.** The ladder picks by traffic; :func:`rank` then predicts the step of every
-layout that fits (:func:`candidates`: TP inside a node × PP × data parallel) with the course's
+layout that fits (:func:`candidates`: TP inside a node × PP × data parallel, × CP for a long
+sequence, × EP for an MoE model) with the course's
 step-time model on a named GPU node (``step_time.layout_step`` on ``step_time.H100_NODE`` by
 default: published FLOP/s and link bandwidths, an assumed MFU — not the laptop's α–β), as
 compute + exposed communication + bubble for one global batch, and orders them.
@@ -54,6 +63,7 @@ from .formulas import (
     pipeline_bubble,
     zero_model_state_breakdown,
 )
+from .context_parallel import ring_attention_saved_bytes
 from .step_time import H100_NODE, NodeProfile, Prediction, layout_step
 
 __all__ = [
@@ -62,6 +72,8 @@ __all__ = [
     "Cluster",
     "Layout",
     "memory_per_gpu",
+    "model_states_per_gpu",
+    "attention_saved_bytes",
     "gpt_num_params",
     "recommend",
     "Plan",
@@ -121,6 +133,10 @@ class Model:
     vocab: int | None = None
     name: str = ""
     config: object = field(default=None, compare=False, repr=False)
+    experts: int = 0
+    top_k: int = 1
+    expert_hidden: int = 0
+    expert_bias: bool = False
 
     def __post_init__(self):
         if (
@@ -135,12 +151,58 @@ class Model:
             _positive_int("vocab", self.vocab)
         if self.hidden % self.heads:
             raise PlanError(f"hidden={self.hidden} is not divisible by num_heads={self.heads}")
+        if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
+            raise PlanError(f"experts={self.experts!r} must be an int >= 0 (0: a dense model)")
+        if self.experts:
+            _positive_int("top_k", self.top_k)
+            _positive_int("expert_hidden", self.expert_hidden)
+            if self.top_k > self.experts:
+                raise PlanError(
+                    f"top_k={self.top_k} exceeds experts={self.experts}: a token picks k "
+                    f"different experts"
+                )
+            if self.expert_params >= self.params:
+                raise PlanError(
+                    f"the experts' {self.expert_params:,.0f} parameters (L · E · one expert) "
+                    f"are not fewer than params={self.params:,.0f}: Ψ counts every parameter"
+                )
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of every expert of every layer: L · E · (2·h·f, + f + h with biases); 0 if dense.
+
+        Every layer is an MoE layer (as the course's ``moe.MoEGPT``); an expert is an MLP of hidden
+        size f = ``expert_hidden``.
+        """
+        f = self.expert_hidden
+        one = 2 * self.hidden * f + ((f + self.hidden) if self.expert_bias else 0)
+        return float(self.layers * self.experts * one) if self.experts else 0.0
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token meets: Ψ less the experts it is not routed to (Ψ for a dense model)."""
+        if not self.experts:
+            return self.params
+        return self.params - self.expert_params * (1 - self.top_k / self.experts)
 
     @classmethod
-    def from_config(cls, config, name: str = "course GPT") -> "Model":
-        """The course's ``GPTConfig`` as a :class:`Model` (Ψ counted by :func:`gpt_num_params`)."""
+    def from_config(cls, config, name: str = "course GPT", moe=None) -> "Model":
+        """The course's ``GPTConfig`` as a :class:`Model` (Ψ counted by :func:`gpt_num_params`).
+
+        ``moe`` (a ``moe.MoEConfig``): the course's ``MoEGPT`` instead — every block's MLP
+        becomes ``num_experts`` MLPs and a router (d_model × E, no bias).
+        """
+        psi = gpt_num_params(config)
+        extra = {}
+        if moe is not None:
+            h, f = config.d_model, config.mlp_ratio * config.d_model
+            mlp = 2 * h * f + ((f + h) if config.bias else 0)
+            psi += config.n_layer * ((moe.num_experts - 1) * mlp + moe.num_experts * h)
+            extra = dict(
+                experts=moe.num_experts, top_k=moe.top_k, expert_hidden=f, expert_bias=config.bias
+            )
         return cls(
-            gpt_num_params(config),
+            psi,
             config.n_layer,
             config.d_model,
             config.n_head,
@@ -148,13 +210,15 @@ class Model:
             config.vocab_size,
             name,
             config,
+            **extra,
         )
 
     def label(self) -> str:
         size = f"{self.params / 1e9:g}B" if self.params >= 1e8 else f"{self.params:,.0f}"
+        moe = f", E = {self.experts} experts, top-{self.top_k}" if self.experts else ""
         return (
             f"{self.name + ': ' if self.name else ''}Ψ = {size} parameters, L = {self.layers}, "
-            f"h = {self.hidden}, a = {self.heads}, s = {self.seq_len}"
+            f"h = {self.hidden}, a = {self.heads}, s = {self.seq_len}{moe}"
         )
 
 
@@ -189,10 +253,17 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """``dp`` × ``tp`` × ``pp`` ranks; ZeRO stage ``zero`` over the ``dp`` ranks; activation ``recompute``.
+    """``dp`` × ``tp`` × ``pp`` × ``cp`` ranks; ZeRO stage ``zero``; activation ``recompute``; ``ep``.
 
-    ``sequence_parallel`` defaults to on whenever ``tp > 1`` (Korthikanti et al.: it removes the
-    activations TP alone leaves replicated).
+    Five axes. ``cp``: context parallel — each rank holds S/c tokens of every sequence (ring
+    attention, zig-zag layout, ``course_lib.context_parallel``); its weights are replicated, so a
+    ZeRO stage shards them over the dp·cp ranks that hold them. ``ep``: expert parallel — each
+    rank holds E/e of every MoE layer's experts (``course_lib.expert_parallel``). The rule chosen
+    here is the usual MoE mesh's (Megatron-Core, torchtitan): **ep divides dp·cp** — the EP groups
+    are carved out of the data × context ranks, which see different tokens — so the world stays
+    dp·tp·pp·cp; the experts' states are then sharded by ZeRO over the dp·cp/ep ranks that hold
+    the same experts. ``sequence_parallel`` defaults to on whenever ``tp > 1`` (Korthikanti et
+    al.: it removes the activations TP alone leaves replicated).
     """
 
     dp: int = 1
@@ -201,39 +272,62 @@ class Layout:
     zero: int = 0
     recompute: str = "selective"
     sequence_parallel: bool | None = None
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp"):
-            _positive_int(f"{name}_size" if name != "dp" else "dp_size", getattr(self, name))
+        for name in ("dp", "tp", "pp", "cp", "ep"):
+            _positive_int(f"{name}_size", getattr(self, name))
         if isinstance(self.zero, bool) or self.zero not in ZERO_NAMES:
             raise PlanError(f"zero_stage={self.zero!r} must be 0, 1, 2 or 3")
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"recompute={self.recompute!r} must be one of {RECOMPUTE}")
+        if (self.dp * self.cp) % self.ep:
+            raise PlanError(
+                f"ep_size={self.ep} does not divide dp_size × cp_size = {self.dp} × {self.cp}: "
+                f"the expert-parallel groups are carved out of the data × context ranks"
+            )
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def sp(self) -> bool:
         return self.tp > 1 if self.sequence_parallel is None else bool(self.sequence_parallel)
 
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same dense weights: dp · cp (ZeRO's group for them)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts: dp · cp / ep (ZeRO's group for the experts' states)."""
+        return self.dp * self.cp // self.ep
+
     def name(self) -> str:
         parts = []
         if self.tp > 1:
             parts.append(f"TP {self.tp}{' + SP' if self.sp else ''}")
+        if self.cp > 1:
+            parts.append(f"CP {self.cp}")
         if self.pp > 1:
             parts.append(f"PP {self.pp}")
+        if self.ep > 1:
+            parts.append(f"EP {self.ep}")
         dp = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[self.zero]
         if self.dp > 1 or not parts:
             parts.append(f"{dp} (dp {self.dp})")
+        elif self.cp > 1:  # the cp ranks' replicated weights: reduced (and sharded) over them
+            parts.append(f"{dp} (over cp)")
         text = ", ".join(parts)
         return text + (", full recompute" if self.recompute == "full" else "")
 
 
 def check_layout(model: Model, layout: Layout, cluster: Cluster | None = None) -> None:
     """Raise :class:`PlanError` naming the first rule ``layout`` breaks for ``model`` (and ``cluster``)."""
-    t, p = layout.tp, layout.pp
+    t, p, c, e = layout.tp, layout.pp, layout.cp, layout.ep
     if model.heads % t:
         raise PlanError(
             f"num_heads={model.heads} is not divisible by tp_size={t}: tensor parallelism gives each "
@@ -241,27 +335,90 @@ def check_layout(model: Model, layout: Layout, cluster: Cluster | None = None) -
         )
     if model.hidden % t:
         raise PlanError(f"hidden={model.hidden} is not divisible by tp_size={t}")
-    if layout.sp and model.seq_len % t:
+    if c > 1 and model.seq_len % (2 * c):
         raise PlanError(
-            f"seq_len={model.seq_len} is not divisible by tp_size={t}: sequence parallelism splits "
-            f"the sequence over the TP ranks"
+            f"seq_len={model.seq_len} is not divisible by 2·cp_size={2 * c}: context parallelism "
+            f"(zig-zag ring attention) cuts each sequence into 2·cp_size equal chunks"
+        )
+    if layout.sp and (model.seq_len // c) % t:
+        raise PlanError(
+            f"seq_len / cp_size = {model.seq_len // c} is not divisible by tp_size={t}: sequence "
+            f"parallelism splits a rank's tokens over the TP ranks"
+            if c > 1
+            else f"seq_len={model.seq_len} is not divisible by tp_size={t}: sequence parallelism "
+            f"splits the sequence over the TP ranks"
         )
     if model.layers % p:
         raise PlanError(
             f"layers={model.layers} is not divisible by pp_size={p}: equal pipeline stages"
         )
+    if e > 1 and not model.experts:
+        raise PlanError(
+            f"ep_size={e} needs an MoE model (experts > 0): expert parallelism shards experts"
+        )
+    if model.experts and model.experts % e:
+        raise PlanError(
+            f"num_experts={model.experts} is not divisible by ep_size={e}: expert parallelism "
+            f"gives every rank E/e whole experts"
+        )
     if cluster is not None:
         if layout.world != cluster.gpus:
+            cps = " × cp_size" if c > 1 else ""
+            cpv = f" × {c}" if c > 1 else ""
             raise PlanError(
-                f"dp_size × tp_size × pp_size = {layout.dp} × {t} × {p} = {layout.world} must equal the "
-                f"number of GPUs, nodes × gpus_per_node = {cluster.nodes} × {cluster.gpus_per_node} = "
-                f"{cluster.gpus}"
+                f"dp_size × tp_size × pp_size{cps} = {layout.dp} × {t} × {p}{cpv} = {layout.world} "
+                f"must equal the number of GPUs, nodes × gpus_per_node = {cluster.nodes} × "
+                f"{cluster.gpus_per_node} = {cluster.gpus}"
             )
         if cluster.gpus_per_node % t:
             raise PlanError(
                 f"tp_size={t} does not divide gpus_per_node={cluster.gpus_per_node}: a tensor-parallel "
                 f"group must stay inside one node (4 all-reduces per layer need its fast links)"
             )
+
+
+def model_states_per_gpu(model: Model, layout: Layout, precision: str = "mixed") -> dict:
+    """Bytes of params / grads / optimizer per GPU (and ``total``), dense part and experts apart.
+
+    The ZeRO formula (``formulas.zero_model_state_breakdown``) twice: the dense parameters
+    Ψ_dense/(t·p) sharded by stage ``zero`` over the dp·cp ranks that hold them; the experts'
+    Ψ_E/(t·p·e) over the dp·cp/e ranks that hold the same experts. Returns ``params``, ``grads``,
+    ``optimizer``, ``total`` and the same for each part under ``"dense"`` and ``"experts"``.
+    """
+    check_layout(model, layout)
+    if precision not in ("mixed", "fp32"):
+        raise PlanError(f"precision={precision!r} must be 'mixed' or 'fp32'")
+    mp = layout.tp * layout.pp
+    dense_psi = model.params - model.expert_params
+    dense = zero_model_state_breakdown(dense_psi / mp, layout.replicas, layout.zero, precision)
+    if not model.experts:  # the dense formula alone, as before experts existed
+        return {**dense, "dense": dense}
+    experts = zero_model_state_breakdown(
+        model.expert_params / (mp * layout.ep), layout.expert_replicas, layout.zero, precision
+    )
+    out = {k: dense[k] + experts[k] for k in ("params", "grads", "optimizer", "total")}
+    return {**out, "dense": dense, "experts": experts}
+
+
+def attention_saved_bytes(
+    model: Model, layout: Layout, *, micro_batch: int = 1, element_size: int = 2
+) -> int:
+    """Bytes one rank's ring attention saves for backward in one layer: q, k, v, out and lse.
+
+    ``context_parallel.ring_attention_saved_bytes`` on this rank's heads (a/t) and tokens (S/c):
+    the part of a layer's activations that chapter 07 measures at c = 1 and c = 2. Every other
+    saved activation of a layer is per token as well, which is why :func:`memory_per_gpu` divides
+    a layer's activations by c.
+    """
+    check_layout(model, layout)
+    return ring_attention_saved_bytes(
+        micro_batch,
+        model.heads // layout.tp,
+        model.seq_len,
+        model.hidden // model.heads,
+        layout.cp,
+        element_size,
+    )
 
 
 def memory_per_gpu(
@@ -274,26 +431,32 @@ def memory_per_gpu(
 ) -> dict:
     """Bytes per GPU of ``layout``: params / grads / optimizer (``model_states``), ``activations``, ``total``.
 
-    Model states: the ZeRO formula on Ψ/(t·p) over ``dp`` ranks. Activations of one ``micro_batch``:
-    ``precision="mixed"`` — Korthikanti et al. for L/p layers (TP t, sequence parallelism, recompute),
-    times min(p, m) micro-batches alive on a 1F1B pipeline's first stage (m = ``num_microbatches``,
-    default p), plus the loss's fp32 logits 4·s·b·V/t on the last stage (when ``vocab`` is known);
-    ``precision="fp32"`` — the course GPT on one device, no recompute (``formulas.activation_bytes_estimate``;
-    needs :meth:`Model.from_config` and tp = pp = 1), what chapters 01 and 03 measured.
+    Model states: :func:`model_states_per_gpu` (the ZeRO formula on Ψ/(t·p) over the dp·cp
+    ranks; an MoE model's experts ÷ e as well, over dp·cp/e). Activations of one ``micro_batch``:
+    ``precision="mixed"`` — Korthikanti et al. for L/p layers (TP t, sequence parallelism,
+    recompute), times min(p, m) micro-batches alive on a 1F1B pipeline's first stage (m =
+    ``num_microbatches``, default p), plus the loss's fp32 logits 4·s·b·V/t on the last stage
+    (when ``vocab`` is known); ``precision="fp32"`` — the course GPT on one device, no recompute
+    (``formulas.activation_bytes_estimate``; needs :meth:`Model.from_config` of a dense GPT and
+    tp = pp = 1), what chapters 01 and 03 measured. Context parallelism divides all of it by c:
+    a rank holds S/c tokens of each sequence, and ring attention keeps no other rank's K/V or
+    S×S scores (:func:`attention_saved_bytes`). An MoE model's activations are counted as the
+    dense model's (the experts' k·f hidden activations per token are not modelled).
     """
     check_layout(model, layout)
     _positive_int("micro_batch", micro_batch)
-    p, t = layout.pp, layout.tp
+    p, t, c = layout.pp, layout.tp, layout.cp
     m = p if num_microbatches is None else num_microbatches
     _positive_int("num_microbatches", m)
     if precision not in ("mixed", "fp32"):
         raise PlanError(f"precision={precision!r} must be 'mixed' or 'fp32'")
-    states = zero_model_state_breakdown(model.params / (t * p), layout.dp, layout.zero, precision)
+    states = model_states_per_gpu(model, layout, precision)
     if precision == "fp32":
-        if model.config is None or t > 1 or p > 1 or layout.recompute != "none":
+        if model.config is None or model.experts or t > 1 or p > 1 or layout.recompute != "none":
             raise PlanError(
                 "precision='fp32' activations are derived for the course GPT on one device: pass "
-                "Model.from_config(config) with tp_size = pp_size = 1 and recompute='none'"
+                "Model.from_config(config) of a dense GPT with tp_size = pp_size = 1 and "
+                "recompute='none'"
             )
         acts = activation_bytes_estimate(model.config, micro_batch, model.seq_len)["total"]
     else:
@@ -310,6 +473,8 @@ def memory_per_gpu(
         logits = 4 * model.seq_len * micro_batch * model.vocab / t if model.vocab else 0.0
         first = per_mb * min(p, m) + (logits if p == 1 else 0.0)
         acts = max(first, per_mb + logits)  # the first stage, or the last one with the loss
+    if c > 1:
+        acts = acts / c  # S/c tokens per rank
     out = {k: states[k] for k in ("params", "grads", "optimizer")}
     out.update(model_states=states["total"], activations=float(acts), total=states["total"] + acts)
     return out
@@ -383,8 +548,9 @@ class Plan:
         if not self.ranking:
             return f"no ranking: {self.unranked}"
         k, unit = self._unit()
+        w = max([34] + [len(lay.name()) for lay, _, _ in self.ranking])
         lines = [
-            f"{'#':>2} {'layout':<34} {'GB/GPU':>6} {'m':>4} {'step ' + unit:>8} {'compute':>8} "
+            f"{'#':>2} {'layout':<{w}} {'GB/GPU':>6} {'m':>4} {'step ' + unit:>8} {'compute':>8} "
             f"{'exp. comm':>9} {'bubble':>7}"
         ]
         for i, (lay, mem, pred) in enumerate(self.ranking, 1):
@@ -392,7 +558,7 @@ class Plan:
             m = self.global_batch // (lay.dp * self.micro_batch)
             mark = " ← ladder" if lay == self.layout else ""
             lines.append(
-                f"{i:>2} {lay.name():<34} {mem['total'] / GB:>6.1f} {m:>4} {k * pred.total:>8.3f} "
+                f"{i:>2} {lay.name():<{w}} {mem['total'] / GB:>6.1f} {m:>4} {k * pred.total:>8.3f} "
                 f"{c:>8.3f} {e:>9.3f} {b:>7.3f}{mark}"
             )
         lines.append(
@@ -510,6 +676,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+LONG_SEQUENCE = 16384
+"""From this ``seq_len`` on, :func:`candidates` adds context parallelism (activations ∝ S fill the
+memory; below it, the course's four axes are listed as before)."""
+
+
 def candidates(model: Model, cluster: Cluster, recompute: str = "selective") -> list[Layout]:
     """Every layout of the course's techniques on ``cluster`` that :func:`check_layout` accepts.
 
@@ -517,18 +688,43 @@ def candidates(model: Model, cluster: Cluster, recompute: str = "selective") -> 
     dividing the layers, data parallel over the rest: DDP, ZeRO-2 or ZeRO-3 without a pipeline,
     ZeRO-1 with one (pipeline engines accumulate gradients over micro-batches; ZeRO-1 is what
     they pair with). ZeRO-1 without a pipeline sends ZeRO-2's bytes and saves less: left out,
-    as the ladder leaves it out.
+    as the ladder leaves it out. Five axes: for a sequence of :data:`LONG_SEQUENCE` tokens or
+    more, context parallel c over the ranks left after TP and PP (c ≤ ``gpus_per_node``, the
+    sequence split into 2c chunks); for an MoE model, every expert-parallel e that divides the
+    experts and dp·c (e = 1 included). A dense model of a shorter sequence gets the same list
+    as with three axes.
     """
     out = []
+    long = model.seq_len >= LONG_SEQUENCE
     for t in _divisors(cluster.gpus_per_node):
         if model.heads % t or model.hidden % t or model.seq_len % t:
             continue
         for p in _divisors(model.layers):
             if (cluster.gpus // t) % p:
                 continue
-            d = cluster.gpus // (t * p)
-            stages = (0,) if d == 1 else (0, 2, 3) if p == 1 else (1,)
-            out += [Layout(dp=d, tp=t, pp=p, zero=z, recompute=recompute) for z in stages]
+            rest = cluster.gpus // (t * p)
+            cps = [1]
+            if long:
+                cps = [
+                    c
+                    for c in _divisors(rest)
+                    if c <= cluster.gpus_per_node
+                    and model.seq_len % (2 * c) == 0
+                    and (model.seq_len // c) % t == 0
+                ]
+            for c in cps:
+                d = rest // c
+                eps = (
+                    [e for e in _divisors(d * c) if model.experts % e == 0]
+                    if model.experts
+                    else [1]
+                )
+                for e in eps:
+                    stages = (0,) if d * c == 1 else (0, 2, 3) if p == 1 else (1,)
+                    out += [
+                        Layout(dp=d, tp=t, pp=p, zero=z, recompute=recompute, cp=c, ep=e)
+                        for z in stages
+                    ]
     return out
 
 
@@ -576,8 +772,9 @@ def rank(
     for lay in candidates(model, cluster, recompute) if layouts is None else layouts:
         check_layout(model, lay)
         if lay.world != cluster.gpus:
+            axes = "dp × tp × pp" + (" × cp" if lay.cp > 1 else "")
             raise PlanError(
-                f"{lay.name()} uses dp × tp × pp = {lay.world} GPUs; the cluster has {cluster.gpus}"
+                f"{lay.name()} uses {axes} = {lay.world} GPUs; the cluster has {cluster.gpus}"
             )
         m = g // (lay.dp * micro_batch)
         mem = memory_per_gpu(model, lay, micro_batch=micro_batch, num_microbatches=m)
@@ -612,8 +809,9 @@ def _ladder(model: Model, cluster: Cluster, recompute: str) -> list[tuple[Layout
         ),
         (
             Layout(dp=g, zero=2, recompute=recompute),
-            "ZeRO-2 (DeepSpeed stage 2, FSDP2 reshard_after_forward=False): DDP's 16Ψ does not fit; sharding "
-            "gradients and optimizer states costs no extra traffic (reduce-scatter + all-gather = 2Ψ)",
+            "ZeRO-2 (DeepSpeed stage 2: gradients reduce-scattered in backward, the updated parameters "
+            "all-gathered after the step): DDP's 16Ψ does not fit; sharding gradients and optimizer states "
+            "costs no extra traffic (reduce-scatter + all-gather = 2Ψ)",
         ),
         (
             Layout(dp=g, zero=3, recompute=recompute),
@@ -630,7 +828,7 @@ def _ladder(model: Model, cluster: Cluster, recompute: str) -> list[tuple[Layout
                     f"TP {t} inside each node (Narayanan et al. 2021: tensor parallelism up to the GPUs of a "
                     f"node, where its 4 all-reduces per layer use fast links) with sequence parallelism, "
                     f"which divides the weights and the activations (that ZeRO does not shard) by {t}; "
-                    f"{ZERO_NAMES[z]}{' / FSDP' if z == 3 else ' (FSDP SHARD_GRAD_OP)'} over "
+                    f"{ZERO_NAMES[z]}{' / FSDP' if z == 3 else ' (DeepSpeed stage 2)'} over "
                     f"the {g // t} TP groups, across nodes",
                 )
             )

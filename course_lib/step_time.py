@@ -89,6 +89,8 @@ __all__ = [
     "H100_NODE",
     "layout_step",
     "rank_layouts",
+    "cp_ring_bytes",
+    "ep_all_to_all_bytes",
 ]
 
 
@@ -205,13 +207,15 @@ class Prediction:
     ``parts`` are seconds on the critical path: ``"compute"`` (forward + backward sleeps),
     ``"recompute"`` (the extra forwards), ``"exposed all_reduce"`` and the like (communication
     nothing overlapped), ``"bubble"`` (a pipeline stage waiting). ``hidden`` is communication
-    that ran while compute did (seconds, not in ``total``).
+    that ran while compute did (seconds, not in ``total``). ``bytes``: what one rank sends in the
+    step, by kind (:func:`layout_step` fills it for context- and expert-parallel traffic).
     """
 
     name: str
     parts: dict[str, float]
     why: str
     hidden: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, float] = field(default_factory=dict)  # sent per rank per step, by kind
 
     def __post_init__(self):
         # hidden = busy − exposed, a difference of sums: a float round-off may make it −1e-18
@@ -775,23 +779,72 @@ Narayanan et al. 2021) and α = 10 µs inside a node, 20 µs across nodes (NCCL'
 latency, order of magnitude)."""
 
 
+def cp_ring_bytes(
+    batch: int, heads: int, seq_len: int, head_dim: int, cp_size: int, element_size: int = 2
+) -> dict[str, int]:
+    """Bytes one rank sends per attention layer in ring attention: ``{"forward", "backward"}``.
+
+    The course's ring (``context_parallel.ring_attention``, formula
+    ``context_parallel.ring_attention_traffic``): a rank's K/V block is 2·B·H·(S/c)·D elements;
+    forward sends it c−1 times round the ring; backward sends K/V c−1 times again and the dK/dV
+    accumulators c−1 times (twice the forward's bytes). ``heads``: this rank's (a/t under TP).
+    """
+    block = 2 * batch * heads * (seq_len // cp_size) * head_dim * element_size
+    kv = (cp_size - 1) * block
+    return {"forward": kv, "backward": 2 * kv}
+
+
+def ep_all_to_all_bytes(
+    tokens: int, d_model: int, top_k: int, ep_size: int, element_size: int = 2
+) -> int:
+    """Bytes one rank sends to other ranks in one all-to-all of an MoE layer, routing balanced.
+
+    ``expert_parallel.all_to_all_bytes`` of a kept matrix where every expert receives the same
+    share of every rank's ``tokens`` · k assignments and none is dropped: (e−1)/e of them go to
+    other ranks' experts, d_model · ``element_size`` bytes each. Dispatch and combine send the
+    same (the combine returns what other ranks' tokens sent here); backward sends them again.
+    """
+    assignments = tokens * top_k
+    return (ep_size - 1) * assignments // ep_size * d_model * element_size
+
+
 def layout_step(
-    model, layout, profile: NodeProfile, *, global_batch: int, micro_batch: int = 1
+    model,
+    layout,
+    profile: NodeProfile,
+    *,
+    global_batch: int,
+    micro_batch: int = 1,
+    element_size: int = 2,
 ) -> Prediction:
     """One step of ``layout`` for ``model`` on nodes of ``profile``, by the same exposure rules.
 
-    ``model``: ``params``, ``layers``, ``hidden``, ``seq_len`` (``plan.Model``); ``layout``:
-    ``dp``, ``tp``, ``pp``, ``zero``, ``recompute`` (``plan.Layout``). Every layout trains the same
-    ``global_batch`` sequences per step, each replica in ``m = global_batch / (dp · micro_batch)``
-    micro-batches; 16-bit activations and gradients. Ranks are placed TP fastest, then DP, then
-    PP (Megatron's order): a group crosses nodes when its span exceeds ``gpus_per_node``.
+    ``model``: ``params``, ``layers``, ``hidden``, ``heads``, ``seq_len``, and for an MoE model
+    ``experts``, ``top_k``, ``expert_params``, ``active_params`` (``plan.Model``); ``layout``:
+    ``dp``, ``tp``, ``pp``, ``cp``, ``ep``, ``zero``, ``recompute`` (``plan.Layout``). Every layout
+    trains the same ``global_batch`` sequences per step, each replica (dp of them; the cp ranks of
+    a replica share its sequences) in ``m = global_batch / (dp · micro_batch)`` micro-batches;
+    16-bit gradients, activations of ``element_size`` bytes (2). Ranks are placed TP fastest,
+    then CP, then DP, then PP (Megatron's order): a group crosses nodes when its span exceeds
+    ``gpus_per_node``; an EP group sits next to the TP ranks (span tp·ep).
 
-    * compute: ``training_flops_per_token · tokens / (tp · pp)`` at ``profile.rate``; full
-      recompute adds one forward (2 of the 6 FLOPs per parameter and token);
+    * compute: ``training_flops_per_token`` (of the parameters a token meets, ``active_params``)
+      · tokens / (tp · pp · cp) at ``profile.rate``; full recompute adds one forward (2 of the 6
+      FLOPs per parameter and token);
+    * CP (ring attention, :func:`cp_ring_bytes`): per attention layer and micro-batch c−1 K/V
+      sends forward, each behind one block's attention (its share of the layer's forward), and
+      c−1 K/V + c−1 dK/dV sends behind the backward blocks; exposed where a send takes longer
+      than its block; ``bytes["CP K/V (forward)"]`` and ``["CP K/V (backward)"]`` per step;
+    * EP (:func:`ep_all_to_all_bytes`, routing balanced, nothing dropped): per MoE layer and
+      micro-batch two all-to-alls forward (dispatch, combine) and two backward, all on the
+      critical path (the experts need the tokens, the next layer their outputs);
+      ``bytes["EP all-to-all (forward)"]``, ``["EP all-to-all (backward)"]`` per step;
     * pipeline: the 1F1B bubble, compute · (p−1)/m, and 2(p−1) activation sends on the path;
     * TP: 4 all-reduces of b·s·h per layer and micro-batch (2 more with full recompute), exposed;
-    * data parallel (ZeRO stage z), each rule the mechanism of :func:`ddp_step`,
-      :func:`zero_step`, :func:`zero3_step` at one bucket / unit per layer:
+    * data parallel (ZeRO stage z) over the dp·cp ranks holding the dense weights (and, for an
+      MoE model, over the dp·cp/e ranks holding the same experts, on their own link), each rule
+      the mechanism of :func:`ddp_step`, :func:`zero_step`, :func:`zero3_step` at one bucket /
+      unit per layer:
 
       - DDP / ZeRO-2 reduce during the last micro-batch's backward (the others accumulate
         locally); exposed: what the link needs beyond that backward, and at least the last
@@ -808,61 +861,114 @@ def layout_step(
         one tail, and 3Ψ of traffic against 2Ψ: it is never predicted faster than DDP.
     """
     dp, tp, pp, z = layout.dp, layout.tp, layout.pp, layout.zero
-    s, h, n = model.seq_len, model.hidden, profile.gpus_per_node
+    cp, ep = getattr(layout, "cp", 1), getattr(layout, "ep", 1)
+    s, h, n, eb = model.seq_len, model.hidden, profile.gpus_per_node, element_size
     m = global_batch / (dp * micro_batch)
     if m < 1:
         raise ValueError(f"global_batch={global_batch} < dp · micro_batch = {dp * micro_batch}")
     tokens = global_batch / dp * s
-    per_token = training_flops_per_token(model.params, model.layers, s, h)
+    experts = getattr(model, "experts", 0)
+    psi = model.active_params if experts else model.params
+    per_token = training_flops_per_token(psi, model.layers, s, h)
     full = layout.recompute == "full"
-    flops = per_token * tokens / (tp * pp) * ((6 + 2) / 6 if full else 1.0)
+    flops = per_token * tokens / (tp * pp * cp) * ((6 + 2) / 6 if full else 1.0)
     compute = flops / profile.rate
     micro_fwd = compute / m / (4 if full else 3)  # one micro-batch's forward (no recompute)
-    parts = {"compute": compute}
+    parts, sent = {"compute": compute}, {}
+    layers = model.layers / pp  # this rank's layers
     if pp > 1:
-        act = micro_batch * s * h * 2
-        p2p = profile.alpha_beta(2, tp * dp * pp > n).predict("send_recv", act)
+        act = micro_batch * s * h * eb / cp
+        p2p = profile.alpha_beta(2, tp * cp * dp * pp > n).predict("send_recv", act)
         parts["bubble"] = compute * (pp - 1) / m
         parts["exposed p2p"] = 2 * (pp - 1) * p2p
     if tp > 1:
         ab = profile.alpha_beta(tp, tp > n)
-        one = ab.predict("all_reduce", micro_batch * s * h * 2)
+        one = ab.predict("all_reduce", micro_batch * s * h * eb / cp)
         parts["exposed TP all_reduce"] = (6 if full else 4) * model.layers / pp * m * one
-    if dp > 1:
-        ab = profile.alpha_beta(dp, tp * dp > n)
-        shard = model.params / (tp * pp) * 2  # 16-bit gradients / parameters of one rank
-        micro_bwd = 2 * micro_fwd
-        per_layer = model.layers / pp  # this rank's layers: ZeRO-3's units, DDP's buckets
-        if z == 3:
-            # one unit per layer: its all-gather before it runs (forward and backward), its
-            # reduce-scatter after its backward, all on one link (see zero3_step)
-            g = ab.predict("all_gather", shard / per_layer)
-            r = ab.predict("reduce_scatter", shard / per_layer)
-            f, b = micro_fwd / per_layer, micro_bwd / per_layer
-            # the first unit's all-gather: forward cannot start before it; the last unit's
-            # reduce-scatter: after backward ends (the next micro-batch's first all-gather
-            # queues behind it, the optimizer step waits for it) — both exposed every micro-batch
-            edges = g + r
-            # the others, prefetched: unit i+1's all-gather runs behind unit i's forward; in
-            # backward unit i−1's all-gather and unit i's reduce-scatter behind unit i's
-            # backward — exposed only where the link needs longer than the compute
-            inner = (per_layer - 1) * (max(0.0, g - f) + max(0.0, g + r - b))
-            parts["exposed all_gather + reduce_scatter"] = m * (edges + inner)
-        else:
-            if z == 0:
-                reduce = ab.predict("all_reduce", shard)
-            else:
-                reduce = ab.predict("reduce_scatter", shard)
-            hidden = 0.0 if z == 1 else micro_bwd
-            last = reduce / per_layer  # the first layers' bucket is ready only at the end
-            parts["exposed gradient reduction"] = max(reduce - hidden, last)
-            if z in (1, 2):
-                parts["exposed all_gather"] = ab.predict("all_gather", shard)
+    if cp > 1:
+        ring = cp_ring_bytes(micro_batch, model.heads // tp, s, h // model.heads, cp, eb)
+        ab = profile.alpha_beta(2, tp * cp > n)
+        send = ab.predict("send_recv", ring["forward"] / (cp - 1))  # one K/V block
+        # one ring step's attention: 4·b·(s/c)²·h/t FLOPs forward (QKᵀ and PV), c of them per layer
+        block_f = 4 * micro_batch * (s / cp) ** 2 * h / tp / profile.rate
+        fwd = (cp - 1) * max(0.0, send - block_f)
+        bwd = (cp - 1) * max(0.0, 2 * send - BACKWARD_FACTOR * block_f)  # K/V and dK/dV
+        forwards = 2 if full else 1  # full recompute runs the ring's forward again
+        parts["exposed CP ring K/V"] = layers * m * (forwards * fwd + bwd)
+        sent["CP K/V (forward)"] = layers * m * forwards * ring["forward"]
+        sent["CP K/V (backward)"] = layers * m * ring["backward"]
+    if experts and ep > 1:
+        local = micro_batch * s / cp / (tp if getattr(layout, "sp", False) else 1)
+        one = ep_all_to_all_bytes(local, h, model.top_k, ep, eb)
+        ab = profile.alpha_beta(ep, tp * ep > n)
+        a2a = ab.predict("send_recv", one)  # the bytes leave the rank once
+        forwards = 2 if full else 1
+        parts["exposed EP all_to_all"] = layers * m * 2 * (forwards + 1) * a2a
+        sent["EP all-to-all (forward)"] = layers * m * forwards * 2 * one
+        sent["EP all-to-all (backward)"] = layers * m * 2 * one
+    dense = model.params - (model.expert_params if experts else 0.0)
+    groups = [("", dense / (tp * pp), dp * cp)]
+    if experts:
+        groups.append((" (experts)", model.expert_params / (tp * pp * ep), dp * cp // ep))
+    for label, psi_rank, size in groups:
+        if size > 1:
+            span = tp * cp * dp
+            parts.update(_dp_parts(profile, label, psi_rank, size, span, layers, micro_fwd, m, z))
     return Prediction(
         layout.name() if hasattr(layout, "name") else repr(layout),
         parts,
         f"{profile.name}: {profile.rate / 1e12:.0f} TFLOP/s achieved per GPU",
+        bytes={k: int(v) if float(v).is_integer() else v for k, v in sent.items()},
     )
+
+
+def _dp_parts(
+    profile: NodeProfile,
+    label: str,
+    psi_rank: float,
+    size: int,
+    span: int,
+    per_layer: float,
+    micro_fwd: float,
+    m: float,
+    z: int,
+) -> dict[str, float]:
+    """Exposed data-parallel communication of ``psi_rank`` parameters over ``size`` ranks (see above).
+
+    ``span``: how many consecutive ranks the group's members lie across (it crosses nodes when
+    that exceeds ``gpus_per_node``): tp·cp·dp for the dense weights' group, and the same for the
+    experts' (e of every tp·e·… ranks hold other experts).
+    """
+    ab = profile.alpha_beta(size, span > profile.gpus_per_node)
+    shard = psi_rank * 2  # 16-bit gradients / parameters of one rank
+    micro_bwd = 2 * micro_fwd
+    parts = {}
+    if z == 3:
+        # one unit per layer: its all-gather before it runs (forward and backward), its
+        # reduce-scatter after its backward, all on one link (see zero3_step)
+        g = ab.predict("all_gather", shard / per_layer)
+        r = ab.predict("reduce_scatter", shard / per_layer)
+        f, b = micro_fwd / per_layer, micro_bwd / per_layer
+        # the first unit's all-gather: forward cannot start before it; the last unit's
+        # reduce-scatter: after backward ends (the next micro-batch's first all-gather
+        # queues behind it, the optimizer step waits for it) — both exposed every micro-batch
+        edges = g + r
+        # the others, prefetched: unit i+1's all-gather runs behind unit i's forward; in
+        # backward unit i−1's all-gather and unit i's reduce-scatter behind unit i's
+        # backward — exposed only where the link needs longer than the compute
+        inner = (per_layer - 1) * (max(0.0, g - f) + max(0.0, g + r - b))
+        parts["exposed all_gather + reduce_scatter" + label] = m * (edges + inner)
+    else:
+        if z == 0:
+            reduce = ab.predict("all_reduce", shard)
+        else:
+            reduce = ab.predict("reduce_scatter", shard)
+        hidden = 0.0 if z == 1 else micro_bwd
+        last = reduce / per_layer  # the first layers' bucket is ready only at the end
+        parts["exposed gradient reduction" + label] = max(reduce - hidden, last)
+        if z in (1, 2):
+            parts["exposed all_gather" + label] = ab.predict("all_gather", shard)
+    return parts
 
 
 def rank_layouts(

@@ -13,10 +13,12 @@
 #   all-to-all from sequence- to head-sharded), their bytes counted against the formulas, and which one suits which shape;
 # - **mixture of experts** (MoE): a router, top-k, expert capacity and the drop rule, the load-balancing loss;
 # - **expert parallelism** (EP): each rank holds E/e experts, tokens travel to them and back with **two
-#   all-to-alls per MoE layer each way**; equal to one device, bytes = formula, a hot expert slowing its rank,
-#   and EP × DP on 4 ranks (which gradients are all-reduced over which group);
+#   all-to-alls per MoE layer each way**; equal to one device (e = 2 and e = 4), bytes = formula, a hot expert
+#   slowing its rank, and EP × DP on 4 ranks (which gradients are all-reduced over which group);
 # - how the axes **compose** on one mesh: pipeline stages whose blocks are tensor-parallel (PP × TP on 4 ranks, and
-#   DP × PP × TP on 8 in the tests), each rank's shard equal to one device's.
+#   DP × PP × TP on 8 in the tests), each rank's shard equal to one device's;
+# - the course's planner (`course_lib/plan.py`, chapter 10) with **five axes**: its CP and EP bytes against this
+#   chapter's measurements, and its ranking of layouts for an MoE model on a GPU node (a model, not a measurement).
 #
 # **What you need**: chapters 00 (collectives, the α–β model, the modelled accelerator clock), 02 (data
 # parallelism) and 06 (tensor parallelism: attention heads, process groups). 2 CPU cores are enough: ranks are
@@ -555,6 +557,32 @@ for key in ("equality", "training"):
     eps[0][key].assert_passed()
 
 # %% [markdown]
+# <a id="ep-4"></a>
+# **e = 4.** The same layer comparison on 4 ranks, E/e = 2 experts each (`EE.ep_equality`, the chapter's 8 experts,
+# top-2, capacity factor 0.75): every rank's tokens, drops and gradients against one device.
+
+# %%
+ep4 = spawn(EE.ep_equality, 4)
+print("experts per rank, e = 4:", [run.expert_ids for run in ep4])
+
+# %% tags=["nbval-ignore-output"]
+print(ep4[0])
+for run in ep4:  # every rank's table
+    run.assert_passed()
+
+# %% [markdown]
+# The rule behind `E/e`: every rank holds whole experts, so e must divide E. The layer checks it when it is built
+# (`check_divisible`, called by `ExpertParallelMoE.__init__`); at E = 8 and e = 3:
+
+# %%
+from course_lib.expert_parallel import check_divisible
+
+try:
+    check_divisible(mcfg.num_experts, 3)
+except ValueError as err:
+    print(f"ValueError: {err}")
+
+# %% [markdown]
 # ## 12. What the all-to-alls send
 # <a id="ep-traffic"></a>
 #
@@ -701,7 +729,116 @@ print("rank → (stage, replica, TP index):", {r.rank: (r.stage, r.replica, r.k)
 print(mesh3_runs[0])
 
 # %% [markdown]
-# ## 16. Exercises
+# ## 16. The planner with five axes
+# <a id="planner"></a>
+#
+# Chapter 10's planner (`course_lib/plan.py`) adds up each GPU's memory and predicts a step
+# (`course_lib/step_time.py`) for layouts of data, tensor and pipeline parallelism. This chapter's two axes join
+# them: `Layout(cp=c)` — a rank holds S/c tokens of every sequence, so its activations are ÷ c, and ring attention
+# sends its K/V block c−1 times per layer forward, K/V and dK/dV c−1 times each in backward; `Layout(ep=e)` for a
+# `Model` with experts — expert parameters, their gradients and optimizer states ÷ e, and two all-to-alls per MoE
+# layer each way. The rules it checks: the world is dp·tp·pp·cp, and e divides dp·cp (the EP groups are carved out
+# of the ranks that hold different tokens). Its all-to-all formula assumes balanced routing with nothing dropped:
+# (e−1)/e of a rank's N·k assignments go to other ranks, d values each. To measure that case, the rank function
+# below designs the routing: token t's two experts are t mod E and t+1 mod E, so every expert takes the same share.
+
+# %%
+def balanced_all_to_all(tokens=64, num_experts=8):
+    import torch.distributed as dist
+
+    from course_lib.expert_parallel import ExpertParallelMoE
+    from course_lib.experiments import expert_parallel as EE
+    from course_lib.launch import device
+    from course_lib.moe import MoE, MoEConfig
+
+    cfg, E = EE.moe_gpt_config(), num_experts
+    moe = MoEConfig(num_experts=E, top_k=2, capacity_factor=None, aux_loss_coef=0.0)
+    e, r, dev = dist.get_world_size(), dist.get_rank(), device()
+    torch.manual_seed(0)
+    layer = MoE(cfg, moe)
+    t = torch.arange(tokens)
+    x = torch.zeros(tokens, cfg.d_model)
+    x[t, t % E], x[t, (t + 1) % E] = 2.0, 1.0  # the router reads these: top-2 = experts t, t+1 (mod E)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:, :E] = torch.eye(E)
+    ep = ExpertParallelMoE.from_moe(layer.to(dev))
+    meter = EE.AllToAllMeter(r)  # bytes to other ranks, read off every all_to_all_single
+    with meter:
+        y, _, stats = ep(x.chunk(e)[r].to(dev).requires_grad_())
+        meter.phase = "backward"
+        y.sum().backward()
+    return {"calls": meter.calls, "kept": stats.kept_per_expert.tolist()}
+
+
+balanced = spawn(balanced_all_to_all, 2)
+print("assignments kept per expert:", balanced[0]["kept"])
+
+# %% [markdown]
+# The planner's numbers at the configurations measured above, fp32 (`element_size=4`; the planner's default is
+# 16-bit): `layout_step(...).bytes` for the K/V and all-to-all traffic of one step, `attention_saved_bytes` and
+# `memory_per_gpu` for activations, `model_states_per_gpu` for the experts' parameters. The `Model`s describe one
+# layer at the measured shapes; their Ψ (1e6) is a placeholder the bytes do not use.
+
+# %%
+from course_lib import plan
+from course_lib.step_time import H100_NODE, layout_step
+
+B, H, S, Dh = traffic.shape
+c = traffic.cp_size
+kv = layout_step(plan.Model(1e6, 1, H * Dh, H, S), plan.Layout(cp=c), H100_NODE, global_batch=B, micro_batch=B,
+                 element_size=4).bytes
+five = Result(title="the planner's bytes (plan, step_time) vs this chapter's measurements, fp32")
+for key in ("ring contiguous", "ring zigzag"):
+    for phase in ("forward", "backward"):
+        five.exact(f"CP {c}, {key}: K/V bytes per rank in one step, {phase}", traffic.measured[key][phase],
+                   [kv[f"CP K/V ({phase})"]] * c, "layout_step(…).bytes")
+attn = plan.Model(1e6, 1, H * Dh, H, memory.shape[2])
+for size in (1, memory.cp_size):
+    five.exact(f"ring attention's saved bytes per rank, c = {size}", memory.saved["ring"][size],
+               plan.attention_saved_bytes(attn, plan.Layout(cp=size), micro_batch=B, element_size=4),
+               "plan.attention_saved_bytes")
+acts = [plan.memory_per_gpu(attn, plan.Layout(cp=size))["activations"] for size in (1, memory.cp_size)]
+five.exact(f"activations per rank, c = 1 / c = {memory.cp_size}",
+           memory.saved["ring"][1] / memory.saved["ring"][memory.cp_size], acts[0] / acts[1],
+           "memory_per_gpu: ÷ c")
+states = plan.model_states_per_gpu(plan.Model.from_config(cfg, moe=mcfg), plan.Layout(dp=2, ep=2), precision="fp32")
+held = [{n: t.numel() * t.element_size() for n, t in run["state"].items()} for run in ep_runs]  # section 11's ranks
+five.exact("EP 2: expert parameter bytes per rank", [sum(v for n, v in h.items() if ".experts." in n) for h in held],
+           [states["experts"]["params"]] * 2, "model_states_per_gpu: 4·Ψ_experts / e")
+five.exact("EP 2: parameter bytes per rank, all", [sum(h.values()) for h in held], [states["params"]] * 2,
+           "model_states_per_gpu: dense + experts / e")
+moe_layer = plan.Model(1e6, 1, cfg.d_model, cfg.n_head, 64 // 2, experts=8, top_k=2, expert_hidden=2 * cfg.d_model)
+a2a = layout_step(moe_layer, plan.Layout(dp=2, ep=2), H100_NODE, global_batch=2, element_size=4).bytes
+for phase in ("forward", "backward"):
+    five.exact(f"EP 2, balanced routing: all-to-all bytes per rank in one step, {phase}",
+               [sum(run["calls"][phase]) for run in balanced], [a2a[f"EP all-to-all ({phase})"]] * 2,
+               "layout_step(…).bytes: 2 × (e−1)/e·N·k·d·4")
+
+# %% tags=["nbval-ignore-output"]
+print(five)
+five.assert_passed()
+
+# %% [markdown]
+# **Ranking layouts for an MoE model.** `plan.recommend` walks chapter 10's ladder (the least traffic that fits),
+# then `plan.rank` orders every layout that fits — now with CP (for sequences of `plan.LONG_SEQUENCE` tokens or
+# more) and EP (for a model with experts) — by the step the course's step-time model predicts on a named GPU node
+# (published FLOP/s and link bandwidths, an assumed MFU). Below: an MoE GPT with the course's MLP experts (8 per
+# layer, top-2) at a 16K-token sequence on two 8-GPU H100 nodes. The output is a model's prediction on published
+# numbers; nothing in it was measured.
+
+# %%
+L_, h_, f_, V_ = 32, 4096, 14336, 32000
+moe_gpt = plan.Model(L_ * 8 * 2 * h_ * f_ + L_ * (4 * h_ * h_ + 8 * h_) + 2 * V_ * h_, L_, h_, 32, 16384, V_,
+                     "MoE GPT", experts=8, top_k=2, expert_hidden=f_)
+moe_plan = plan.recommend(moe_gpt, plan.Cluster(80, 8, 2), profile=H100_NODE)
+print(moe_plan.text(ranking=False))
+print("\n".join(moe_plan.ranking_table().splitlines()[:11]))
+print(f"… {len(moe_plan.ranking) - 10} more; with CP: {sum(lay.cp > 1 for lay, _, _ in moe_plan.ranking)}, "
+      f"with EP: {sum(lay.ep > 1 for lay, _, _ in moe_plan.ranking)} of the {len(moe_plan.ranking)} that fit")
+
+# %% [markdown]
+# ## 17. Exercises
 # `exercises/context_expert_parallel.py` — write `merge` (section 3's online-softmax rule) and `dispatch_splits`
 # (section 11's step 2 without capacity: how many rows this rank sends to each rank, from its tokens' chosen
 # experts `(N, k)`, experts sharded contiguously). Each is checked on real ranks against the library's version —
@@ -713,7 +850,7 @@ print(mesh3_runs[0])
 # ```
 
 # %% [markdown]
-# ## 17. O/X quiz
+# ## 18. O/X quiz
 
 # %%
 from course_lib.quiz import quiz
@@ -738,6 +875,10 @@ quiz("context-expert-parallel")
 # - The axes compose because each talks only inside its own groups: on a (pp, dp, tp) mesh, TP's all-reduces stay in
 #   a stage's TP group, activations travel along a pipeline of one rank per stage, gradients are averaged over a data
 #   group; the shards equal one device's (checked above for PP 2 × TP 2).
+# - The planner (`course_lib/plan.py`) has five axes: `Layout(cp=…, ep=…)` divides activations by c and experts
+#   (with their gradients and optimizer states) by e, and `layout_step` counts the ring's K/V and the MoE
+#   all-to-all bytes of a step; the table of section 16 compares them with this chapter's measurements. Its
+#   ranking is a model on published numbers.
 
 # %% tags=["nbval-ignore-output"]
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
