@@ -10,11 +10,15 @@
 #   `gradient_as_bucket_view` and `find_unused_parameters` change;
 # - how much communication each way of averaging leaves **exposed** per step — blocking or overlapped, per
 #   parameter or bucketed — predicted by the step-time model and measured under the modelled accelerator clock;
+# - how to read a **profiler trace** of one DDP step (Chrome-trace JSON, Perfetto): where each all-reduce starts,
+#   what it waits on, and how much of it runs under backward;
 # - how to **predict** the gradient all-reduce time with chapter 00's α–β cost model;
 # - gradient **compression** (fp16 / bf16 communication hooks, PowerSGD) and what it costs in accuracy;
 # - strong scaling: a fixed, tiny global batch on 1 and 2 ranks, and what the all-reduce adds to each step;
 # - a complete torch `DistributedDataParallel` training script: `DistributedSampler` + `set_epoch`, gradient
-#   accumulation under `no_sync()`, checked against one device; the global batch size and the learning rate.
+#   accumulation under `no_sync()`, checked against one device; the global batch size and the learning rate;
+# - what `torch.compile` does to a DDP model: Dynamo's DDP optimizer splits the graph at bucket boundaries so the
+#   all-reduces can still overlap backward.
 #
 # **What you need**: chapters 00 (collectives, the α–β model) and 01 (a training step's memory); PyTorch autograd
 # at the level of `loss.backward()` and tensor hooks.
@@ -171,6 +175,7 @@ for cap in (None, 25, 4):
 # *Exposed* = the variant's median step minus a compute-only step's (the same model, no communication). The model
 # is not section 2's bench model: it is `experiments.step_time.step_time_config()`, a GPT of 4 blocks of d_model
 # 256 with untied embeddings, 2 sequences of 16 tokens per rank (the cell prints its Ψ and parameter tensors).
+# The same ranks then profile one more step of the overlapped bucketed variant, read [below](#profiler-trace).
 
 # %% tags=["nbval-ignore-output"]
 from course_lib.experiments.step_time import step_time_config
@@ -178,7 +183,17 @@ from course_lib.experiments.step_time import step_time_config
 st_model = GPT(step_time_config())
 print(f"model: step_time_config(), Ψ = {st_model.num_params():,} in {len(trainable_parameters(st_model))} "
       "parameter tensors (one all-reduce each, per parameter)")
-exp = spawn(ddp.exposed_communication, 2, kwargs=dict(bucket_cap_mb=4.0, timeline_steps=2))[0]
+from course_lib import profiling
+
+
+def exposed_then_one_traced_step():  # the trace is read in the subsection after the timeline
+    exp = ddp.exposed_communication(bucket_cap_mb=4.0, timeline_steps=2)
+    trace = profiling.ddp_step_trace("own", steps=1, warmup=1, config=step_time_config(), batch_size=4,
+                                     bucket_cap_mb=4.0, clock_rate=exp["rate"], optimizer="sgd")
+    return exp, trace
+
+
+exp, tr = spawn(exposed_then_one_traced_step, 2)[0]
 print(exp.exposure_table())
 print()
 print(exp)
@@ -217,6 +232,95 @@ tl.assert_passed()  # the launch-time rows of the table above: blocking after ba
 # cycles gloo's threads take from backward on the shared cores. The real compute beside the sleeps is the same in
 # every variant, the compute-only one included, so it cancels in the exposed column. The table's rows band only the step totals (±20 %); the exposed
 # column is a difference of two noisy medians, so read it for its order of magnitude.
+
+# %% [markdown]
+# <a id="profiler-trace"></a>
+# ### The same step in a profiler trace
+#
+# The timeline above is drawn from timestamps our DDP records itself. What you would open on a real job is a
+# **profiler trace**: `torch.profiler` records every op with its thread, start and duration, and exports them as
+# Chrome-trace JSON. The rank function of the table's cell, after its measurements, profiled **one** step of the
+# overlapped bucketed variant (our DDP, 4 MiB buckets) after one warm-up step, on the same model under the same
+# modelled clock (the rate it calibrated). `profiling.ddp_step_trace` is a thin layer over the profiler:
+#
+# ```python
+# prof = torch.profiler.profile(
+#     activities=[ProfilerActivity.CPU],          # + ProfilerActivity.CUDA on a GPU
+#     schedule=torch.profiler.schedule(wait=0, warmup=1, active=1),
+#     experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
+# prof.start(); step(); prof.step(); step(); prof.step(); prof.stop()
+# prof.export_chrome_trace(path)                  # open in https://ui.perfetto.dev or chrome://tracing
+# print(prof.key_averages().table(sort_by="self_cpu_time_total"))
+# ```
+#
+# The step's phases are `record_function` ranges (`forward`, `backward`, `optimizer`); under the modelled clock
+# each block's modelled compute is a `clock: blocks.i fwd|bwd` range (a sleep). gloo runs each all-reduce on one of
+# its worker threads (`pt_gloo_runloop`) as a `gloo:all_reduce` range; the training thread only holds the few-µs
+# `c10d::allreduce_` call that enqueues it. Every rank writes its own file.
+
+# %% tags=["nbval-ignore-output"]
+print(tr)  # rank 0's
+print(f"\nopen {tr.trace_file} at https://ui.perfetto.dev (drag the file in) or chrome://tracing (Load)")
+
+# %% [markdown]
+# The top-ops table is `key_averages()` for the profiled step, by self time: the modelled compute (the
+# `clock: … bwd` sleeps, twice the forward ones) dominates, as a GPU's kernels would; the real CPU ops beside it
+# (`aten::mm`, …) are the small part the calibration left. Below, the file drawn back (one row per thread,
+# `profiling.draw_trace`) above the course's own timeline of the same variant (section 2's figure, median over 2
+# steps). The two x axes start at different points: the trace at the start of the profiled step (zero_grad first),
+# the timeline at the start of forward.
+
+# %% tags=["nbval-ignore-output"]
+events = profiling.read_trace(tr.trace_path)
+fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 6.2))
+profiling.draw_trace(events, ax=ax0, title="profiler trace, rank 0: one step of our DDP, 4 MiB buckets")
+viz.ddp_timeline({"overlapped bucketed": tl["overlapped"]}, ax=ax1,
+                 title="the course's own timeline of the same variant (median over 2 steps)")
+ax1.set_xlabel("ms from the start of forward")
+ax1.set_xlim(ax0.get_xlim())
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Reading the trace with code: where each all-reduce starts, which backward range it follows (the block whose
+# backward completed its bucket), how long it runs, and how much of it ran while backward still computed
+# (`profiling.overlap`: time a `gloo:` range on a worker thread coincides with backward's ops and sleeps).
+
+# %% tags=["nbval-ignore-output"]
+step0 = min(e.start for e in events if e.name.startswith("ProfilerStep#"))
+train_threads = profiling.training_threads(events)
+bwd = next(e for e in events if e.name == "backward" and e.thread in train_threads and e.start >= step0)
+sleeps = sorted((e for e in events if e.kind == "clock sleep" and e.phase == "backward" and e.start >= step0),
+                key=lambda e: e.end)
+ars = sorted((e for e in events if e.name == "gloo:all_reduce" and e.start >= step0), key=lambda e: e.start)
+
+
+def ms(t):  # seconds in the trace → ms from the start of the profiled step
+    return (t - step0) * 1e3
+
+
+print(f"backward (the mark): {ms(bwd.start):.1f} → {ms(bwd.end):.1f} ms; "
+      f"its last modelled compute ends at {ms(sleeps[-1].end):.1f} ms")
+for i, a in enumerate(ars):
+    before = [s for s in sleeps if s.end <= a.start]
+    after = f"{(a.start - before[-1].end) * 1e3:.1f} ms after '{before[-1].name}' ended" if before else "before any"
+    print(f"all-reduce {i}: starts {ms(a.start):6.1f} ms ({after}), runs {a.duration * 1e3:.1f} ms on "
+          f"gloo's worker {a.thread.split(' / ')[-1]}")
+print(f"collectives running: {tr.comm_s * 1e3:.1f} ms; while backward computes (profiling.overlap): "
+      f"{tr.overlap_s * 1e3:.1f} ms ({tr.overlap_s / tr.comm_s:.0%}); exposed: {tr.exposed_s * 1e3:.1f} ms")
+print(f"backward() returns {(bwd.end - sleeps[-1].end) * 1e3:.1f} ms after its last compute: the wait for "
+      f"the last bucket's all-reduce (it ends at {ms(ars[-1].end):.1f} ms) and the copy back into .grad")
+
+# %% [markdown]
+# **A worked reading.** Backward runs the blocks from the last to the first. An all-reduce cannot start before
+# every gradient of its bucket exists, so each one starts just after the backward range of the block that completes
+# its bucket (the printout names it) — that is what it waits on. From there it runs on gloo's thread while the
+# training thread goes on with the next blocks' backward: the part the printout counts as "while backward
+# computes" runs beside compute instead of after it. The **last** bucket holds the first layers (and the embeddings), whose gradients come last:
+# its all-reduce can only start after backward's compute is over, nothing runs beside it, and `backward()` (the
+# end-of-backward callback) waits for it — that part is *exposed*, and it is the difference between the
+# backward mark's end and its last compute printed above. This is the exposed row of section 2's table, read off
+# one trace instead of a difference of medians.
 
 # %% [markdown]
 # ## 3. Step time vs bucket size
@@ -296,7 +400,7 @@ print(f"gradient all-reduce of {sum(pred['bucket_bytes']) / 1e6:.1f} MB in {len(
 # parameter unused on every rank keeps `.grad = None`, as on one device. The race prints what that flag costs.
 
 # %% tags=["nbval-ignore-output"]
-race = ddp.ddp_benchmark(2, bucket_cap_mb=4.0, rounds=5, steps_per_round=2,
+race = ddp.ddp_benchmark(2, bucket_cap_mb=4.0, rounds=4, steps_per_round=2,
                               variants=("own_find_unused", "own_bucketed", "own_bucket_view", "torch_ddp",
                                         "own_fp16", "torch_fp16"))
 print(ddp.format_throughput(race))
@@ -512,6 +616,90 @@ print(f"4 micro-batches per step: {acc.grad_allreduces} gradient all-reduces = o
       f"({acc.buckets} buckets), not 4 × {acc.buckets}")
 
 # %% [markdown]
+# <a id="torch-compile-and-ddp"></a>
+# **`torch.compile` and DDP.** Compiling a DDP model captures forward as one graph, and AOTAutograd turns its
+# backward into one graph too — which would run as a single block: DDP's gradient hooks fire as each gradient is
+# accumulated, but the all-reduces of a bucket could only start once the whole backward graph had run, so nothing
+# would overlap. Dynamo's **DDP optimizer** (`torch._dynamo.config.optimize_ddp = True`, the default) therefore
+# splits the captured graph at DDP's bucket boundaries (read from `ddp_model.bucket_bytes_cap`) and compiles each
+# piece separately: backward then runs piece by piece, and each bucket's all-reduce starts when its piece is done.
+#
+# The rank function below compiles torch DDP on section 2's bench model (3.2M parameters, 12.6 MB of gradients) with
+# a backend that only **counts**: `GraphCounter` records each `GraphModule` Dynamo hands it and returns
+# `gm.forward`, so no code is generated (inductor, slow to compile on CPU, would change nothing in the split).
+# It trains 2 SGD steps compiled and 2 eagerly from the same init, and reads the buckets DDP's reducer holds after
+# them (`ddp_bucket_sizes`: the rebuilt buckets). The split counts the DDP optimizer's buckets, not DDP's: it always
+# takes a **1 MiB first bucket** (`dist._DEFAULT_FIRST_BUCKET_BYTES`, the graph walked from its output, i.e. the
+# gradients that arrive first) and `bucket_cap_mb` for the rest, while torch DDP given an explicit `bucket_cap_mb`
+# caps its first bucket at that value (section 2). Where the two cuttings differ the counts can differ by one.
+
+# %%
+from course_lib.configs import bench_config
+from course_lib.experiments.compile_dist import GraphCounter, ddp_bucket_sizes
+from course_lib.train import shard_batch, step_batch
+
+
+def compiled_ddp(bucket_cap_mb, optimize_ddp=True, steps=2):
+    import torch._dynamo
+
+    dev, cfg = device(), bench_config()
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = optimize_ddp  # True: split the graph at DDP's buckets
+    runs = {}
+    for compiled in (False, True):
+        model = GPT(cfg, seed=0).to(dev)
+        ddp_model = DistributedDataParallel(model, device_ids=[dev] if dev.type == "cuda" else None,
+                                            bucket_cap_mb=bucket_cap_mb)
+        counter = GraphCounter()
+        run = torch.compile(ddp_model, backend=counter) if compiled else ddp_model
+        opt = torch.optim.SGD(run.parameters(), lr=0.1)
+        losses = []
+        for step in range(steps):
+            x, y = shard_batch(*step_batch(step, cfg, 8, dev))
+            loss = run(x, y)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs["compiled" if compiled else "eager"] = {"losses": losses, "graphs": len(counter),
+                                                      "buckets": ddp_bucket_sizes(ddp_model)}
+    return runs
+
+
+def compile_cases():
+    return {(cap, on): compiled_ddp(cap, on) for cap, on in ((4.0, True), (25.0, True), (4.0, False))}
+
+
+compiled_cases = spawn(compile_cases, 2)[0]
+
+# %% tags=["nbval-ignore-output"]
+from course_lib.results import REORDERED
+
+split = Result(title="torch.compile(ddp_model): graphs vs DDP buckets (bench model, 2 ranks, rank 0)")
+for (cap, split_on), r in compiled_cases.items():
+    c, buckets = r["compiled"], r["compiled"]["buckets"]
+    mib = ", ".join(f"{b / 2**20:.2f}" for b in buckets)
+    print(f"bucket_cap_mb={cap:g}, optimize_ddp={split_on}: {len(buckets)} DDP bucket(s) of {mib} MiB; "
+          f"{c['graphs']} compiled graph(s)")
+    if split_on:
+        split.condition(f"bucket_cap_mb={cap:g}: graphs − buckets", c["graphs"] - len(buckets),
+                        abs(c["graphs"] - len(buckets)) <= 1, "|Δ| ≤ 1 (the DDP optimizer's 1 MiB first bucket)",
+                        against=f"{len(buckets)} buckets")
+    else:
+        split.exact(f"bucket_cap_mb={cap:g}, optimize_ddp=False: graphs", c["graphs"], 1, against="no split")
+    split.equal(f"bucket_cap_mb={cap:g}, optimize_ddp={split_on}: loss, 2 steps", c["losses"], r["eager"]["losses"],
+                REORDERED, against="the same DDP, eager")
+print(split)
+split.assert_passed()
+
+# %% [markdown]
+# How to read the counts: one graph more than DDP buckets is the DDP optimizer's 1 MiB first piece where DDP's
+# first bucket is larger (at `bucket_cap_mb=25` all 12.6 MB fit in one DDP bucket, so any second graph is that cut).
+# With `optimize_ddp=False` the graph stays whole, and every all-reduce waits for the entire backward graph.
+# Production runs compile with a code-generating backend (inductor, the default): the DDP optimizer splits the
+# graph *before* it hands each piece to the backend, so the split, and the overlap it allows, are the same.
+
+# %% [markdown]
 # **Global batch and learning rate** (background: no experiment in this notebook). With per-rank batch b on N
 # ranks and k accumulation steps, one optimizer step averages N·k·b samples: the *global* batch (8 above). Going
 # from 1 to N ranks at fixed b therefore takes N× fewer steps per epoch with an N× larger batch. The usual remedy is
@@ -627,6 +815,10 @@ quiz("ddp")
 #   through torch's hook; torch's bf16 hook refuses on CPU.
 # - A torch DDP script with `DistributedSampler` + `set_epoch` and `no_sync()` accumulation equals one device on the
 #   global batches and issues one all-reduce per bucket per optimizer step; torchrun runs the same rank functions.
+# - A profiler trace of one step (section 2): each bucket's all-reduce starts after the backward of the block that
+#   completes it; `profiling.overlap` measures how much of it runs under backward (printed there).
+# - `torch.compile` on torch DDP: the DDP optimizer cuts the graph into as many pieces as DDP has buckets, within
+#   one (its 1 MiB first bucket), with the eager losses (section 8's table).
 
 # %% tags=["nbval-ignore-output"]
 ratios = race["ratios_vs_torch"]

@@ -8,7 +8,10 @@
 # - that FSDP2 trains exactly like one device, and how it compares with the ZeRO-3 we wrote in chapter 03
 #   (memory per rank, collectives, the unit gather/free);
 # - what prefetch and activation checkpointing change in a step, predicted by the step-time model and measured
-#   under the modelled accelerator clock; what `reshard_after_forward` trades (traffic against memory).
+#   under the modelled accelerator clock; what `reshard_after_forward` trades (traffic against memory);
+# - to read a **profiler trace** of one FSDP2 step: its all-gathers and reduce-scatters on gloo's threads, and what
+#   gloo runs for a reduce-scatter;
+# - to `torch.compile` each transformer block under FSDP2, checked against eager.
 #
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
 # 2 CPU cores are enough (gloo); on GPUs the same rank functions run on nccl, one GPU per rank.
@@ -473,7 +476,153 @@ print(moved)
 shutil.rmtree(feat_dir)
 
 # %% [markdown]
-# ## 7. Exercises
+# <a id="fsdp2-trace"></a>
+# ## 7. A profiler trace of one FSDP2 step
+#
+# The collectives counted above, seen in time. The rank function profiles one step of section 2's script model
+# (`build_fsdp2`: 3 units, bf16 compute) after a warm-up step, with `course_lib.profiling.profile_steps` —
+# `torch.profiler` on every thread, the step's phases marked by `marked_step` (`forward`, `backward`, `optimizer`),
+# exported as Chrome-trace JSON, one file per rank. Each collective leaves two marks: on the training thread the
+# c10d call that issues it (`c10d::_allgather_base_` for FSDP2's `all_gather_into_tensor`,
+# `c10d::_reduce_scatter_base_` for its `reduce_scatter_tensor`), and on one of gloo's worker threads
+# (`pt_gloo_runloop`) a `gloo:…` range for the collective gloo actually runs. On CPU the training thread waits for
+# each one.
+
+# %% tags=["nbval-ignore-output"]
+from course_lib import profiling
+
+
+def fsdp2_step_trace():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build_fsdp2(world)
+    x, y = shard_batch(*step_batch(0, CONFIG, 4 * world, launch.device()))
+    return profiling.profile_steps(lambda: profiling.marked_step(model, opt, x, y), steps=1, warmup=1,
+                                   name=f"fsdp2_rank{rank}", title=f"rank {rank}: one FSDP2 step")
+
+
+profs = spawn(fsdp2_step_trace, 2)
+print(profs[0])
+print(f"\nrank 1: {profs[1].trace_file}; open either at https://ui.perfetto.dev (drag the file in) "
+      "or chrome://tracing (Load)")
+
+# %% [markdown]
+# Both ranks' files drawn back on one time axis (`profiling.read_traces`: the files carry the host's clock), one row
+# per thread. Then the collectives in rank 0's step, counted from both marks, beside what section 1 says FSDP2
+# issues with the default `reshard_after_forward` (the root keeps its parameters after forward): L + 1
+# all-gathers in forward, L in backward, L + 1 reduce-scatters.
+
+# %% tags=["nbval-ignore-output"]
+both_ranks = profiling.read_traces([p.trace_path for p in profs])
+fig, ax = plt.subplots(figsize=(9, 4.5))
+profiling.draw_trace(both_ranks, ax=ax, title="one FSDP2 step on 2 ranks: gloo collectives (orange) between compute")
+plt.tight_layout()
+plt.show()
+
+# %% tags=["nbval-ignore-output"]
+from collections import Counter
+
+ev0 = both_ranks["rank 0"]
+step = next(e for e in ev0 if e.name.startswith("ProfilerStep#"))
+in_step = [e for e in ev0 if e.start >= step.start and e.end <= step.end]
+calls = Counter(e.name for e in in_step if e.name.startswith("c10d::"))
+gloo = Counter(e.name for e in in_step if e.name.startswith("gloo:"))
+print("c10d calls on the training thread:", dict(calls))
+print("gloo ranges on its worker threads:", dict(gloo))
+layers = CONFIG.n_layer
+seen = Result(title="collectives in one FSDP2 step, read from rank 0's trace")
+seen.exact("all-gathers issued (c10d::_allgather_base_)", calls["c10d::_allgather_base_"], 2 * layers + 1,
+           against="L + 1 in forward, L in backward")
+seen.exact("gloo:all_gather ranges", gloo["gloo:all_gather"], 2 * layers + 1, against="one per all-gather")
+seen.exact("reduce-scatters issued (c10d::_reduce_scatter_base_)", calls["c10d::_reduce_scatter_base_"],
+           layers + 1, against="one per unit")
+seen.condition("gloo ranges left for the reduce-scatters", {k: n for k, n in gloo.items() if k != "gloo:all_gather"},
+               sum(n for k, n in gloo.items() if k != "gloo:all_gather") == layers + 1, "one per reduce-scatter")
+comm = profiling.busy(ev0, "communication")
+print(f"step {step.duration * 1e3:.1f} ms; collectives running {comm * 1e3:.1f} ms of it "
+      f"({comm / step.duration:.0%})")
+print(seen)
+seen.assert_passed()
+
+# %% [markdown]
+# Read the last row's measured value: in torch 2.13 gloo runs `_reduce_scatter_base_` on CPU tensors as a gloo
+# **all-reduce** of the whole unit's gradient buffer, after which each rank keeps its chunk. On gloo a reduce-scatter
+# therefore moves an all-reduce's bytes (in a ring, 2(N − 1)/N of the buffer per rank instead of (N − 1)/N); NCCL
+# runs a real reduce-scatter. The byte counts of section 4 are those of the collectives FSDP2 *asks for*.
+
+# %% [markdown]
+# <a id="fsdp2-compile"></a>
+# ## 8. `torch.compile` on each block
+#
+# The usual recipe (torchtitan's, for example) compiles every transformer block **in place** and then shards it:
+# `block.compile()` compiles the module's forward but leaves the module object (its name, its parameters) where it
+# was, so `fully_shard(block)` wraps it as before; FSDP2's all-gather and reduce-scatter run in its hooks, around the
+# compiled forward and backward, outside the graphs. The root (embeddings, final norm, tied head) stays eager here.
+# The rank function trains 3 SGD steps eagerly and 3 compiled from the same init and compares losses and the full
+# weights. The backend is inductor, the default, which generates C++ for the CPU; the cell points inductor at an
+# empty cache directory so the compile time printed is a first run's.
+
+# %%
+import tempfile as _tempfile
+
+from course_lib.results import REORDERED, SGD
+
+
+def compiled_blocks_vs_eager(backend="inductor", steps=3):
+    import torch._dynamo
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _tempfile.mkdtemp(prefix="inductor_")  # a cold cache
+    mesh = init_device_mesh(launch.device().type, (dist.get_world_size(),))
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = GPT(CONFIG, seed=0).to(launch.device())
+        for block in model.blocks:
+            if compiled:
+                block.compile(backend=backend)  # in place: still model.blocks[i]
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, seconds = [], []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            x, y = shard_batch(*step_batch(step, CONFIG, 8, launch.device()))
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            seconds.append(time.perf_counter() - t0)
+        full = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+        runs["compiled" if compiled else "eager"] = {"losses": losses, "seconds": seconds, "weights": full}
+    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    return runs
+
+
+cb = spawn(compiled_blocks_vs_eager, 2)
+
+# %% tags=["nbval-ignore-output"]
+same_c = Result(title="FSDP2, each block compiled (inductor) vs eager, 2 ranks, 3 SGD steps")
+for rank, r in enumerate(cb):
+    same_c.equal(f"rank {rank}: losses", r["compiled"]["losses"], r["eager"]["losses"], REORDERED,
+                 against="eager FSDP2")
+    same_c.equal(f"rank {rank}: full weights after 3 steps", r["compiled"]["weights"], r["eager"]["weights"], SGD,
+                 against="eager FSDP2")
+print(same_c)
+same_c.assert_passed()
+te, tc = cb[0]["eager"]["seconds"], cb[0]["compiled"]["seconds"]
+print(f"rank 0, first step: eager {te[0] * 1e3:.0f} ms, compiled {tc[0]:.1f} s (the compile, cold cache); "
+      f"later steps: eager {sum(te[1:]) / len(te[1:]) * 1e3:.0f} ms, "
+      f"compiled {sum(tc[1:]) / len(tc[1:]) * 1e3:.0f} ms")
+
+# %% [markdown]
+# What compiling changes is the code each block runs: inductor fuses each block's elementwise ops into generated
+# kernels, the reason to compile on a GPU; on a model this small on CPU a step is mostly Python and the
+# collectives, and the later-step times above are this machine's measurement. `backend="aot_eager"`
+# (AOTAutograd's forward and backward graphs run op by op, no code generation) is the quick way to check that a
+# model compiles at all; `tests/test_compile_dist.py` uses it.
+
+# %% [markdown]
+# ## 9. Exercises
 # Both live in `exercises/fsdp.py`; the checker runs your code at worlds 2 and 3.
 #
 # (a) `wrap_blocks(model, mesh, reshard_after_forward=True)`: call `fully_shard` on every block of `model.blocks`,
@@ -504,7 +653,7 @@ check("fsdp2_wrap_blocks", package="solutions")
 check("sharded_checkpoint", package="solutions")
 
 # %% [markdown]
-# ## 8. O/X quiz
+# ## 10. O/X quiz
 
 # %%
 from course_lib.quiz import quiz
@@ -527,6 +676,9 @@ quiz("fsdp")
 #   `set_requires_gradient_sync(False)` cuts the reduce-scatters of accumulation to one per unit per step; HSDP keeps
 #   all-gathers and reduce-scatters on the shard dimension and all-reduces on the replicate dimension; activation
 #   checkpointing keeps only each block's input; with meta-device init only rank 0 holds the full state dict.
+# - A profiler trace of one step shows 2L + 1 all-gathers and L + 1 reduce-scatters (section 7's table); on gloo
+#   each reduce-scatter runs as an all-reduce. Each block compiled with inductor before `fully_shard` trains like
+#   eager FSDP2 within the named tolerances (section 8's table).
 
 # %% tags=["nbval-ignore-output"]
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")
