@@ -33,7 +33,8 @@ The contract
   A tensor-parallel shard computes 1/t of the columns, so it costs 1/t; a pipeline stage costs
   only its blocks; under ZeRO-3 / FSDP the weights are whole while the module runs, so it costs
   the whole layer. Seconds = FLOPs / rate. ``spend(flops)`` costs an algorithm step that is not
-  a module (a ring step, an expert, a zero-bubble B or W step).
+  a module (a ring step, an expert, a zero-bubble W step). ``backward_factor`` (default 2) is
+  what a backward sleeps per forward FLOP: a zero-bubble schedule's B sets 1 (input gradient).
 * How it sleeps. Until a deadline kept across calls: each ``time.sleep`` wakes ~0.1 ms late, and
   the next sleep is shortened by that overshoot, so 1000 sleeps of 1 ms take 1 s, not 1.1 s.
   The Python thread is blocked while it sleeps — unlike a real host, which runs ahead and
@@ -201,7 +202,7 @@ class _Cost(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         (_anchor,) = ctx.saved_tensors  # under checkpoint: re-runs the forward (and its sleep)
-        ctx.clock.sleep(BACKWARD_FACTOR * ctx.flops, f"{ctx.label} bwd", "backward")
+        ctx.clock.sleep(ctx.clock.backward_factor * ctx.flops, f"{ctx.label} bwd", "backward")
         return (None, None, None, None, *grads)
 
 
@@ -220,6 +221,9 @@ class AcceleratorClock:
 
             device = rank_device()
         self.rate = float(rate_flops_per_s)
+        # × the forward's FLOPs that a backward through a costed module sleeps; a zero-bubble B
+        # (input gradient only) sets 1 and costs the weight gradient W with ``spend``
+        self.backward_factor = BACKWARD_FACTOR
         self.enabled = models_time(torch.device(device).type, force)
         self._late = 0.0  # how far the last sleep overran its deadline (s): the next is shorter
         self._open = None  # the costed module running now, with its FLOP counter

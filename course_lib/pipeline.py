@@ -9,14 +9,17 @@ Read top to bottom:
    stage) and the output head (last stage) are one tensor on two ranks, and its two gradient halves
    would have to be all-reduced between those ranks after every step (what Megatron does). Untied,
    every parameter lives on exactly one stage and nothing but activations crosses stages.
-2. **Schedules** (``pipeline_schedules.py``, re-exported here) — a schedule is one stage's ordered list
-   of :class:`Action` ``(op, microbatch, chunk)``: ``op`` "F" (forward) or "B" (backward). :func:`gpipe`
-   runs all forwards, then all backwards (Huang et al. 2019); :func:`one_f_one_b` warms up with ``p − 1
-   − stage`` forwards, then alternates one forward and one backward (PipeDream-Flush, Narayanan et al.
-   2021), so at most ``p − stage`` micro-batches are alive; :func:`interleaved_one_f_one_b` gives each
-   rank ``v`` chunks (virtual stages ``chunk·p + rank``) and cuts the bubble to ``(p−1)/(v·m+p−1)``
-   (Megatron-LM, Narayanan et al. 2021 §2.2.2). :func:`check_schedule` (one stage's rules) and
-   :func:`simulate` (the dependencies across stages, with unit costs) reject a schedule that cannot run.
+2. **Schedules** (``pipeline_schedules.py``, re-exported here) — a schedule is one stage's ordered
+   list of :class:`Action` ``(op, microbatch, chunk)``: ``op`` "F" (forward), "B" (backward) or "W"
+   (zero bubble's weight gradient). :func:`gpipe` runs all forwards, then all backwards (Huang et al.
+   2019); :func:`one_f_one_b` warms up with ``p − 1 − stage`` forwards, then alternates one forward and
+   one backward (PipeDream-Flush, Narayanan et al. 2021), so at most ``p − stage`` micro-batches are
+   alive; :func:`interleaved_one_f_one_b` gives each rank ``v`` chunks (virtual stages ``chunk·p +
+   rank``) and cuts the bubble to ``(p−1)/(v·m+p−1)`` (Megatron-LM, Narayanan et al. 2021 §2.2.2);
+   :func:`zero_bubble` (ZB-H1, Qi et al. 2023) splits backward into "B" (input gradient) and "W"
+   (weight gradient) and fills idle time with the W's (:func:`backward_input`,
+   :func:`backward_weight`). :func:`check_schedule` (one stage's rules) and :func:`simulate` (the
+   dependencies across stages, with unit costs) reject a schedule that cannot run.
 3. **The runner** — :class:`PipelineRunner` executes a schedule with real activations sent forward
    and gradients sent backward, accumulates gradients over micro-batches and divides them by ``m``
    (torch's ``scale_grads=True``). Before each action it posts the previous action's send and this
@@ -75,6 +78,7 @@ from .pipeline_schedules import (
     one_f_one_b,
     peak_live_microbatches,
     simulate,
+    zero_bubble,
 )
 
 __all__ = [
@@ -89,6 +93,10 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "interleaved_one_f_one_b",
+    "zero_bubble",
+    "weight_outputs",
+    "backward_input",
+    "backward_weight",
     "make_schedules",
     "check_schedule",
     "check_microbatches",
@@ -209,6 +217,61 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+# =========================================================================== split backward (zero bubble)
+
+
+@contextlib.contextmanager
+def weight_outputs(module: nn.Module):
+    """``[(output, its layer's own parameters)]`` of every submodule that owns parameters (Linear,
+    LayerNorm, Embedding) as ``module`` runs forward: what W starts from (:func:`backward_weight`)."""
+    outputs, handles = [], []
+
+    def keep(sub, args, out):
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{type(sub).__name__} owns parameters but returns {type(out)}")
+        outputs.append((out, list(sub.parameters(recurse=False))))
+
+    for sub in module.modules():
+        if next(sub.parameters(recurse=False), None) is not None:
+            # prepend: before a clock's hook, so the output is the raw one (no cost node below it)
+            handles.append(sub.register_forward_hook(keep, prepend=True))
+    try:
+        yield outputs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def backward_input(out, x, grad, outputs):
+    """B: one autograd walk from ``out`` down to the stage input ``x`` — no weight gradient.
+
+    The walk also returns the gradients of ``outputs`` (:func:`weight_outputs`: each layer's output,
+    which the walk passes on its way to ``x``) and keeps them with their layer's parameters. The
+    graph is retained for W. Returns ``(dx, saved)``; ``dx`` None on the first stage (token ids).
+    """
+    wants_x = x.requires_grad
+    inputs = ([x] if wants_x else []) + [y for y, _ in outputs]
+    grads = torch.autograd.grad(
+        out, inputs, grad_outputs=grad, retain_graph=True, allow_unused=True
+    )
+    saved = [
+        (y, g, ps) for (y, ps), g in zip(outputs, grads[wants_x:], strict=True) if g is not None
+    ]
+    return (grads[0] if wants_x else None), saved
+
+
+def backward_weight(saved) -> None:
+    """W: from each layer's saved output gradient to that layer's own parameters; into ``.grad``.
+
+    One short walk per layer (as torch's ``stage_backward_weight`` walks per parameter group): a
+    single walk from every layer's output to every parameter would pass down through the layers
+    below again — the input gradients B already computed. Nothing downstream waits for W.
+    """
+    for y, g, params in saved:
+        for q, dw in zip(params, torch.autograd.grad(y, params, g), strict=True):
+            q.grad = dw if q.grad is None else q.grad + dw
+
+
 # =========================================================================== the runner
 
 
@@ -259,8 +322,9 @@ class PipelineObserver:
     """What a :class:`PipelineRunner` tells the outside while it runs a step (here: nothing).
 
     * ``begin(kind, microbatch, chunk)`` / ``end(...)`` bracket every forward (``kind`` "F"),
-      backward ("B") and wait for a peer's message ("wait", chunk −1): ``end`` comes after the
-      computation and before its result is sent;
+      backward ("B"; with zero bubble the input gradient), weight gradient ("W") and wait for
+      a peer's message ("wait", chunk −1): ``end`` comes after the computation and before its
+      result is sent;
     * ``forward()`` is a context manager entered around every forward (and the loss on the last
       stage): the place for saved-tensor hooks.
     """
@@ -305,7 +369,12 @@ class PipelineRunner:
       ``schedules[stage]`` and reads the others' to know the order its peers send in;
     * ``activation_shape`` / ``dtype`` — one micro-batch's activation at a stage boundary;
     * ``ranks`` — the global rank of each pipeline stage (default ``0 … p−1``; PP × DP passes its
-      replica's ranks).
+      replica's ranks);
+    * ``weight_cost`` — called as ``weight_cost(microbatch, chunk)`` inside every W step after its
+      walk (a clock's ``spend``: the W walk runs no costed module).
+
+    A schedule with W's (:func:`zero_bubble`) runs each B as :func:`backward_input` and each W as
+    :func:`backward_weight`; without, B is one ``torch.autograd.backward``.
 
     :meth:`step` takes the whole batch (``inputs`` used by the first stage, ``targets`` by the last),
     splits it into ``m`` micro-batches, runs the schedule and leaves the gradients of the mean loss
@@ -324,6 +393,7 @@ class PipelineRunner:
         loss_fn: Callable = gpt_loss,
         ranks: Sequence[int] | None = None,
         device=None,
+        weight_cost: Callable[[int, int], None] | None = None,
     ):
         self.chunks = list(chunks)
         self.p, self.v, self.m, self.stage = (
@@ -341,6 +411,8 @@ class PipelineRunner:
             schedules, num_microbatches, self.v
         )  # every stage's rules and the cross-stage dependencies
         self.schedules = [[Action(*a) for a in acts] for acts in schedules]
+        self.split = any(a.op == "W" for a in self.schedules[stage])  # B and W: zero bubble
+        self.weight_cost = weight_cost
         self.loss_fn, self.shape, self.dtype = loss_fn, tuple(activation_shape), dtype
         self.device = device if device is not None else next(self.chunks[0].parameters()).device
         self.params = [q for c in self.chunks for q in c.parameters()]
@@ -400,6 +472,7 @@ class PipelineRunner:
         obs = _Fanout(observers)
         posted, cursor = {}, {peer: 0 for peer in self._incoming}
         stage_in, stage_out, sends, losses = {}, {}, [], []
+        layer_outs, saved = {}, {}  # zero bubble: layer outputs (F → B), their gradients (B → W)
         pending = []  # the last action's send: [("send", tensor, global rank, label)]
 
         def post(recvs):
@@ -432,11 +505,15 @@ class PipelineRunner:
                 if a.op == "F":
                     x = x_mb[a.microbatch] if s == 0 else wait_for(need[0]).requires_grad_()
                     obs.begin("F", a.microbatch, a.chunk)
-                    with obs.forward():
+                    kept = weight_outputs(mod) if self.split else contextlib.nullcontext()
+                    with obs.forward(), kept as outputs:
                         out = mod(x)
                         if s == last:
                             out = self.loss_fn(out, y_mb[a.microbatch])
                     obs.end("F", a.microbatch, a.chunk)
+                    if self.split:
+                        layer_outs[key] = outputs
+                    del outputs, kept  # W frees its micro-batch's graph: hold no reference here
                     stage_in[key], stage_out[key] = x, out
                     if s == last:
                         losses.append(out.item())
@@ -444,14 +521,24 @@ class PipelineRunner:
                         pending.append(
                             ("send", out.detach(), self.ranks[(s + 1) % p], "activation")
                         )
+                elif a.op == "W":
+                    obs.begin("W", a.microbatch, a.chunk)
+                    backward_weight(saved.pop(key))
+                    if self.weight_cost is not None:
+                        self.weight_cost(a.microbatch, a.chunk)
+                    obs.end("W", a.microbatch, a.chunk)
                 else:
                     grad = None if s == last else wait_for(need[0])
                     obs.begin("B", a.microbatch, a.chunk)
                     out, x = stage_out.pop(key), stage_in.pop(key)
-                    torch.autograd.backward(out, grad_tensors=grad)
+                    if self.split:
+                        dx, saved[key] = backward_input(out, x, grad, layer_outs.pop(key))
+                    else:
+                        torch.autograd.backward(out, grad_tensors=grad)
+                        dx = x.grad
                     obs.end("B", a.microbatch, a.chunk)
                     if s > 0:
-                        pending.append(("send", x.grad, self.ranks[(s - 1) % p], "grad"))
+                        pending.append(("send", dx, self.ranks[(s - 1) % p], "grad"))
                     del out, x
             except Exception as exc:
                 raise RuntimeError(
@@ -472,7 +559,7 @@ class PipelineRunner:
 
 
 class Timeline(PipelineObserver):
-    """Every F, B and wait of a step as an :class:`Event` (``perf_counter`` seconds)."""
+    """Every F, B, W and wait of a step as an :class:`Event` (``perf_counter`` seconds)."""
 
     def __init__(self):
         self.events: list[Event] = []
@@ -486,7 +573,7 @@ class Timeline(PipelineObserver):
 
 
 class LiveMicrobatches(PipelineObserver):
-    """Micro-batches whose forward ran and whose backward has not: ``live`` now, ``peak`` at most."""
+    """Micro-batches whose forward ran and whose backward (B) has not: ``live`` now, ``peak`` at most."""
 
     def __init__(self):
         self.live = self.peak = 0
@@ -523,7 +610,9 @@ class LiveActivationMeter(PipelineObserver):
         self.peak = 0
 
     def _pack(self, t: torch.Tensor):
-        holder = _Saved(t)
+        # detached: a tensor saved by its own node would otherwise hold that node (a cycle that
+        # outlives a retained graph — zero bubble's B — until the garbage collector runs)
+        holder = _Saved(t.detach())
         self._alive.add(holder)
         return holder
 
@@ -547,7 +636,7 @@ class LiveActivationMeter(PipelineObserver):
         return self.saving()
 
     def end(self, kind, microbatch, chunk):
-        if kind in ("F", "B"):
+        if kind in ("F", "B", "W"):
             nbytes = self.live_bytes()
             self.trace.append((time.perf_counter(), nbytes))
             self.peak = max(self.peak, nbytes)

@@ -1,5 +1,7 @@
 """Pipeline schedules as data: which micro-batch each stage runs forward ("F") or backward ("B"), in order.
 
+(Zero bubble splits backward in two: "B" the input gradient, "W" the weight gradient.)
+
 A schedule is one stage's ordered list of :class:`Action` ``(op, microbatch, chunk)``:
 
 * :func:`gpipe` — all forwards, then all backwards (Huang et al. 2019): ``m`` micro-batches alive.
@@ -7,6 +9,8 @@ A schedule is one stage's ordered list of :class:`Action` ``(op, microbatch, chu
   (PipeDream-Flush, Narayanan et al. 2021): at most ``p − stage`` micro-batches alive, same bubble.
 * :func:`interleaved_one_f_one_b` — ``v`` chunks per rank (virtual stages ``chunk·p + rank``):
   bubble ``(p−1)/(v·m+p−1)`` (Megatron-LM, Narayanan et al. 2021 §2.2.2), more messages.
+* :func:`zero_bubble` — ZB-H1 (Qi et al. 2023): 1F1B's F / B order with B only the input gradient;
+  each weight gradient W waits until the stage would otherwise idle. Idle ``(p−1)(F+B−W)`` per rank.
 
 :func:`check_schedule` checks one stage's rules (every F before its B, each once) and :func:`simulate`
 the dependencies across stages with unit costs (F = 1, B = 2): a schedule that would deadlock is
@@ -25,6 +29,7 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "interleaved_one_f_one_b",
+    "zero_bubble",
     "make_schedules",
     "check_schedule",
     "simulate",
@@ -35,7 +40,10 @@ __all__ = [
 
 
 class Action(NamedTuple):
-    """One step of a stage's schedule: ``op`` "F" or "B" on ``microbatch`` (of ``chunk``, interleaving only)."""
+    """One step of a stage's schedule: ``op`` "F", "B" or "W" on ``microbatch`` (of ``chunk``, interleaving only).
+
+    "B" is the whole backward, or only the input gradient when the schedule also has a "W" for that
+    micro-batch (zero bubble: "W" is the weight gradient)."""
 
     op: str
     microbatch: int
@@ -123,10 +131,62 @@ def interleaved_one_f_one_b(
     return actions
 
 
+def zero_bubble(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """ZB-H1 zero bubble (Qi et al. 2023): 1F1B's F / B order, B = input gradient, W = weight gradient.
+
+    Nothing downstream waits for a W, so each stage keeps its W's in a queue and runs one only where
+    it would otherwise idle: when the next F or B waits for a peer (or would make more than ``p``
+    micro-batches live, 1F1B's peak); the rest at the end. The order is found once, by list
+    scheduling every stage together with equal unit costs F = B = W = 1 (the clock costs each
+    at one forward). Idle per rank ``(p−1)(F+B−W)`` instead of 1F1B's ``(p−1)(F+B+W)``.
+    """
+    _check_args(num_stages, num_microbatches, stage)
+    p = num_stages
+    base = [one_f_one_b(p, num_microbatches, s) for s in range(p)]
+    out: list[list[Action]] = [[] for _ in range(p)]
+    pos, free, live = [0] * p, [0] * p, [0] * p
+    deferred: list[list[int]] = [[] for _ in range(p)]
+    done: dict[tuple, int] = {}  # (op, microbatch, stage) -> end time
+    while any(pos[s] < len(base[s]) for s in range(p)):
+        for s in sorted(range(p), key=lambda s: (free[s], s)):  # the stage free earliest moves
+            if pos[s] == len(base[s]):
+                continue
+            a = base[s][pos[s]]
+            dep = _dependency(a, s, p - 1)
+            ready = 0 if dep is None else done.get(dep)
+            waits = ready is None or ready > free[s] or (a.op == "F" and live[s] >= p)
+            if waits and deferred[s]:  # fill the wait with a deferred W
+                out[s].append(Action("W", deferred[s].pop(0)))
+                free[s], live[s] = free[s] + 1, live[s] - 1
+                break
+            if ready is None:  # its peer has not run it yet: let another stage move
+                continue
+            free[s] = max(free[s], ready) + 1
+            done[(a.op, a.microbatch, s)] = free[s]
+            out[s].append(a)
+            pos[s] += 1
+            if a.op == "F":
+                live[s] += 1
+            else:
+                deferred[s].append(a.microbatch)
+            break
+    return out[stage] + [Action("W", i) for i in deferred[stage]]
+
+
+def _dependency(a: Action, s: int, last: int) -> tuple | None:
+    """What action ``a`` on virtual stage ``s`` waits for: the previous stage's F, the next's B."""
+    if a.op == "F" and s > 0:
+        return ("F", a.microbatch, s - 1)
+    if a.op == "B" and s < last:
+        return ("B", a.microbatch, s + 1)
+    return None
+
+
 SCHEDULES: dict[str, Callable] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_one_f_one_b,
+    "zero_bubble": zero_bubble,
 }
 
 
@@ -143,13 +203,17 @@ def make_schedules(
 def check_schedule(
     actions: Sequence[Action], num_microbatches: int, num_chunks: int = 1, stage: int | None = None
 ):
-    """One stage's rules: every (micro-batch, chunk) exactly one F and one B, and its F before its B."""
+    """One stage's rules: every (micro-batch, chunk) exactly one F and one B, and its F before its B.
+
+    With W's (zero bubble) every (micro-batch, chunk) also has exactly one W, after its B.
+    """
     where = "" if stage is None else f"stage {stage}: "
-    seen_f, seen_b = set(), set()
+    seen_f, seen_b, seen_w = set(), set(), set()
+    split = any(isinstance(a, tuple) and len(a) >= 2 and a[0] == "W" for a in actions)
     for i, a in enumerate(actions):
-        if not isinstance(a, tuple) or len(a) < 2 or a[0] not in ("F", "B"):
+        if not isinstance(a, tuple) or len(a) < 2 or a[0] not in ("F", "B", "W"):
             raise ValueError(
-                f"{where}action {i} = {a!r} is not an Action(op, microbatch) with op 'F' or 'B'"
+                f"{where}action {i} = {a!r} is not an Action(op, microbatch) with op 'F', 'B' or 'W'"
             )
         a = Action(*a)
         if not (0 <= a.microbatch < num_microbatches and 0 <= a.chunk < num_chunks):
@@ -164,6 +228,18 @@ def check_schedule(
                     f"{where}action {i} = {a!r}: the forward of micro-batch {a.microbatch} runs twice"
                 )
             seen_f.add(key)
+        elif a.op == "W":
+            if key not in seen_b:
+                raise ValueError(
+                    f"{where}action {i} = {a!r}: weight gradient before its backward (W needs the "
+                    "gradients its B stored)"
+                )
+            if key in seen_w:
+                raise ValueError(
+                    f"{where}action {i} = {a!r}: the weight gradient of micro-batch {a.microbatch} "
+                    "runs twice"
+                )
+            seen_w.add(key)
         else:
             if key not in seen_f:
                 raise ValueError(
@@ -183,10 +259,17 @@ def check_schedule(
             + (f" (chunk {c})" if num_chunks > 1 else "")
             + " never runs its forward and backward (every micro-batch needs one F and one B)"
         )
+    if split and seen_w != seen_b:
+        mb, c = min(seen_b - seen_w)
+        raise ValueError(
+            f"{where}micro-batch {mb}"
+            + (f" (chunk {c})" if num_chunks > 1 else "")
+            + " has no W: a schedule with W's splits every backward (one W per B)"
+        )
 
 
 class Event(NamedTuple):
-    """One timeline entry of a rank: ``kind`` "F", "B" or "wait", its micro-batch and chunk, seconds."""
+    """One timeline entry of a rank: ``kind`` "F", "B", "W" or "wait", its micro-batch and chunk, seconds."""
 
     kind: str
     microbatch: int
@@ -201,11 +284,13 @@ def simulate(
     num_chunks: int = 1,
     t_f: float = 1.0,
     t_b: float = 2.0,
+    t_w: float = 1.0,
 ) -> list[list[Event]]:
-    """Run all stages' schedules on paper: each F costs ``t_f``, each B ``t_b``, communication is free.
+    """Run all stages' schedules on paper: each F costs ``t_f``, each B ``t_b``, each W ``t_w``;
+    communication is free (with W's, pass the input gradient's cost as ``t_b``).
 
     An F on virtual stage ``s`` starts when the rank is free *and* stage ``s−1`` has finished that
-    micro-batch's F; a B when stage ``s+1`` has finished its B. Returns each rank's events (no
+    micro-batch's F; a B when stage ``s+1`` has finished its B; a W only on its own B. Returns each rank's events (no
     waits). Raises ``ValueError`` if a schedule breaks a stage's rules or the stages wait on each other
     forever (the dependencies across stages cannot be met in these orders).
     """
@@ -224,15 +309,11 @@ def simulate(
             while pos[r] < len(schedules[r]):
                 a = Action(*schedules[r][pos[r]])
                 s = a.chunk * p + r
-                dep = None
-                if a.op == "F" and s > 0:
-                    dep = ("F", a.microbatch, s - 1)
-                elif a.op == "B" and s < last:
-                    dep = ("B", a.microbatch, s + 1)
+                dep = _dependency(a, s, last)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], done[dep] if dep else 0.0)
-                end = start + (t_f if a.op == "F" else t_b)
+                end = start + {"F": t_f, "B": t_b, "W": t_w}[a.op]
                 done[(a.op, a.microbatch, s)] = free[r] = end
                 events[r].append(Event(a.op, a.microbatch, a.chunk, start, end))
                 pos[r] += 1
@@ -248,22 +329,24 @@ def simulate(
 
 
 def peak_live_microbatches(actions: Sequence[Action]) -> int:
-    """Most micro-batches whose forward ran and whose backward has not, along one stage's actions."""
+    """Most micro-batches whose forward ran and whose backward (B) has not, along one stage's actions.
+
+    (Zero bubble: a micro-batch whose B ran still holds what its W needs until that W.)"""
     live = peak = 0
     for a in actions:
-        live += 1 if a[0] == "F" else -1
+        live += {"F": 1, "B": -1, "W": 0}[a[0]]
         peak = max(peak, live)
     return peak
 
 
 def bubble_fractions(timelines: Sequence[Sequence[Event]]) -> list[float]:
-    """Per rank: 1 − busy / (latest end on any rank − earliest start on any rank); busy = Σ F and B durations.
+    """Per rank: 1 − busy / (latest end on any rank − earliest start on any rank); busy = Σ F, B, W durations.
 
     The *bubble fraction* is the share of the whole step a rank spends idle. For GPipe and 1F1B with
     equal stages it is ``(p−1)/(m+p−1)`` (Megatron's papers quote ``(p−1)/m``: idle time / *ideal*
     time instead of / whole step).
     """
-    work = [[e for e in tl if e.kind in ("F", "B")] for tl in timelines]
+    work = [[e for e in tl if e.kind in ("F", "B", "W")] for tl in timelines]
     t0 = min(e.start for tl in work for e in tl)
     t1 = max(e.end for tl in work for e in tl)
     return [1.0 - sum(e.end - e.start for e in tl) / (t1 - t0) for tl in work]

@@ -13,7 +13,9 @@ Rank functions (run them with ``launch.spawn``), each returning a
 * :func:`pp_dp_training` — 2 stages × 2 replicas (:class:`PPDPResult`);
 * :func:`torch_pipelining_grads` — ``torch.distributed.pipelining`` on the same stages: gradients
   equal to ours (:class:`TorchPipeliningResult`);
-* :func:`zero_bubble_order` — torch's zero-bubble action order (:class:`ZeroBubbleResult`).
+* :func:`zero_bubble_order` — torch's zero-bubble action order (:class:`ZeroBubbleResult`);
+* :func:`zero_bubble_timing` — our 1F1B and ZB-H1 zero bubble on clocked tiny stages: idle time
+  per rank against ``(p−1)(F+B+W)`` and ``(p−1)(F+B−W)`` (:class:`ZeroBubbleTiming`, displayed).
 
 Parent-side: :func:`merge_states`. Timelines and memory are measured by the runner's observers
 (:func:`~course_lib.pipeline.measured_step`), p2p bytes by :class:`~course_lib.comm.CommLog`.
@@ -67,6 +69,8 @@ __all__ = [
     "torch_pipelining_grads",
     "ZeroBubbleResult",
     "zero_bubble_order",
+    "ZeroBubbleTiming",
+    "zero_bubble_timing",
 ]
 
 
@@ -678,4 +682,117 @@ def zero_bubble_order(
         _ran_once(mine, [k * p + rank for k in range(v)], num_microbatches),
         f"{v} stages × {num_microbatches} micro-batches × (F + I + W)",
     )
+    return res
+
+
+# =========================================================================== our zero bubble, timed
+
+
+@dataclass
+class ZeroBubbleTiming(Result):
+    """1F1B and ZB-H1 on clocked tiny stages: idle seconds per rank against the formulas (timing).
+
+    ``rows``: per schedule ``idle`` (per rank, median over steps), ``F``, ``B``, ``W`` (median
+    measured seconds of each kind; 1F1B's B is the whole backward, W 0) and ``formula``. Rows are
+    displayed, not asserted (timing): within ``band`` (relative) of the formula.
+    """
+
+    p: int
+    m: int
+    t_f: float
+    clock: str = "real clock"
+    rows: list = field(default_factory=list)
+    timelines: dict = field(default_factory=dict)  # schedule -> every rank's events (from start)
+    band: float = 0.2
+
+    def checks(self) -> list[Row]:
+        out = list(self.checked)
+        for r in self.rows:
+            ms = {k: f"{r[k] * 1e3:.0f}" for k in "FBW"}
+            if r["schedule"] == "1f1b":  # its B is the whole backward: B+W
+                text = f"(p−1)(F+B+W), F={ms['F']} B+W={ms['B']} ms"
+            else:
+                text = f"(p−1)(F+B−W), F={ms['F']} B={ms['B']} W={ms['W']} ms"
+            for rank, idle in enumerate(r["idle"]):
+                out.append(
+                    Row(
+                        f"{r['schedule']}, p={self.p}, m={self.m}: rank {rank} idle (s)",
+                        idle,
+                        r["formula"],
+                        f"formula {text}",
+                        f"±{self.band:.0%}",
+                        abs(idle - r["formula"]) <= self.band * r["formula"],
+                    )
+                )
+        return out
+
+
+def _idle(gathered) -> list[float]:
+    """Per rank: the step (earliest start to latest end, all ranks) less its F, B and W time."""
+    work = [[e for e in tl if e.kind in ("F", "B", "W")] for tl in gathered]
+    t0 = min(e.start for tl in work for e in tl)
+    t1 = max(e.end for tl in work for e in tl)
+    return [t1 - t0 - sum(e.end - e.start for e in tl) for tl in work]
+
+
+def zero_bubble_timing(
+    num_microbatches: int = 4,
+    t_f: float = 0.04,
+    steps: int = 3,
+    warmup: int = 1,
+    width: int = 8,
+    micro_batch: int = 2,
+) -> ZeroBubbleTiming:
+    """Rank function: 1F1B then ZB-H1 zero bubble on ``world`` tiny clocked stages; idle per rank.
+
+    Each stage a :func:`tiny_layer` under the shared clock (:func:`stage_clock`): F sleeps ``t_f``;
+    1F1B's backward 2·``t_f``; zero bubble's B (input gradient, ``clock.backward_factor = 1``)
+    ``t_f`` and its W (the weight walk runs no costed module) ``clock.spend`` of the forward's
+    FLOPs: ``t_f``. Per step (after a barrier) every rank's idle seconds; the median over ``steps``.
+    Needs ``m ≥ p`` (the formulas' steady state). Every rank returns the same rows.
+    """
+    p, rank, dev, m = dist.get_world_size(), dist.get_rank(), device(), num_microbatches
+    if m < p:
+        raise ValueError(f"num_microbatches={m} must be >= world size p={p} (the formulas' regime)")
+    loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
+    chunks = [split_layers([tiny_layer(width, seed=k) for k in range(p)], p)[rank].to(dev)]
+    clock = stage_clock(chunks, t_f, micro_batch, width, dev)
+    flops = t_f * clock.rate  # the forward's FLOPs
+    res = ZeroBubbleTiming(p=p, m=m, t_f=t_f, clock=clock.name)
+    res.title = f"idle time per rank, p={p}, m={m}: stages costed by the {clock.name}"
+    x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(dev)
+    for name in ("1f1b", "zero_bubble"):
+        clock.backward_factor = 1 if name == "zero_bubble" else BACKWARD_FACTOR
+        runner = PipelineRunner(
+            chunks,
+            rank,
+            make_schedules(name, p, m),
+            m,
+            activation_shape=(micro_batch, width),
+            loss_fn=loss_fn,
+            device=dev,
+            weight_cost=lambda mb, chunk: clock.spend(flops, "W"),
+        )
+        idles, events = [], []
+        for i in range(warmup + steps):
+            _, _, gathered = _timed_step(runner, chunks, x, x)
+            if i >= warmup:
+                idles.append(_idle(gathered))
+                events += [e for tl in gathered for e in tl]
+        per = {
+            k: statistics.median([e.end - e.start for e in events if e.kind == k] or [0.0])
+            for k in "FBW"
+        }
+        sign = 1 if name == "1f1b" else -1  # 1F1B: (F + B+W); ZB-H1: (F + B − W)
+        res.rows.append(
+            {
+                "schedule": name,
+                "idle": [statistics.median(s[r] for s in idles) for r in range(p)],
+                **per,
+                "formula": (p - 1) * (per["F"] + per["B"] + sign * per["W"]),
+            }
+        )
+        res.timelines[name] = _from_start(gathered)
+    clock.backward_factor = BACKWARD_FACTOR
+    clock.remove()
     return res

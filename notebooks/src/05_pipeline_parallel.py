@@ -9,7 +9,10 @@
 # - that a pipeline step *is* one-device training on the full batch (proven below), alone and combined with data
 #   parallelism (PP × DP);
 # - `torch.distributed.pipelining` (`PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`)
-#   on the same stages, and what the zero-bubble schedules change.
+#   on the same stages, and what the zero-bubble schedules change;
+# - zero bubble (ZB-H1) on our runner: backward split into an input-gradient step B and a weight-gradient step W,
+#   W delayed into the idle time, and each rank's idle time measured against (p−1)(F+B+W) for 1F1B and
+#   (p−1)(F+B−W) for ZB-H1.
 #
 # **What you need**: chapters 00 (send/recv, the α–β cost model and the modelled accelerator clock), 01 (the tiny
 # GPT) and 02 (data parallelism). 2 CPU cores are enough: ranks are processes with the gloo backend; on GPUs the same
@@ -33,7 +36,9 @@ from course_lib.experiments.common import parallel_config, reference_run
 from course_lib.formulas import pipeline_bubble, pipeline_bubble_megatron, pipeline_p2p_bytes
 from course_lib.launch import spawn
 from course_lib.models import GPT
-from course_lib.pipeline import make_schedules, peak_live_microbatches, simulate, split_gpt
+from course_lib import show
+from course_lib.pipeline import (backward_input, backward_weight, make_schedules, peak_live_microbatches, simulate,
+                                 split_gpt)
 from course_lib.results import SGD, Result, for_optimizer
 from course_lib.viz import gantt
 
@@ -478,6 +483,88 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ### Zero bubble on our runner
+#
+# A layer's backward is two products with its output gradient dY: the **input gradient** dX = dY·Wᵀ, which the
+# previous stage is waiting for, and the **weight gradient** dW = Xᵀ·dY, which nothing reads before the optimizer
+# step after the flush: no other stage needs it, and no forward of this step uses the updated weights. So W can be
+# delayed. ZB-H1 (Qi et al. 2023, `pipeline.zero_bubble`) keeps 1F1B's order of forwards and backwards, but its B
+# computes only the input gradient and sends it up at once; each stage queues its W's and runs one wherever it
+# would otherwise wait for a peer (or hold more than p micro-batches, 1F1B's peak), the rest at the end. With F, B, W
+# the per-stage times of the three steps, 1F1B leaves each rank idle (p−1)(F+B+W) (its B is the whole backward,
+# B+W) and ZB-H1 (p−1)(F+B−W). (ZB-H2 warms up with more forwards to reach (p−1)(F+B−2W), i.e. nothing when
+# F = B = W, with more activation memory.) The price: what W needs — each layer's input and output gradient —
+# stays alive until W runs.
+#
+# Our split, after the idea of torch's `stage_backward_input` / `stage_backward_weight`: during F the runner keeps
+# the output of every layer that owns parameters (`pipeline.weight_outputs`). **B** is one `torch.autograd.grad`
+# from the stage output to the stage input that also returns the gradients at those layer outputs (the walk
+# passes them anyway), computing no weight gradient and retaining the graph. **W** walks from each kept
+# layer-output gradient to that layer's own parameters only: a single walk from all of them to all parameters would
+# run down through the layers below once more, i.e. redo B. Under the clock, F sleeps the forward's FLOPs, B
+# (`clock.backward_factor = 1`) the same again, and W, which runs no costed module, `clock.spend`s them once more.
+
+# %%
+show.source(backward_input, docstring=False)
+
+# %%
+show.source(backward_weight, docstring=False)
+
+# %% [markdown]
+# The order on paper first (F = B = W = 1 slot; the W's of the first micro-batches land where 1F1B waits):
+
+# %%
+for r, acts in enumerate(make_schedules("zero_bubble", 2, 4)):
+    print(f"ZB-H1, p=2, m=4, rank {r}: {' '.join(map(repr, acts))}")
+for name, costs, formula in (("1f1b", dict(t_b=2.0), "(p−1)(F+B+W) = 9"),
+                             ("zero_bubble", dict(t_b=1.0, t_w=1.0), "(p−1)(F+B−W) = 3")):
+    events = simulate(make_schedules(name, 4, 8), 8, **costs)
+    step = max(e.end for tl in events for e in tl)
+    idle = [step - sum(e.end - e.start for e in tl) for tl in events]
+    print(f"{name:<11} on paper, p=4, m=8: idle per rank {idle} slots, {formula}")
+
+# %% [markdown]
+# On real ranks: the GPT trained with ZB-H1 against one device, and tiny clocked stages (as in §4, F = 40 ms)
+# timed under 1F1B and ZB-H1 with `Timeline`: each rank's idle time is the step (earliest start to latest end over
+# all ranks) less its F, B and W time; median of 3 steps after a warm-up.
+
+# %%
+def zero_bubble_suite():
+    return {"train": E.pipeline_training("zero_bubble", "sgd", 5, 4, 16),
+            "time": E.zero_bubble_timing(num_microbatches=4, t_f=0.04)}
+
+
+zbs = spawn(zero_bubble_suite, 2)
+zb_table = Result(title="ZB-H1 zero bubble on the GPT (p = 2, m = 4) vs one device")
+_ = zb_table.equal("zero_bubble, sgd, 5 steps: weights", E.merge_states([r["train"] for r in zbs]),
+                   refs[("sgd", 5)].state_dict(), SGD)
+
+# %% tags=["nbval-ignore-output"]
+print(zb_table)
+zb_table.assert_passed()
+
+# %% tags=["nbval-ignore-output"]
+zbt = zbs[0]["time"]
+fig, axes = plt.subplots(2, 1, figsize=(9, 3.6), sharex=True)
+for ax, row in zip(axes, zbt.rows, strict=True):
+    text = "(p−1)(F+B+W)" if row["schedule"] == "1f1b" else "(p−1)(F+B−W)"
+    gantt(zbt.timelines[row["schedule"]], ax=ax,
+          title=f"{row['schedule']}, p=2, m=4, measured: idle per rank {[round(i * 1e3) for i in row['idle']]} ms, "
+                f"{text} = {row['formula'] * 1e3:.0f} ms")
+    legend_beside(ax)
+    if row["schedule"] == "zero_bubble":  # its B is the input gradient only
+        for label in ax.get_legend().get_texts():
+            label.set_text({"backward": "B: input grad", "weight grad": "W: weight grad"}.get(label.get_text(),
+                                                                                              label.get_text()))
+plt.tight_layout()
+plt.show()
+print(zbt)
+one, zb = zbt.rows
+print(f"idle per rank: ZB-H1 {max(zb['idle']) * 1e3:.0f} ms, 1F1B {max(one['idle']) * 1e3:.0f} ms (worst rank): "
+      f"{max(one['idle']) / max(zb['idle']):.1f}× less (per micro-batch and stage: F {zb['F'] * 1e3:.0f} ms, "
+      f"B {zb['B'] * 1e3:.0f} ms, W {zb['W'] * 1e3:.0f} ms; 1F1B's whole backward {one['B'] * 1e3:.0f} ms)")
+
+# %% [markdown]
 # ## 8. PP × DP: two pipelines side by side
 #
 # 4 ranks = 2 replicas × 2 stages (rank = replica·2 + stage). Each replica trains on half of every batch; after its
@@ -536,6 +623,9 @@ quiz("pipeline")
 # - On the real GPT a rank's idle time splits into the schedule's idle (fill / drain and waiting for a peer: the
 #   bubble, stretched by a slow neighbour) and runtime overhead the formula does not model; the split above prints
 #   which part is larger on this machine.
+# - Zero bubble splits backward into B (input gradient: the previous stage waits for it) and W (weight gradient:
+#   nobody waits) and runs W's where 1F1B idles; the GPT trained with it equals one device, and the measured idle
+#   time per rank is printed above beside (p−1)(F+B−W) and 1F1B's (p−1)(F+B+W).
 # - Each exchange posts its send and its receive together (`dist.batch_isend_irecv`): no crossing messages hang.
 # - 1F1B keeps at most p − stage micro-batches alive (GPipe: m); the live activation bytes show the same ratio.
 # - Stages exchange only boundary activations and their gradients, point to point: bytes predicted = measured.
