@@ -80,10 +80,14 @@ def _load(package: str, ex: Exercise) -> Callable:
     return getattr(module, ex.function)
 
 
-def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckResult:
+def check(
+    name: str, package: str = "exercises", timeout: float = 120, world_sizes=None
+) -> CheckResult:
     """Check exercise ``name`` (from ``exercises/``, or ``package="solutions"``) on real ranks.
 
     ``timeout`` bounds each ``spawn`` (launcher="spawn"); a launcher="parent" runner bounds its own run.
+    ``world_sizes`` (default: the exercise's own, e.g. ``(2, 4)``) picks a subset of them, e.g.
+    ``(2,)`` for a quick check; a size the exercise is not defined for is an error.
     """
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}; available: {', '.join(sorted(EXERCISES))}")
@@ -104,8 +108,14 @@ def check(name: str, package: str = "exercises", timeout: float = 120) -> CheckR
         return _recorded(_check_in_parent(name, ex, fn), package)
     from .launch import RankError, RankTimeout, spawn  # torch: imported when a check runs
 
+    sizes = ex.world_sizes if world_sizes is None else tuple(world_sizes)
+    unknown = sorted(set(sizes) - set(ex.world_sizes))
+    if unknown or not sizes:
+        raise ValueError(
+            f"exercise {name!r} is checked on world sizes {ex.world_sizes}, not {sizes}"
+        )
     runner, details = ex.runner, []
-    for world in ex.world_sizes:
+    for world in sizes:
         try:
             per_rank = spawn(runner, world, args=(fn,), timeout=timeout)
         except RankError as err:

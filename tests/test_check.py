@@ -94,6 +94,11 @@ def test_check_passes_a_solution_on_its_world_sizes():
     assert str(result) == "[PASS] one_f_one_b_schedule: matches the reference on world sizes 2"
 
 
+def test_check_refuses_a_world_size_the_exercise_is_not_checked_on():
+    with pytest.raises(ValueError, match=r"checked on world sizes \(2, 4\), not \(3,\)"):
+        check("column_parallel_linear", package="solutions", world_sizes=(3,))
+
+
 def test_check_reports_a_shipped_exercise_unsolved_with_its_hint():
     """check()'s own path for a spawned stub: the rank's NotImplementedError becomes 'unsolved'."""
     result = check("count_model_state_bytes")
