@@ -10,13 +10,13 @@
 # - what prefetch and activation checkpointing change in a step, predicted by the step-time model and measured
 #   under the modelled accelerator clock; what `reshard_after_forward` trades (traffic against memory);
 # - to read a **profiler trace** of one FSDP2 step: its all-gathers and reduce-scatters on gloo's threads, and what
-#   gloo runs for a reduce-scatter; the bytes a rank holds over the step, its peak marked;
+#   gloo runs for a reduce-scatter;
 # - to `torch.compile` each transformer block under FSDP2, checked against eager.
 #
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
 # 2 CPU cores are enough (gloo); on GPUs the same rank functions run on nccl, one GPU per rank.
 #
-# **Stored build:** 83 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 87 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/fsdp.py`.
 
@@ -548,47 +548,6 @@ seen.assert_passed()
 # **all-reduce** of the whole unit's gradient buffer, after which each rank keeps its chunk. On gloo a reduce-scatter
 # therefore moves an all-reduce's bytes (in a ring, 2(N − 1)/N of the buffer per rank instead of (N − 1)/N); NCCL
 # runs a real reduce-scatter. The byte counts of section 4 are those of the collectives FSDP2 *asks for*.
-
-# %% [markdown]
-# <a id="fsdp2-memory"></a>
-# ### Memory over one FSDP2 step
-#
-# Chapter 01 §5 drew the bytes one device holds over a step. The same reading for FSDP2:
-# `profiling.memory_curve` profiles one `marked_step` of section 2's script model with `profile_memory=True`
-# (after a warm-up step, so the optimizer state exists) and adds every allocation and free of the step to the
-# model states this rank held before it. Between the states and the peak lie what FSDP2 adds for a moment — each
-# unit's all-gathered (bf16) parameters, freed again after the unit's forward and backward — and the saved
-# activations. On a GPU, `torch.cuda.memory._record_memory_history()` records the same allocations with their
-# stack traces for PyTorch's memory viewer.
-
-# %% tags=["nbval-ignore-output"]
-def fsdp2_memory_step():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = build_fsdp2(world)
-    x, y = shard_batch(*step_batch(0, CONFIG, 4 * world, launch.device()))
-    profiling.marked_step(model, opt, x, y)  # warm-up: lazy init, optimizer state
-    return profiling.memory_curve(model, opt, x, y, name=f"04_fsdp2_memory_rank{rank}",
-                                  title=f"rank {rank}: memory over one FSDP2 step")
-
-
-curves = spawn(fsdp2_memory_step, 2)
-mc = curves[0]
-print(f"trace: {mc.trace_file}")
-print(f"rank 0: model states before the step {mc.states_before['total']:,} B; peak {mc.peak:,} B "
-      f"in {mc.peak_phase} ({mc.peak - mc.states_before['total']:,} B above the states)")
-fig, ax = plt.subplots(figsize=(9, 3.5))
-profiling.draw_memory_curve(mc, ax=ax, title=f"FSDP2, rank 0: the bytes held over one step peak in {mc.peak_phase}")
-plt.tight_layout()
-plt.show()
-
-# %% tags=["nbval-ignore-output"]
-from dataclasses import replace
-
-mem_rows = Result(title="memory over one FSDP2 step (both ranks)")
-for rank, c in enumerate(curves):
-    mem_rows.checked += [replace(r, quantity=f"rank {rank}: {r.quantity}") for r in c.checks()]
-print(mem_rows)
-mem_rows.assert_passed()
 
 # %% [markdown]
 # <a id="fsdp2-compile"></a>
