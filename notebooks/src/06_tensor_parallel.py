@@ -18,7 +18,7 @@
 # **What you need**: chapters 00 (collectives, α–β), 02 (DDP) and 05 (model vs data parallelism). 2 CPU cores are
 # enough: ranks are processes with the gloo backend.
 #
-# **Stored build:** 41 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 35 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/tensor_parallel.py` (the algorithm, top to bottom) and
 # `course_lib/experiments/tensor_parallel.py` (what this notebook runs on ranks).
@@ -606,14 +606,14 @@ mesh_table.assert_passed()
 # ∂L/∂x and this rank's weight and bias gradients within `SGD`, and the number of all-reduces in each direction
 # (column: none forward, one backward; row: one forward, none backward). `check(name)` prints PASS, FAIL with the
 # first wrong tensor and its error, or UNSOLVED while the `TODO` is still there (or run
-# `course-lib check column_parallel_linear` in a terminal). Stuck? Hints come in two layers —
-# `hint(name, 1)` the idea, `hint(name, 2)` the API — and never the code.
+# `course-lib check column_parallel_linear` in a terminal). Stuck? Hints come in two layers
+# (`from course_lib.checks.tensor_parallel import hint`) — `hint(name, 1)` the idea, `hint(name, 2)` the API — and
+# never the code.
 #
 # Until you write them, the checker reports *unsolved*:
 
 # %%
 from course_lib.check import check
-from course_lib.checks.tensor_parallel import hint
 
 print(check("column_parallel_linear"))
 print(check("row_parallel_linear"))
