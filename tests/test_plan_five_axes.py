@@ -27,35 +27,6 @@ B, HEADS, HEAD_DIM, SEQ_PER_RANK, MEMORY_SEQ = (
 TOKENS, EXPERTS = 64, 8  # the balanced all-to-all: tokens over both ranks
 
 
-def balanced_all_to_all(tokens=TOKENS, num_experts=EXPERTS):
-    """Rank function: the EP layer's all-to-all bytes to other ranks, routing designed to be even."""
-    import torch.distributed as dist
-
-    from course_lib.expert_parallel import ExpertParallelMoE
-    from course_lib.experiments import expert_parallel as EE
-    from course_lib.launch import device
-    from course_lib.moe import MoE, MoEConfig
-
-    cfg, E = EE.moe_gpt_config(), num_experts
-    moe = MoEConfig(num_experts=E, top_k=2, capacity_factor=None, aux_loss_coef=0.0)
-    e, r, dev = dist.get_world_size(), dist.get_rank(), device()
-    torch.manual_seed(0)
-    layer = MoE(cfg, moe)
-    t = torch.arange(tokens)
-    x = torch.zeros(tokens, cfg.d_model)
-    x[t, t % E], x[t, (t + 1) % E] = 2.0, 1.0  # token t's top-2: experts t mod E, t+1 mod E
-    with torch.no_grad():
-        layer.router.weight.zero_()
-        layer.router.weight[:, :E] = torch.eye(E)
-    ep = ExpertParallelMoE.from_moe(layer.to(dev))
-    meter = EE.AllToAllMeter(r)
-    with meter:
-        y, _, stats = ep(x.chunk(e)[r].to(dev).requires_grad_())
-        meter.phase = "backward"
-        y.sum().backward()
-    return {"calls": meter.calls, "kept": stats.kept_per_expert.tolist()}
-
-
 def _suite():
     from course_lib.expert_parallel import expert_parallel_gpt
     from course_lib.experiments import context_parallel as CE
@@ -73,7 +44,7 @@ def _suite():
         "expert_bytes": sum(
             p.numel() * p.element_size() for p in params if getattr(p, "expert_parallel", False)
         ),
-        "all_to_all": balanced_all_to_all(),
+        "all_to_all": EE.balanced_all_to_all(TOKENS, EXPERTS),
     }
 
 

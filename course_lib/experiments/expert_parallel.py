@@ -81,6 +81,7 @@ __all__ = [
     "ep_equality",
     "EPTrafficResult",
     "ep_traffic",
+    "balanced_all_to_all",
     "ImbalanceResult",
     "routing_imbalance",
     "HotExpertResult",
@@ -360,6 +361,35 @@ def _one_device_kept(model: MoEGPT, x, y, world: int) -> tuple[list[torch.Tensor
         kept.append(torch.stack(rows).cpu())
         capacity.append(stats.capacity)
     return kept, capacity
+
+
+def balanced_all_to_all(tokens: int = 64, num_experts: int = 8) -> dict:
+    """Rank function: the EP layer's all-to-all bytes to other ranks, routing designed to be even.
+
+    Token t's top-2 experts are t mod E and t+1 mod E (the router reads one-hot features), so every
+    expert takes the same share and nothing is dropped: the case the planner's all-to-all formula
+    assumes. Returns the :class:`AllToAllMeter` calls and the assignments kept per expert."""
+    cfg, E = moe_gpt_config(), num_experts
+    moe = MoEConfig(num_experts=E, top_k=2, capacity_factor=None, aux_loss_coef=0.0)
+    e, r, dev = dist.get_world_size(), dist.get_rank(), device()
+    torch.manual_seed(0)
+    layer = MoE(cfg, moe)
+    t = torch.arange(tokens)
+    x = torch.zeros(tokens, cfg.d_model)
+    x[t, t % E], x[t, (t + 1) % E] = (
+        2.0,
+        1.0,
+    )  # the router reads these: top-2 = experts t, t+1 (mod E)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:, :E] = torch.eye(E)
+    ep = ExpertParallelMoE.from_moe(layer.to(dev))
+    meter = AllToAllMeter(r)  # bytes to other ranks, read off every all_to_all_single
+    with meter:
+        y, _, stats = ep(x.chunk(e)[r].to(dev).requires_grad_())
+        meter.phase = "backward"
+        y.sum().backward()
+    return {"calls": meter.calls, "kept": stats.kept_per_expert.tolist()}
 
 
 def ep_traffic(

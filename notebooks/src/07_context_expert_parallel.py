@@ -740,37 +740,15 @@ print(mesh3_runs[0])
 # layer each way. The rules it checks: the world is dp·tp·pp·cp, and e divides dp·cp (the EP groups are carved out
 # of the ranks that hold different tokens). Its all-to-all formula assumes balanced routing with nothing dropped:
 # (e−1)/e of a rank's N·k assignments go to other ranks, d values each. To measure that case, the rank function
-# below designs the routing: token t's two experts are t mod E and t+1 mod E, so every expert takes the same share.
+# below (`experiments.expert_parallel.balanced_all_to_all`) designs the routing: token t's two experts are t mod E
+# and t+1 mod E, so every expert takes the same share.
 
 # %%
-def balanced_all_to_all(tokens=64, num_experts=8):
-    import torch.distributed as dist
+from course_lib.experiments.expert_parallel import balanced_all_to_all
 
-    from course_lib.expert_parallel import ExpertParallelMoE
-    from course_lib.experiments import expert_parallel as EE
-    from course_lib.launch import device
-    from course_lib.moe import MoE, MoEConfig
+display(show.source(balanced_all_to_all))
 
-    cfg, E = EE.moe_gpt_config(), num_experts
-    moe = MoEConfig(num_experts=E, top_k=2, capacity_factor=None, aux_loss_coef=0.0)
-    e, r, dev = dist.get_world_size(), dist.get_rank(), device()
-    torch.manual_seed(0)
-    layer = MoE(cfg, moe)
-    t = torch.arange(tokens)
-    x = torch.zeros(tokens, cfg.d_model)
-    x[t, t % E], x[t, (t + 1) % E] = 2.0, 1.0  # the router reads these: top-2 = experts t, t+1 (mod E)
-    with torch.no_grad():
-        layer.router.weight.zero_()
-        layer.router.weight[:, :E] = torch.eye(E)
-    ep = ExpertParallelMoE.from_moe(layer.to(dev))
-    meter = EE.AllToAllMeter(r)  # bytes to other ranks, read off every all_to_all_single
-    with meter:
-        y, _, stats = ep(x.chunk(e)[r].to(dev).requires_grad_())
-        meter.phase = "backward"
-        y.sum().backward()
-    return {"calls": meter.calls, "kept": stats.kept_per_expert.tolist()}
-
-
+# %%
 balanced = spawn(balanced_all_to_all, 2)
 print("assignments kept per expert:", balanced[0]["kept"])
 
