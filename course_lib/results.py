@@ -160,6 +160,14 @@ class Row:
     verdict: bool
 
 
+def _reference_cell(r) -> str:
+    """The reference column: "value (what it is)", the value or the label alone, or "—"."""
+    value = _fmt(r.reference) if r.reference is not None else ""
+    if value and r.against:
+        return f"{value} ({r.against})"
+    return value or r.against or "—"
+
+
 def _fmt(v) -> str:
     if v is None:
         return "—"
@@ -242,12 +250,7 @@ class Result:
             (
                 r.quantity,
                 _fmt(r.measured),
-                " ".join(
-                    s
-                    for s in (_fmt(r.reference) if r.reference is not None else "", r.against)
-                    if s
-                )
-                or "—",
+                _reference_cell(r),
                 r.tolerance,
                 "PASS" if r.verdict else "FAIL",
             )

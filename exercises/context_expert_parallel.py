@@ -23,8 +23,7 @@ def merge(out_a, lse_a, out_b, lse_b):
     """
     # TODO: the merged lse, then each block's output weighted by its share of the softmax mass.
     raise NotImplementedError(
-        "merge: lse = log(e^lse_a + e^lse_b) (torch.logaddexp does it without overflow); block x "
-        "holds e^(lse_x − lse) of the merged softmax mass, so weigh out_x by it and add"
+        "merge: not written yet (chapter 07's section 3 derives the rule; the TODO above says the steps)"
     )
 
 
@@ -37,7 +36,5 @@ def dispatch_splits(experts: torch.Tensor, num_experts: int, ep_size: int) -> li
     """
     # TODO: rows per expert, then per rank (its E/e experts are next to each other).
     raise NotImplementedError(
-        "dispatch_splits: count the rows per expert (torch.bincount, minlength=num_experts), "
-        "sum each rank's E/e consecutive experts, return a list of ints (.tolist()); check "
-        "num_experts % ep_size first"
+        "dispatch_splits: not written yet (chapter 07's section 11, step 2; the TODO above says the steps)"
     )

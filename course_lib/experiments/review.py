@@ -286,7 +286,7 @@ FIXED_CASES = {
     "70B on 64×80 GB (8 per node)": (
         Model(70e9, 80, 8192, 64, 4096, 32000, "70B"),
         Cluster(80, 8, 8),
-        "TP inside the node + PP or FSDP across nodes",
+        "TP inside the node; across nodes PP, or ZeRO-2/3 / FSDP",
         _tp_in_node_pp_or_fsdp_across,
     ),
     "GPT-2 small (124M) on 8×80 GB": (

@@ -571,6 +571,8 @@ def _profile_rows(p: StageProfile) -> None:
                 "root + 1 block in use (+ 1 prefetched), < all blocks",
             )
     acts = list(p.activation_bytes.values())
+    if len(acts) < 2:  # one stage profiled: "the same at every stage" would compare it with itself
+        return
     p.condition(
         "activation bytes at every stage",
         acts[0],

@@ -157,8 +157,10 @@ print(f"achieved: {achieved / 1e9:.2f} GFLOP/s; best measured fp32 matmul rate (
       f"{peak['hi'] / 1e9:.1f}); MFU against that rate = {achieved / peak['flops_per_s']:.1%}")
 
 # %% [markdown]
-# What holds a tiny model's MFU down: its matrices (64 wide) are too small to keep the cores busy, and layer norms,
-# GELU, softmax and the Python loop occupy the cores with work that counts as no model FLOP.
+# Two things can hold a tiny model's MFU down, and later sections measure each: its matrices (64 wide) may be too
+# small to keep the cores busy (section 3 prints the matmul rate at width 64 beside 512), and layer norms, GELU,
+# softmax and the Python loop take time that counts as no model FLOP (section 5's profile prints the share of the
+# step its top ops hold, and how many `aten::` ranges a step runs).
 
 # %% [markdown]
 # ## 3. Where the memory goes
@@ -409,8 +411,10 @@ for stage in range(4):
 # %% [markdown]
 # <a id="bf16-autocast"></a>
 # **bf16 autocast, run here.** `torch.autocast("cpu", dtype=torch.bfloat16)` around the forward makes the
-# matmul-heavy ops (linear layers, attention) cast their inputs to bf16 and compute in bf16, while ops that need
-# range or accurate sums (layer norm, softmax, the loss) stay in fp32. The parameters stay fp32; each op casts
+# matmul-heavy ops (linear layers, attention) cast their inputs to bf16 and compute in bf16; CPU autocast's
+# fp32 list holds the losses (`cross_entropy`, `nll_loss`), and ops on neither list (layer norm, softmax, GELU)
+# run in their input's dtype — layer norm sees fp32 here because the residual add of a bf16 output to the fp32
+# stream promotes to fp32. The parameters stay fp32; each op casts
 # the weight it uses on the fly. Backward runs outside the context: autograd replays every op in the dtype its
 # forward used, and the gradients arrive in the parameters' dtype, fp32. The loop below is
 # `train_single_device`'s, with the forward optionally under autocast; the same data, model seed and AdamW.
@@ -626,7 +630,9 @@ print(f"these {len(top)} ops hold {top_share:.0%} of the profiled steps' time")
 # `aten::scaled_dot_product_attention` and `aten::gelu`; then the green `backward` range, where autograd's
 # `autograd::engine::evaluate_function: …Backward0` ranges run the same layers in reverse order, each calling the
 # matmuls of its input's and its weight's gradients; then the purple `optimizer` range, `Optimizer.step#AdamW.step`,
-# a handful of `aten::_foreach_*` ops over all parameters at once. The printed lines say how long each phase took
+# one `aten::lerp_`, `aten::addcdiv_`, … per parameter: on CPU tensors AdamW's default (`foreach=None`) is the
+# per-parameter loop (torch picks the `_foreach_*` kernels, a few ops over all parameters at once, only for
+# CUDA-like devices). The printed lines say how long each phase took
 # and which ops took the most self time; what the step spends outside the matmuls (the count of `aten::` ranges
 # against the few that do FLOPs) is the overhead the MFU paragraph of section 2 pointed at. In Perfetto, click a
 # range to see its input shapes (`record_shapes`), and select a span to sum the ranges in it.
@@ -743,7 +749,8 @@ mem.assert_passed()
 #
 # returning `{"params": …, "grads": …, "optimizer": …}`: the bytes of memory the model's parameters, their
 # gradients and the optimizer's state occupy, each piece of memory counted **once** (a tied weight is one tensor
-# under two names; two views of one buffer are one buffer).
+# under two names; two views of one buffer are one buffer). "optimizer" is every tensor in `optimizer.state`,
+# AdamW's 4-byte `step` tensor per parameter included (section 3's table: 8Ψ + 4 bytes per parameter tensor).
 #
 # **What the checker compares.** `check("count_model_state_bytes")` runs on **one rank**: it builds a one-layer
 # tiny GPT with tied and with untied embedding/output weights, takes one AdamW step, and compares your three

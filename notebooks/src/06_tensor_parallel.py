@@ -9,8 +9,9 @@
 # - that the tensor-parallel GPT *is* the one-device GPT (outputs, gradients, 10 AdamW steps), and what each rank
 #   stores (1/t of the block weights, not of the LayerNorms);
 # - TP's traffic against data parallelism's, per rank and step at the same global batch, and their step times under
-#   the modelled accelerator clock, predicted with the step-time model and measured: where they cross, and how the
-#   bandwidth inside vs across nodes and each call's α move the crossover (chapter 00's α–β model);
+#   the modelled accelerator clock, predicted with the step-time model and measured at two batch sizes; where the
+#   traffic model puts their crossover, and how the bandwidth inside vs across nodes and each call's α move it
+#   (chapter 00's α–β model);
 # - sequence parallelism (all-reduce → reduce-scatter + all-gather) and the activation bytes it saves;
 # - PyTorch's DTensor version (`parallelize_module`, `ColwiseParallel`, `RowwiseParallel`, `loss_parallel`) and
 #   its traps; DP × TP on a 2-D `DeviceMesh`, with FSDP2 on the data-parallel dimension.
@@ -52,11 +53,11 @@ print(f"cores: {os.cpu_count()}")
 # Chapter 05 split the model **between** layers: each pipeline stage holds some layers (inter-layer, "model" or
 # pipeline parallelism). **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019) splits the work **inside**
 # every layer: each weight matrix is cut into t pieces, every rank computes its piece of *every* layer, and
-# collectives combine the pieces. So the exam statement "tensor parallelism divides the model layer by layer" is
+# collectives combine the pieces. So the O/X statement "tensor parallelism divides the model layer by layer" is
 # false — that is pipeline parallelism; "tensor parallelism splits one operation across devices" is true.
 #
 # The t ranks of a tensor-parallel group work on **the same batch** (different batches is the data-parallel
-# dimension, section 9), and the result is not an approximation: splitting a matrix product into blocks and adding
+# dimension, section 10), and the result is not an approximation: splitting a matrix product into blocks and adding
 # the partial sums is exact arithmetic; only the floating-point summation order changes (equal to 1e-5 below).
 #
 # Notation (Megatron): b batch, s sequence, h hidden size, a heads, L layers, V vocabulary, t TP ranks.
@@ -601,10 +602,18 @@ mesh_table.assert_passed()
 # %% [markdown]
 # ## 11. Exercise
 # `exercises/tensor_parallel.py` — write `column_parallel_linear` and `row_parallel_linear` as
-# `torch.autograd.Function`s, forward **and** backward by hand: where does each need its all-reduce? The checker runs
-# them on 2 and then 4 real ranks against `nn.Linear` (2-D and 3-D inputs, with and without bias): the output,
-# ∂L/∂x and this rank's weight and bias gradients within `SGD`, and the number of all-reduces in each direction
-# (column: none forward, one backward; row: one forward, none backward). `check(name)` prints PASS, FAIL with the
+# `torch.autograd.Function`s, forward **and** backward by hand: where does each need its all-reduce?
+#
+# ```python
+# def column_parallel_linear(x, weight, bias=None, group=None) -> Tensor
+#     # x (…, in) whole on every rank; weight (out/t, in) and bias (out/t,): this rank's rows → y_i (…, out/t)
+# def row_parallel_linear(x_shard, weight, bias=None, group=None) -> Tensor
+#     # x_shard (…, in/t): this rank's block; weight (out, in/t); bias (out,) whole → y (…, out) whole
+# ```
+#
+# The checker runs them on 2 and then 4 real ranks against `nn.Linear` (2-D and 3-D inputs, with and without bias):
+# the output, ∂L/∂x and this rank's weight and bias gradients within `SGD`, and the number of all-reduces in each
+# direction (the counts section 3's f and g imply). `check(name)` prints PASS, FAIL with the
 # first wrong tensor and its error, or UNSOLVED while the `TODO` is still there (or run
 # `course-lib check column_parallel_linear` in a terminal). Stuck? Hints come in two layers
 # (`from course_lib.checks.tensor_parallel import hint`) — `hint(name, 1)` the idea, `hint(name, 2)` the API — and
@@ -646,8 +655,10 @@ quiz("tensor-parallel")
 # - Each rank stores 1/t of the block Linears; LayerNorms and the position embedding stay whole.
 # - Per rank and step at the same global batch, TP's bytes grow with the batch (every token, every layer; measured
 #   = formula) and DP's do not (the gradients once): they cross at the batch printed above. The bandwidth ratio of
-#   NVLink over InfiniBand moves that crossover in time by the same factor, which is why TP stays inside a node,
-#   with PP and DP across nodes. At small sizes the number of calls matters too: each all-reduce pays α, and TP
+#   NVLink over InfiniBand moves that crossover in time by the same factor. TP stays inside a node because its
+#   all-reduces sit on the critical path of every layer: the GPT-3-sized layer above printed what share of its
+#   compute they take over NVLink and over InfiniBand; DP's gradients cross nodes once per step, beside backward;
+#   PP's boundary activations are smaller still. At small sizes the number of calls matters too: each all-reduce pays α, and TP
 #   makes one per parallel region and direction — the crossover cell prints how far α moves it.
 # - Under the modelled clock both steps are predicted from the same parts (compute = FLOPs / rate, equal in both;
 #   TP's all-reduces all on the critical path; DP's buckets beside backward) and measured at batches 8 and 16: the

@@ -73,8 +73,9 @@ print(f"cores: {os.cpu_count()}")
 #
 # Why bother: at long sequence lengths the activations, not the weights, fill the memory. Attention alone
 # saves q, k, v, its output and one log-sum-exp per query for backward (a flash-style kernel never stores the S×S
-# scores), and the MLP and LayerNorm inputs grow with S too. The formula for one attention layer, bf16, at the
-# Llama-3-8B shape (32 heads of 128) and a 128K-token sequence:
+# scores), and the MLP and LayerNorm inputs grow with S too. The formula for one attention layer, bf16, with 32 heads
+# of 128 for q, k and v alike (Llama-3-8B's query shape; its grouped-query attention keeps only 8 K/V heads, so
+# its k and v are a quarter of these) and a 128K-token sequence:
 
 # %%
 for c in (1, 8):
@@ -327,7 +328,7 @@ for c in (2, 4, 8, 16, 32):
 print("Ulysses at c = 64 with 32 heads:", end=" ")
 try:
     cp.ulysses_attention_traffic(1, 32, 131072, 128, 64)
-    print("the formula allows it — but the layer refuses it (H % c != 0), as the 4-rank run below shows")
+    print("the formula allows it — but the layer refuses it (H % c != 0)")
 except ValueError as err:
     print(f"ValueError: {err}")
 
@@ -817,15 +818,31 @@ print(f"… {len(moe_plan.ranking) - 10} more; with CP: {sum(lay.cp > 1 for lay,
 
 # %% [markdown]
 # ## 17. Exercises
-# `exercises/context_expert_parallel.py` — write `merge` (section 3's online-softmax rule) and `dispatch_splits`
-# (section 11's step 2 without capacity: how many rows this rank sends to each rank, from its tokens' chosen
-# experts `(N, k)`, experts sharded contiguously). Each is checked on real ranks against the library's version —
-# `dispatch_splits` also through a real `all_to_all_single`:
+# `exercises/context_expert_parallel.py` — write
 #
 # ```python
-# from course_lib.check import check
-# check("merge"); check("dispatch_splits")      # or: course-lib check merge
+# def merge(out_a, lse_a, out_b, lse_b) -> tuple[Tensor, Tensor]
+#     # out_x (…, Sq, D): attention over key block x alone; lse_x (…, Sq): log-sum-exp of its scores
+#     # → (out, lse) of attention over both blocks (section 3's online-softmax rule)
+# def dispatch_splits(experts, num_experts, ep_size) -> list[int]
+#     # experts (N, k): this rank's tokens' chosen experts; experts sharded contiguously over ep_size ranks
+#     # → rows this rank's dispatch all_to_all_single sends to each rank (section 11's step 2, no capacity);
+#     # ValueError naming both numbers when num_experts % ep_size != 0
 # ```
+#
+# **What the checker compares.** `merge` on 2 ranks: random blocks cut at random points, your `(out, lse)` against
+# attention over all keys at once and `torch.logsumexp` of all scores, within `SGD` (rtol 1e-5, atol 1e-6), and
+# merge(a, b) against merge(b, a). `dispatch_splits` on 2 and 4 ranks: your splits against the library's on skewed
+# routing (exact: they are counts), then sent through a real `all_to_all_single`, and the error for E % e ≠ 0.
+# Until you write them the checks report UNSOLVED; the reference solutions pass (here on 2 ranks):
+
+# %%
+from course_lib.check import check
+
+print(check("merge"))
+print(check("dispatch_splits", world_sizes=(2,)))
+print(check("merge", package="solutions"))
+print(check("dispatch_splits", package="solutions", world_sizes=(2,)))
 
 # %% [markdown]
 # ## 18. O/X quiz

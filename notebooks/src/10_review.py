@@ -235,7 +235,7 @@ print(
 #    replicates: its 16Ψ per GPU stays 16Ψ however many GPUs you add, so it cannot rescue a model that does not fit.
 #    (For a small model more GPUs mostly add communication: its all-reduce does not shrink with N while the
 #    compute per GPU does — chapter 02 measured a tiny batch on 1 and 2 ranks.)
-# 2. **ZeRO-2** (DeepSpeed stage 2, FSDP's SHARD_GRAD_OP): the same 2Ψ of traffic, 16Ψ shrinks to 2Ψ + 14Ψ/N.
+# 2. **ZeRO-2** (DeepSpeed stage 2; FSDP2's `fully_shard(reshard_after_forward=False)`): the same 2Ψ of traffic, 16Ψ shrinks to 2Ψ + 14Ψ/N.
 # 3. **ZeRO-3 / FSDP**: 16Ψ/N for 3Ψ of traffic.
 # 4. **TP inside the node** (with sequence parallelism) × ZeRO-2 or FSDP across nodes — when sharding the model
 #    states is not enough because the **activations** do not fit (ZeRO never shards them); the 3D layout
@@ -458,9 +458,10 @@ quiz("review")
 
 # %% [markdown]
 # Then the final exam: 40 statements from every chapter (all 14 seed statements included, never two items that give
-# each other away, about as many true as false), then 3 numeric questions from three chapters' formulas. It grades
-# and explains only after your last answer, scores per topic, and names the traps you fell for and the sections to
-# reread. In a terminal: `course-lib exam`.
+# each other away, about as many true as false), then 3 numeric questions from three chapters' formulas. Run in a
+# kernel, it grades and explains only after your last answer, scores per topic, and names the traps you fell for and
+# the sections to reread. The stored text under it is the version for a reader without a kernel (GitHub, a PDF):
+# the statements, then the answers and explanations to check yourself against. In a terminal: `course-lib exam`.
 
 # %%
 from course_lib.quiz import final_exam, grade_exam
