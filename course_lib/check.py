@@ -80,6 +80,12 @@ def _load(package: str, ex: Exercise) -> Callable:
     return getattr(module, ex.function)
 
 
+def _unsolved(name: str, text: str) -> CheckResult:
+    """A stub's ``NotImplementedError``: the status line names the exercise, so its own prefix goes."""
+    text = text.strip().removeprefix(f"{name}: ") or "still a TODO"
+    return CheckResult(name, "unsolved", f"not implemented yet — {text}")
+
+
 def check(
     name: str, package: str = "exercises", timeout: float = 120, world_sizes=None
 ) -> CheckResult:
@@ -120,8 +126,7 @@ def check(
             per_rank = spawn(runner, world, args=(fn,), timeout=timeout)
         except RankError as err:
             if err.exc_type == "NotImplementedError":
-                hint = str(err.__cause__ or "").strip() or "still a TODO"
-                return CheckResult(name, "unsolved", f"not implemented yet — {hint}")
+                return _unsolved(name, str(err.__cause__ or ""))
             return CheckResult(
                 name,
                 "error",
@@ -164,9 +169,7 @@ def _check_in_parent(name: str, ex: Exercise, fn: Callable) -> CheckResult:
     except Exception as exc:  # noqa: BLE001 - the learner's error (Ray wraps a worker's) is a result
         kind, message, where = worker_error(exc)
         if kind == "NotImplementedError":
-            return CheckResult(
-                name, "unsolved", f"not implemented yet — {message or 'still a TODO'}"
-            )
+            return _unsolved(name, message or "")
         return CheckResult(name, "error", f"{kind}: {message}" + (f" ({where})" if where else ""))
     if problems:
         return CheckResult(name, "failed", problems[0], problems)

@@ -23,7 +23,7 @@ def merge(out_a, lse_a, out_b, lse_b):
     """
     # TODO: the merged lse, then each block's output weighted by its share of the softmax mass.
     raise NotImplementedError(
-        "merge: not written yet (chapter 07's section 3 derives the rule; the TODO above says the steps)"
+        "merge: chapter 07's section 3 derives the rule; the TODO above says the steps"
     )
 
 
@@ -36,5 +36,5 @@ def dispatch_splits(experts: torch.Tensor, num_experts: int, ep_size: int) -> li
     """
     # TODO: rows per expert, then per rank (its E/e experts are next to each other).
     raise NotImplementedError(
-        "dispatch_splits: not written yet (chapter 07's section 11, step 2; the TODO above says the steps)"
+        "dispatch_splits: chapter 07's section 11, step 2; the TODO above says the steps"
     )

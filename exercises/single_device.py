@@ -16,6 +16,6 @@ def count_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     """
     # TODO: your code here (notebook 01's exercise section states the task and gives layered hints).
     raise NotImplementedError(
-        "count_model_state_bytes: not written yet — notebook 01's exercise section states the task "
+        "count_model_state_bytes: notebook 01's exercise section states the task "
         "and what the checker compares, with hints in layers"
     )

@@ -24,8 +24,8 @@ class _ColumnParallel(torch.autograd.Function):
         ctx.group, ctx.has_bias = group, bias is not None
         # TODO: y_i = x W_iᵀ (+ b_i). Does the forward need any communication?
         raise NotImplementedError(
-            "column_parallel_linear forward: not written yet "
-            "(hints: course_lib.checks.tensor_parallel.hint('column_parallel_linear', 1))"
+            "column_parallel_linear: the forward; hints: "
+            "course_lib.checks.tensor_parallel.hint('column_parallel_linear', 1)"
         )
 
     @staticmethod
@@ -33,8 +33,8 @@ class _ColumnParallel(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         # TODO: ∂L/∂x (this rank only has part of it — what must happen to it?), ∂L/∂W_i, ∂L/∂b_i
         raise NotImplementedError(
-            "column_parallel_linear backward: not written yet "
-            "(hints: course_lib.checks.tensor_parallel.hint('column_parallel_linear', 1))"
+            "column_parallel_linear: the backward; hints: "
+            "course_lib.checks.tensor_parallel.hint('column_parallel_linear', 1)"
         )
 
 
@@ -45,8 +45,8 @@ class _RowParallel(torch.autograd.Function):
         ctx.has_bias = bias is not None
         # TODO: the partial sum x_i W_iᵀ, combined over ranks; where does the bias go?
         raise NotImplementedError(
-            "row_parallel_linear forward: not written yet "
-            "(hints: course_lib.checks.tensor_parallel.hint('row_parallel_linear', 1))"
+            "row_parallel_linear: the forward; hints: "
+            "course_lib.checks.tensor_parallel.hint('row_parallel_linear', 1)"
         )
 
     @staticmethod
@@ -54,8 +54,8 @@ class _RowParallel(torch.autograd.Function):
         x_shard, weight = ctx.saved_tensors
         # TODO: ∂L/∂x_i, ∂L/∂W_i, ∂L/∂b. Does the backward need any communication?
         raise NotImplementedError(
-            "row_parallel_linear backward: not written yet "
-            "(hints: course_lib.checks.tensor_parallel.hint('row_parallel_linear', 1))"
+            "row_parallel_linear: the backward; hints: "
+            "course_lib.checks.tensor_parallel.hint('row_parallel_linear', 1)"
         )
 
 

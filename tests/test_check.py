@@ -103,7 +103,7 @@ def test_check_reports_a_shipped_exercise_unsolved_with_its_hint():
     """check()'s own path for a spawned stub: the rank's NotImplementedError becomes 'unsolved'."""
     result = check("count_model_state_bytes")
     assert result.status == "unsolved", str(result)
-    assert result.message.startswith("not implemented yet — count_model_state_bytes: "), str(result)
+    assert result.message.startswith("not implemented yet — notebook 01's exercise"), str(result)
     assert "data_ptr" not in result.message  # the hint points at the notebook, never at the code
 
 

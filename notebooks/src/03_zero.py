@@ -750,9 +750,9 @@ quiz("zero")
 #   its peak is below bucketed DDP's by the formulas' difference, less that staging, plus the activations freed
 #   between the moments the two peaks happen — a term measured at those two moments, not a formula), stage 3 by the
 #   root and at most two gathered blocks (checked with four blocks).
-# - On gloo a reduce-scatter is built on an all-reduce of its input (at least twice a ring reduce-scatter's bytes;
-#   the fit printed its cost here); the α–β fit carries that into the step-time predictions, and the table printed
-#   whether each clocked measurement met its prediction within the agreement band.
+# - On gloo a reduce-scatter is built on an all-reduce of its input (at least twice a ring reduce-scatter's bytes);
+#   the α–β fit carries that into the step-time predictions, and the table printed whether each clocked
+#   measurement met its prediction within the agreement band.
 # - Activations are not sharded: equal at an equal per-rank micro-batch, whatever N.
 # - Every stage trains exactly like one device, with clipping and checkpoint/resume (stages 1, 2 and 3).
 # - The paper's 7.5B / 64-GPU example: 120 / 31.4 / 16.6 / 1.9 GB per GPU.
