@@ -27,6 +27,7 @@ from course_lib.experiments.ddp import EXPOSURE_VARIANTS, DDPTimeline
 from course_lib.launch import spawn
 from course_lib.models import GPT, equality_config
 from course_lib.results import ADAMW, BF16, EXACT, FP16, SGD, for_optimizer, max_abs_diff
+from course_lib.step_time import AlphaBeta
 
 CFG = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
 BATCH = 16  # global batch, divisible by every world size (at 8, fp32 rounding at world 4 already moves AdamW by 2e-4)
@@ -708,6 +709,10 @@ def test_observer_hooks_run_in_step_order_and_not_under_no_sync(world):
 # --------------------------------------------------------------------------- the notebook's measurements
 
 
+# a laptop-like link for the predictions of the bucket sweep (α 100 µs, 1 GB/s)
+_AB = AlphaBeta({"all_reduce": 1e-4}, {"all_reduce": 1e9}, 2, 0)
+
+
 def _bench_smoke():
     from course_lib.experiments import ddp as bench
 
@@ -722,6 +727,9 @@ def _bench_smoke():
         ),
         "step": bench.ddp_step_time(cfg, global_batch=4, steps=1, warmup=0),
         "timelines": bench.ddp_timelines(**kw, bucket_cap_mb=0.03, steps=1),
+        "sweep_clock": bench.bucket_sweep_under_clock(
+            (None, 100.0), rate=1e9, fit=_AB, config=cfg, batch_size=2, rounds=1
+        ),
     }
 
 
@@ -740,6 +748,13 @@ def test_bench_rank_functions_return_numbers_for_the_notebook():
         and res["step"]["step_s"] > 0
         and res["step"]["compute_s"] > 0
     )
+    rows = res["sweep_clock"]["rows"]
+    params = trainable_parameters(build_model("tied"))
+    assert [r["label"] for r in rows] == ["per param", "100 MiB"]
+    assert [r["n_buckets"] for r in rows] == [len(params), 1]
+    one_bucket = _AB.predict("all_reduce", sum(p.numel() * 4 for _, p in params), 2)
+    assert rows[1]["predicted"].parts["exposed all_reduce"] == pytest.approx(one_bucket)
+    assert len(res["sweep_clock"].checks()) == 2 and all(r["timing"].median > 0 for r in rows)
     tl = res["timelines"]
     assert {e[0] for e in tl["naive"]} == {"compute", "comm"}
     assert {e[0] for e in tl["overlapped"]} == {"compute", "comm", "wait"}

@@ -50,6 +50,25 @@ def test_ddp_exposes_the_queue_when_communication_dominates():
     REORDERED.assert_close(p.total, first_ready + comm)  # the link is the critical path
 
 
+def test_ddp_bucket_size_has_a_sweet_spot_between_alpha_and_no_overlap():
+    """Tiny buckets pay α per call after backward, one bucket exposes all of it: one block wins."""
+    parts = [("wte", 1e-4), *[(f"blocks.{i}", 0.05) for i in range(4)], ("lm_head", 0.01)]
+    ab = st.AlphaBeta({"all_reduce": 1e-3}, {"all_reduce": 1e9}, 2, 0)
+    blocks = [f"blocks.{i}" for i in reversed(range(4))]  # bucket order = backward order
+    per_param = [(MB, b) for b in blocks for _ in range(8)]
+    per_block = [(8 * MB, b) for b in blocks[:-1]] + [(8 * MB, "wte")]  # + the embeddings
+    one = [(32 * MB, "wte")]
+    step = {
+        k: st.ddp_step(parts, v, ab, 2)
+        for k, v in (("tiny", per_param), ("block", per_block), ("one", one))
+    }
+    exposed = {k: p.parts["exposed all_reduce"] for k, p in step.items()}
+    REORDERED.assert_close(exposed["one"], ab.predict("all_reduce", 32 * MB, 2))  # nothing overlaps
+    REORDERED.assert_close(exposed["block"], ab.predict("all_reduce", 8 * MB, 2))  # the last one
+    assert exposed["block"] < exposed["tiny"] < exposed["one"], exposed  # 8 × α after backward
+    assert min(step, key=lambda k: step[k].total) == "block"
+
+
 def test_recompute_adds_one_forward_of_each_checkpointed_part():
     buckets = [(MB, "lm_head"), (MB, "wte")]
     plain = st.ddp_step(PARTS, buckets, AB, 2)

@@ -2,7 +2,8 @@
 
 Rank functions (run them with ``launch.spawn``): :func:`equality_with_single_device`,
 :func:`accumulation_with_no_sync`, :func:`ddp_throughput`, :func:`bucket_size_sweep`,
-:func:`ddp_step_time`, :func:`ddp_timelines`. Parent-side helpers: :func:`ddp_benchmark`,
+:func:`bucket_sweep_under_clock`, :func:`ddp_step_time`, :func:`ddp_timelines`,
+:func:`exposed_communication`. Parent-side helpers: :func:`ddp_benchmark`,
 :func:`scaling`, :func:`format_throughput`. Every step time is measured by
 :func:`course_lib.timing.time_steps` (warm-up, interleaved rounds, max over ranks, median with the
 min–max range; the results keep its :class:`~course_lib.timing.Timings` under ``"timings"``);
@@ -61,6 +62,9 @@ __all__ = [
     "accumulation_with_no_sync",
     "ddp_throughput",
     "bucket_size_sweep",
+    "SWEEP_BUCKETS_MB",
+    "cap_label",
+    "bucket_sweep_under_clock",
     "ddp_step_time",
     "ddp_timelines",
     "EXPOSURE_VARIANTS",
@@ -632,7 +636,8 @@ class ExposureResult(Measured):
     measured within ``AGREEMENT_BAND`` of predicted), ``"predicted"`` ``{name: Prediction}``,
     ``"exposed"`` ``{name: (predicted s, measured s)}`` (measured = the variant's median step
     minus the compute-only median), ``"all_reduces"`` ``{name: calls per step}``, ``"timelines"``
-    (the :class:`TimelineResult`, under the same clock), ``"rate"``, ``"clock"``, ``"alpha_beta"``.
+    (the :class:`TimelineResult`, under the same clock), ``"rate"``, ``"clock"``, ``"alpha_beta"``
+    (its table) and ``"fit"`` (the :class:`~course_lib.step_time.AlphaBeta`, α after idling).
     """
 
     def exposure_table(self) -> str:
@@ -676,28 +681,16 @@ def exposed_communication(
     to every variant alike, so it cancels in the measured exposure (variant − compute only).
     """
     from .. import step_time as st
-    from ..clock import AcceleratorClock, calibrate, costed_parts
-    from .collectives import bandwidth_benchmark, idle_alpha
+    from ..clock import AcceleratorClock
     from .step_time import step_time_config
 
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     config = config or step_time_config()
-    rows = bandwidth_benchmark((2**10, 2**16, 2**20, 2**22), iters=2, warmup=1, repeats=3)
-    fit = st.fit_alpha_beta(rows)
-    idle = idle_alpha(ops=("all_reduce",))
-    after_sleep = st.AlphaBeta(
-        {op: max(a, idle.get(op, a)) for op, a in fit.alpha_s.items()},
-        fit.beta_bytes_per_s,
-        fit.world_size,
-        fit.min_bytes,
-        fit.points,
-    )
+    fit, after_sleep = _fit_alpha_beta_twice()
     x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=rank)
     x, y = x.to(dev), y.to(dev)
     probe = GPT(config, seed=0).to(dev)
-    rate = torch.tensor([calibrate(probe, x, y, ratio=ratio).rate], dtype=torch.float64, device=dev)
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # one rate on every rank
-    rate = float(rate.item())
+    rate = _one_rate(probe, x, y, ratio)
     clock = AcceleratorClock(rate)
 
     def clocked():
@@ -705,13 +698,8 @@ def exposed_communication(
         clock.apply(model)
         return model
 
-    owner = st.param_parts(probe)
-    order = [n for n, _, _ in costed_parts(probe)]
     params = dict(probe.named_parameters())
     fwd = st.part_seconds(st.part_flops(probe, x, y), rate)
-
-    def ready_part(names_in_bucket) -> str:  # the part whose backward completes the bucket
-        return min((owner[params[n]] for n in names_in_bucket), key=order.index)
 
     def nbytes(names_in_bucket) -> int:
         return sum(params[n].numel() * params[n].element_size() for n in names_in_bucket)
@@ -753,8 +741,7 @@ def exposed_communication(
             groups = [list(b) for b in ddp.buckets]
             opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
             steps[name] = lambda m=ddp, o=opt: train_step(m, o, x, y)
-            buckets = [(nbytes(g), ready_part(g)) for g in groups]
-            predicted[name] = st.ddp_step(fwd, buckets, after_sleep, world)
+            predicted[name] = st.ddp_step(fwd, _bucket_parts(probe, groups), after_sleep, world)
             predicted[name].name = name
         calls[name] = len(groups)
     timings = time_steps(
@@ -781,10 +768,135 @@ def exposed_communication(
             "rate": rate,
             "clock": clock.name,
             "alpha_beta": after_sleep.table(),
+            "fit": after_sleep,
         },
     )
     result.checked += timings.checks()
     result.checked += timelines.checks()
+    return result
+
+
+def _fit_alpha_beta_twice():
+    """(the sweep's α–β fit, the same with α measured after idling): DDP's calls follow sleeps.
+
+    β is fitted on 1–16 MiB messages: the gradient all-reduces it predicts reach 12 MiB (one
+    bucket), and a fit on 1–4 MiB alone gave a β 2–3× too high for those on 2 shared cores.
+    """
+    from .. import step_time as st
+    from .collectives import bandwidth_benchmark, idle_alpha
+
+    sizes = (2**10, 2**16, 2**20, 2**22, 2**24)
+    rows = bandwidth_benchmark(sizes, iters=2, warmup=1, repeats=3)
+    fit = st.fit_alpha_beta(rows)
+    idle = idle_alpha(ops=("all_reduce",))
+    after_sleep = st.AlphaBeta(
+        {op: max(a, idle.get(op, a)) for op, a in fit.alpha_s.items()},
+        fit.beta_bytes_per_s,
+        fit.world_size,
+        fit.min_bytes,
+        fit.points,
+    )
+    return fit, after_sleep
+
+
+def _one_rate(probe, x, y, ratio: float) -> float:
+    """The clock's rate calibrated on ``probe`` (every block sleeps ≥ 2·ratio × its real
+    compute), the smallest over ranks so that every rank sleeps the same."""
+    from ..clock import calibrate
+
+    rate = calibrate(probe, x, y, ratio=ratio).rate
+    rate = torch.tensor([rate], dtype=torch.float64, device=device())
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate.item())
+
+
+def _bucket_parts(model, groups) -> list[tuple[int, str]]:
+    """``(bytes, part)`` per bucket of parameter names, for :func:`step_time.ddp_step`: ``part``
+    is the costed part whose backward completes the bucket (the latest in backward order)."""
+    from .. import step_time as st
+    from ..clock import costed_parts
+
+    owner, params = st.param_parts(model), dict(model.named_parameters())
+    order = [n for n, _, _ in costed_parts(model)]
+    out = []
+    for names in groups:
+        nbytes = sum(params[n].numel() * params[n].element_size() for n in names)
+        out.append((nbytes, min((owner[params[n]] for n in names), key=order.index)))
+    return out
+
+
+# --------------------------------------------------------------------------- bucket size, predicted
+
+
+SWEEP_BUCKETS_MB = (None, 1.0, 4.0, 16.0)
+""":func:`bucket_sweep_under_clock`'s caps: one all-reduce per parameter, about a quarter of a
+block, about one block, and every gradient in one bucket (``step_time_config``: 12 MiB)."""
+
+
+def cap_label(cap_mb: float | None) -> str:
+    """``None`` → ``"per param"``, ``4.0`` → ``"4 MiB"``."""
+    return "per param" if cap_mb is None else f"{cap_mb:g} MiB"
+
+
+def bucket_sweep_under_clock(
+    bucket_sizes_mb=SWEEP_BUCKETS_MB,
+    rate: float | None = None,
+    fit=None,
+    config: GPTConfig | None = None,
+    batch_size: int = 2,
+    rounds: int = 5,
+    ratio: float = 8.0,
+) -> Measured:
+    """Rank function: our DDP's step time per ``bucket_cap_mb``, predicted, then measured.
+
+    Under the modelled accelerator clock at ``rate`` (calibrated here at ``ratio`` when None,
+    as :func:`exposed_communication` does) each cap's step is predicted by
+    :func:`step_time.ddp_step` from the buckets our DDP really holds and ``fit`` (an
+    :class:`~course_lib.step_time.AlphaBeta`; when None, fitted here with α after idling), then
+    every cap is timed in ``rounds`` interleaved rounds (:func:`time_steps`). Returns
+    :class:`Measured` reading as ``{"rows": [{"cap_mb", "label", "n_buckets", "predicted"
+    (a Prediction), "timing"}], "timings", "clock", "rate"}``; its rows: each measured median
+    within ``AGREEMENT_BAND`` of its prediction.
+    """
+    from .. import step_time as st
+    from ..clock import AcceleratorClock
+    from .step_time import step_time_config
+
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    config = config or step_time_config()
+    x, y = make_batch(batch_size, config.block_size, config.vocab_size, seed=rank)
+    x, y = x.to(dev), y.to(dev)
+    probe = GPT(config, seed=0).to(dev)
+    fit = _fit_alpha_beta_twice()[1] if fit is None else fit
+    rate = _one_rate(probe, x, y, ratio) if rate is None else rate
+    clock = AcceleratorClock(rate)
+    fwd = st.part_seconds(st.part_flops(probe, x, y), rate)
+    steps, rows = {}, []
+    for cap in bucket_sizes_mb:
+        model = GPT(config, seed=0).to(dev)
+        clock.apply(model)
+        ddp = DDP(model, bucket_cap_mb=cap)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        label = cap_label(cap)
+        steps[label] = lambda m=ddp, o=opt: train_step(m, o, x, y)
+        predicted = st.ddp_step(fwd, _bucket_parts(probe, ddp.buckets), fit, world)
+        predicted.name = label
+        rows.append({"cap_mb": cap, "label": label, "n_buckets": len(ddp.buckets)})
+        rows[-1]["predicted"] = predicted
+    timings = time_steps(
+        steps,
+        rounds=rounds,
+        clock=clock,
+        predicted={r["label"]: r["predicted"].total for r in rows},
+        title="our DDP's step per bucket_cap_mb under the clock vs step_time.ddp_step",
+    )
+    for r in rows:
+        r["timing"] = timings[r["label"]]
+    result = Measured(
+        title=f"step time vs bucket size, {world} ranks, {clock.name}",
+        values={"rows": rows, "timings": timings, "clock": clock.name, "rate": rate},
+    )
+    result.checked += timings.checks()
     return result
 
 

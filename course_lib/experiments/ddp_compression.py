@@ -3,8 +3,9 @@
 Rank functions (run them with ``launch.spawn``): :func:`compression_accuracy` (the loss after N steps
 with fp32, fp16 and bf16 gradient all-reduces on our DDP and torch's, PowerSGD once through torch's
 hook, and the bytes each of ours sends per step) and :func:`gradient_allreduce_time` (the measured
-time of the gradient all-reduce, to compare with the α–β prediction). Parent side:
-:func:`predict_gradient_allreduce` fits α–β (``collectives.measure_alpha_beta``) and predicts.
+time of the gradient all-reduce, to compare with the α–β prediction) and :func:`fit_then_measure`
+(α–β fitted, the gradient all-reduce predicted, then measured, in one process group). Parent
+side: :func:`predict_gradient_allreduce` spawns it once.
 Both notebook-facing results are :class:`results.Measured`: read like the dicts they were, with rows.
 """
 
@@ -25,6 +26,7 @@ __all__ = [
     "COMPRESSION_VARIANTS",
     "compression_accuracy",
     "gradient_allreduce_time",
+    "fit_then_measure",
     "predict_gradient_allreduce",
 ]
 
@@ -167,20 +169,20 @@ def gradient_allreduce_time(
     )
 
 
-def predict_gradient_allreduce(
-    world_size: int = 2, bucket_cap_mb: float = 25.0, config: GPTConfig | None = None
-) -> Measured:
-    """Parent side: fit α–β to a short all-reduce sweep, predict the gradient all-reduce, then measure it.
+def fit_then_measure(config: GPTConfig | None = None, bucket_cap_mb: float = 25.0) -> dict:
+    """Rank function: fit α–β to a short all-reduce sweep, predict the gradient all-reduce, measure it.
 
-    Returns :class:`Measured` reading as ``{"alpha_s", "beta_bytes_per_s", "bucket_bytes",
-    "predicted_s", "measured_s", "ratio"}`` (ratio = measured / predicted), with one row: the ratio
-    lies within 0.5–2× (the fit and the measurement run seconds apart on a shared machine). The
-    prediction is made before the measurement runs.
+    The sweep is :func:`collectives.measure_alpha_beta`'s (its sizes, 5 repeats of 2 calls); the
+    prediction (Σ over DDP's buckets of α + ring_factor · bytes / β) is made before
+    :func:`gradient_allreduce_time` runs, in the same process group. Returns ``{"fit"
+    (:class:`~course_lib.step_time.AlphaBeta`), "bucket_bytes", "predicted_s", "measured_s"}``.
     """
-    from ..launch import spawn
-    from .collectives import measure_alpha_beta
+    from ..step_time import fit_alpha_beta
+    from .collectives import FIT_SIZES, bandwidth_benchmark
 
-    fit, _ = measure_alpha_beta(world_size, ops=("all_reduce",))
+    world = dist.get_world_size()
+    rows = bandwidth_benchmark(FIT_SIZES, ops=("all_reduce",), iters=2, warmup=1, repeats=5)
+    fit = fit_alpha_beta(rows)
     config = config or bench_config()
     sizes = [
         sum(p.numel() * p.element_size() for p in b)
@@ -188,15 +190,38 @@ def predict_gradient_allreduce(
             [p for _, p in trainable_parameters(GPT(config))], bucket_cap_mb * 2**20
         )
     ]
-    predicted = sum(fit.predict("all_reduce", b, world_size) for b in sizes)
+    predicted = sum(fit.predict("all_reduce", b, world) for b in sizes)
+    got = gradient_allreduce_time(config, bucket_cap_mb)
+    return {
+        "fit": fit,
+        "bucket_bytes": sizes,
+        "predicted_s": predicted,
+        "measured_s": got["measured_s"],
+    }
+
+
+def predict_gradient_allreduce(
+    world_size: int = 2, bucket_cap_mb: float = 25.0, config: GPTConfig | None = None
+) -> Measured:
+    """Parent side: fit α–β to a short all-reduce sweep, predict the gradient all-reduce, then measure it.
+
+    One spawn of :func:`fit_then_measure`. Returns :class:`Measured` reading as ``{"alpha_s",
+    "beta_bytes_per_s", "bucket_bytes", "predicted_s", "measured_s", "ratio"}`` (ratio =
+    measured / predicted), with one row: the ratio lies within 0.5–2× (the fit and the
+    measurement run seconds apart on a shared machine). The prediction is made before the
+    measurement runs.
+    """
+    from ..launch import spawn
+
     got = spawn(
-        gradient_allreduce_time, world_size, kwargs=dict(config=config, bucket_cap_mb=bucket_cap_mb)
+        fit_then_measure, world_size, kwargs=dict(config=config, bucket_cap_mb=bucket_cap_mb)
     )[0]
+    fit, predicted = got["fit"], got["predicted_s"]
     ratio = got["measured_s"] / predicted
     result = Measured(
         values={
             "alpha_s": fit.alpha_s["all_reduce"],
-            "bucket_bytes": sizes,
+            "bucket_bytes": got["bucket_bytes"],
             "beta_bytes_per_s": fit.beta_bytes_per_s["all_reduce"],
             "predicted_s": predicted,
             "measured_s": got["measured_s"],

@@ -10,6 +10,8 @@
 #   `gradient_as_bucket_view` and `find_unused_parameters` change;
 # - how much communication each way of averaging leaves **exposed** per step — blocking or overlapped, per
 #   parameter or bucketed — predicted by the step-time model and measured under the modelled accelerator clock;
+# - where the **bucket size's sweet spot** lies — tiny buckets pay α per call, one bucket overlaps nothing —
+#   predicted with the step-time model, then looked for under the modelled clock;
 # - how to read a **profiler trace** of one DDP step (Chrome-trace JSON, Perfetto): where each all-reduce starts,
 #   what it waits on, and how much of it runs under backward;
 # - how to **predict** the gradient all-reduce time with chapter 00's α–β cost model;
@@ -325,35 +327,62 @@ print(f"backward() returns {(bwd.end - sleeps[-1].end) * 1e3:.1f} ms after its l
 # %% [markdown]
 # ## 3. Step time vs bucket size
 #
-# The textbook trade-off: too small, many messages each paying the latency α; too large, the one bucket is ready
-# only when backward ends, so nothing overlaps. Where the link and the compute are separate hardware (a GPU node),
-# the best cap lies in between. This sweep runs on the **real clock**, where the link and the compute share the
-# same cores (gloo's thread takes cycles from backward): the overlap term has no free hardware to run on, and what
-# the cap still changes is the number of messages, each paying α. The cell prints which cap gave the shortest
-# median step on this machine and whether the per-parameter step can be told apart from the best bucketed one
-# (min–max ranges). Note that 16 and 64 MiB are the *same* single bucket (the model has ≈ 12 MB of gradients): the gap
-# between those two bars is this machine's noise, the scale against which to read the others. The x axis is categorical: "per param" is not a size, the rest are MiB caps.
+# **The sweet spot, predicted, then found.** The textbook trade-off, in the step-time model's terms
+# (`step_time.ddp_step`): a bucket's all-reduce starts when its last gradient is ready and runs while the rest of
+# backward computes; the link runs one all-reduce at a time. What is **exposed** is what the link still has to do
+# when backward ends.
+#
+# * **Tiny buckets** (one all-reduce per parameter): every call pays α. The model lets most of them run while
+#   backward computes; the first block's tensors are all ready only at the very end, so each of their calls, α
+#   included, comes after backward.
+# * **One huge bucket**: it is complete only when the last gradient is, so its whole all-reduce,
+#   α + 2(N−1)/N · bytes/β, comes after backward: nothing overlaps.
+# * **In between** (about one block per bucket): few calls, and only the last bucket — the first block and the
+#   embeddings — is left after backward.
+#
+# The cell runs our DDP at four caps under section 2's modelled accelerator clock (the same rate, the same model:
+# `step_time_config()`, 2 sequences of 16 tokens per rank), **predicts** each step with `ddp_step` from the buckets
+# the DDP object really holds and section 2's α–β fit (α measured after idling, as the calls follow sleeps), then
+# **measures** them with `timing.time_steps` (interleaved rounds, max over ranks, median and min–max). The rows are
+# the course's ±20 % band on each step. The caps change only the communication term of section 2's table, not the
+# compute; the last cell prints whether this machine's min–max ranges tell the cap with the shortest median apart
+# from the two extremes.
 
 # %% tags=["nbval-ignore-output"]
-sweep = spawn(ddp.bucket_size_sweep, 2, kwargs=dict(bucket_sizes_mb=(None, 0.25, 1.0, 4.0, 16.0, 64.0)))[0]
-for r in sweep:
-    print(f"bucket_cap_mb={str(r['bucket_cap_mb']):<6} {r['n_buckets']:>3} buckets  {r['step_s'] * 1e3:7.1f} ms/step")
-fig, ax = plt.subplots(figsize=(5.5, 3))
-labels = [f"per param\n({r['n_buckets']} msgs)" if r["bucket_cap_mb"] is None
-          else f"{r['bucket_cap_mb']} MiB\n({r['n_buckets']})" for r in sweep]
-ax.bar(labels, [r["step_s"] * 1e3 for r in sweep], color=["tab:gray"] + ["tab:blue"] * (len(sweep) - 1))
-ax.set_ylim(bottom=0)
-ax.set_xlabel("bucket_cap_mb (categorical; number of all-reduces per step in brackets)")
-ax.set_ylabel("ms per step (2 ranks, median)")
-ax.set_title("step time vs bucket size")
-plt.tight_layout()
+sweep = spawn(ddp.bucket_sweep_under_clock, 2, kwargs=dict(rate=exp["rate"], fit=exp["fit"]))[0]
+rows = sweep["rows"]
+print(f"{'bucket_cap_mb':<14}{'all-reduces':>12}{'exposed: predicted':>20}{'step: predicted':>17}"
+      f"{'measured [min–max]':>26}")
+for r in rows:
+    p = r["predicted"]
+    print(f"{r['label']:<14}{r['n_buckets']:>12}{p.parts.get('exposed all_reduce', 0) * 1e3:>17.1f} ms"
+          f"{p.total * 1e3:>14.1f} ms{str(r['timing']):>26}")
+print()
+print(sweep)
+
+# %% tags=["nbval-ignore-output"]
+best_p = min(rows, key=lambda r: r["predicted"].total)
+best_m = min(rows, key=lambda r: r["timing"].median)
+ticks = [f"{r['label']}\n({r['n_buckets']} all-reduce{'s' * (r['n_buckets'] > 1)})" for r in rows]
+med = [r["timing"].median * 1e3 for r in rows]
+fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
+ax.plot(ticks, [r["predicted"].total * 1e3 for r in rows], "-", color="tab:blue", label="predicted (ddp_step)")
+ax.errorbar(ticks, med, yerr=[[m - r["timing"].lo * 1e3 for m, r in zip(med, rows, strict=True)],
+                              [r["timing"].hi * 1e3 - m for m, r in zip(med, rows, strict=True)]],
+            fmt="o", color="tab:orange", capsize=4, label=f"measured (median, min–max of {sweep['timings'].rounds} rounds)")
+ax.set_xlabel("bucket_cap_mb (categorical; all-reduces per step in brackets)")
+ax.set_ylabel("ms per step (2 ranks)")
+ax.set_title(f"step time vs bucket size ({sweep['clock']}):\nminimum at {best_p['label']} predicted, "
+             f"{best_m['label']} measured")
+fig.legend(loc="outside lower center", ncols=2)
 plt.show()
-best = min(sweep, key=lambda r: r["step_s"])
-print(f"shortest median here: bucket_cap_mb={best['bucket_cap_mb']} ({best['n_buckets']} bucket(s)); "
-      f"per param / it = {sweep[0]['step_s'] / best['step_s']:.2f}")
-bucketed = min(sweep[1:], key=lambda r: r["step_s"])  # the best cap that packs buckets
-print(compare("per param", sweep[0]["timing"], f"bucket_cap_mb={bucketed['bucket_cap_mb']}",
-              bucketed["timing"]).verdict)
+
+# %% tags=["nbval-ignore-output"]
+print(f"fastest predicted: {best_p['label']} ({best_p['predicted'].total * 1e3:.1f} ms); fastest measured: "
+      f"{best_m['label']} ({best_m['timing']}); the same cap: {best_p is best_m}")
+for extreme in (rows[0], rows[-1]):
+    if extreme is not best_m:
+        print(compare(best_m["label"], best_m["timing"], extreme["label"], extreme["timing"]).verdict)
 
 # %% [markdown]
 # ## 4. Predict the all-reduce, then measure it
@@ -756,6 +785,9 @@ print("under torchrun, our DDP equals one device on the full batch (max|Δ| ≤ 
 # exactly one all-reduce tagged `"grad"` per bucket must have been **launched before `backward()` returned**; the
 # bytes sent must equal the trainable parameters' bytes (each gradient exactly once); after `finish()` every gradient
 # equals the average over ranks within `REORDERED`.
+#
+# The first and third cells below check your files; the last two run the same checkers on the solutions, on 2 ranks
+# only (`world_sizes=(2,)`, the quick form; `check(name)` runs every world size the exercise names).
 
 # %%
 from course_lib.check import check
@@ -770,10 +802,10 @@ print(hint("allreduce_gradients", 1))
 check("bucketed_reducer")
 
 # %%
-check("allreduce_gradients", package="solutions")
+check("allreduce_gradients", package="solutions", world_sizes=(2,))
 
 # %%
-check("bucketed_reducer", package="solutions")
+check("bucketed_reducer", package="solutions", world_sizes=(2,))
 
 # %% [markdown]
 # **(c) Stretch — `OverlappedDDP(module, bucket_size_mb)`**, the size of CS336 assignment 2's `DDPBucketed`: a whole
@@ -808,6 +840,8 @@ quiz("ddp")
 # - Under the modelled accelerator clock the step-time model predicted the step time of all four ways to average
 #   (verdicts with a ±20 % band in section 2's table), and the exposed communication per step is printed beside
 #   its prediction, without a band (the cell below quotes it).
+# - Bucket size (section 3): the step-time model puts the shortest step between tiny buckets (α per call after
+#   backward) and one bucket (nothing overlaps); the cell below prints where it was predicted and measured.
 # - The α–β model from chapter 00 predicted the gradient all-reduce (printed above next to the measurement).
 # - Our DDP vs torch DDP, and each option's effect (`gradient_as_bucket_view`, `find_unused_parameters`), as ratios
 #   in the race above; `python -m course_lib.bench ddp` repeats it with more rounds.
@@ -825,8 +859,7 @@ ratios = race["ratios_vs_torch"]
 print(f"worst max|Δparam| vs one device: {max(w.max_abs_diff for w in worst.values()):.1e}")
 print("exposed communication per step (predicted / measured): " + ", ".join(
     f"{k} {p * 1e3:.1f} / {m * 1e3:.1f} ms" for k, (p, m) in exp["exposed"].items() if k != "compute only"))
-print("bucket sweep (real clock): " + compare("per param", sweep[0]["timing"],
-                                              f"bucket_cap_mb={bucketed['bucket_cap_mb']}", bucketed["timing"]).verdict)
+print(f"bucket sweep (modelled clock): fastest predicted {best_p['label']}, measured {best_m['label']}")
 print(f"gradient all-reduce: predicted {pred['predicted_s'] * 1e3:.1f} ms, measured {pred['measured_s'] * 1e3:.1f} ms")
 print(f"vs torch DDP: own bucketed {ratios['own_bucketed']:.2f}, + bucket view {ratios['own_bucket_view']:.2f}, "
       f"+ find_unused {ratios['own_find_unused']:.2f}, own fp16 / torch fp16 "
