@@ -82,6 +82,7 @@ __all__ = [
     "zero_step",
     "zero3_step",
     "pipeline_step",
+    "slowest_stage_step",
     "tp_step",
     "tp_allreduces",
     "bubble_fraction",
@@ -666,6 +667,48 @@ def pipeline_step(
         f"{p} stages × {m} micro-batches: bubble ≈ (p−1)/(v·m+p−1) = "
         f"{bubble_fraction(p, m, v):.0%} for equal stages",
     )
+
+
+def slowest_stage_step(
+    stage_forward_s: Sequence[float],
+    num_microbatches: int,
+    *,
+    backward_factor: float = BACKWARD_FACTOR,
+) -> float:
+    """A GPipe or 1F1B step when the stages differ: the slowest stage sets the pace.
+
+    With F_s one micro-batch's forward on stage s, B_s = ``backward_factor``·F_s, and s* the
+    slowest stage::
+
+        step = m·(F + B)_s*  +  Σ_{s ≠ s*} (F_s + B_s)
+
+    Why. Stage s* never waits once it has started, except for what the other stages must do
+    around it: every input (from the stages above) and every gradient (from the stages below)
+    comes from stages faster than it, so they are ready before s* is. So s* works its m
+    forwards and m backwards back to back: m·(F + B)_s*, the steady state, paced by the
+    slowest stage alone. What s* cannot overlap is one pass of the others: micro-batch 0's
+    forward through the stages above it before s* can start (Σ_{s<s*} F_s), the first
+    gradient's trip down and back through the stages below it (Σ_{s>s*} (F_s + B_s): in GPipe
+    between its last forward and first backward; in 1F1B none when s* is the last stage), and
+    the last gradient's way up to stage 0 after s* is done (Σ_{s<s*} B_s). Those add up to
+    Σ_{s ≠ s*} (F_s + B_s). With p equal stages it is (m + p − 1)(F + B), the balanced step;
+    one stage k× slower gives k·m·(F + B) + (p − 1)(F + B): the bound (m + p − 1)·k(F + B)
+    over-counts the fill and drain, which the faster stages run at their own pace.
+
+    Exact for GPipe wherever s* is, and for 1F1B when s* is the last stage (checked against
+    :func:`pipeline_step`'s simulation). For 1F1B with s* earlier it is an upper bound: 1F1B's
+    early backwards let the stages below s* work while s* still runs, hiding part of their pass.
+    """
+    f = list(stage_forward_s)
+    m = num_microbatches
+    if not f or m < 1 or min(f) < 0:
+        raise ValueError(
+            f"slowest_stage_step needs >= 1 stage, num_microbatches >= 1 and costs >= 0: "
+            f"got {len(f)} stages, m={m}, min cost {min(f, default=None)}"
+        )
+    pair = [t * (1 + backward_factor) for t in f]  # F_s + B_s
+    slowest = max(pair)
+    return m * slowest + sum(pair) - slowest
 
 
 # --------------------------------------------------------------------------- tensor parallel

@@ -35,6 +35,7 @@ from course_lib.pipeline import (
     split_microbatches,
 )
 from course_lib.results import EXACT, SGD, for_optimizer
+from course_lib.step_time import AGREEMENT_BAND, pipeline_step, slowest_stage_step
 from course_lib.train import reference_run, step_batch
 
 STEPS, BATCH, M = 10, 16, 4
@@ -58,6 +59,10 @@ def _suite(world: int) -> dict:
         out["bubbles"] = E.measure_bubbles(
             ("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.02, t_b=0.04, steps=5, warmup=1
         )
+        out["interleaved_bubbles"] = E.measure_bubbles(
+            ("interleaved",), {"interleaved": (2, 4)}, t_f=0.02, steps=3, warmup=1
+        )
+        out["slow"] = E.unbalanced_timing(num_microbatches=2, t_f=0.02, factor=2, steps=2)
         out["timelines"] = E.gpt_timelines(
             ("gpipe", "1f1b"), num_microbatches=8, global_batch=16, steps=2
         )
@@ -413,6 +418,50 @@ def test_bubble_result_survives_as_dict_and_back():
     res = suite(2)[0]["bubbles"]
     again = E.BubbleResult(**res.as_dict())
     assert again.claims() == res.claims() and len(again.claims()) == 8
+
+
+def test_interleaved_bubble_measured_within_005_of_p_minus_1_over_vm_plus_p_minus_1():
+    res = suite(2)[0]["interleaved_bubbles"]
+    assert [(r["schedule"], r["m"]) for r in res.rows] == [("interleaved", 2), ("interleaved", 4)]
+    for row, r in zip(res.checks(), res.rows, strict=True):
+        assert row.reference == pipeline_bubble(2, r["m"], 2)
+        assert row.verdict, row
+    # v = 2 chunks: a smaller bubble than 1F1B's at the same m
+    one = {
+        r["m"]: max(r["per_rank"]) for r in suite(2)[0]["bubbles"].rows if r["schedule"] == "1f1b"
+    }
+    assert all(max(r["per_rank"]) < one[r["m"]] for r in res.rows)
+
+
+def test_slowest_stage_step_is_the_simulated_step():
+    """GPipe wherever the slowest stage is; 1F1B with it last (exact) or earlier (an upper bound)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        p = int(torch.randint(2, 6, (1,), generator=gen))
+        m = int(torch.randint(1, 9, (1,), generator=gen))
+        f = (0.01 + 0.09 * torch.rand(p, generator=gen)).tolist()
+        want = slowest_stage_step(f, m)
+        for name in ("gpipe", "1f1b"):
+            sim = pipeline_step([[tuple(a) for a in s] for s in make_schedules(name, p, m)], f, m)
+            if name == "gpipe" or f.index(max(f)) == p - 1:
+                assert sim.total == pytest.approx(want, rel=1e-9), (name, p, m, f)
+            else:
+                assert sim.total <= want * (1 + 1e-9), (name, p, m, f)
+    assert slowest_stage_step([0.04, 0.04], 4) == pytest.approx((4 + 2 - 1) * 0.12)
+    with pytest.raises(ValueError, match="num_microbatches >= 1"):
+        slowest_stage_step([0.04], 0)
+
+
+def test_slow_stage_sets_the_pace_of_the_measured_step():
+    res = suite(2)[0]["slow"]
+    assert res.slow_stage == 1 and [r["schedule"] for r in res.rows] == ["gpipe", "1f1b"]
+    for r in res.rows:
+        assert r["predicted"] == pytest.approx(2 * 0.12 + 0.06)  # m·(F+B)_slow + (F+B)_fast
+        assert abs(r["step"] - r["predicted"]) <= AGREEMENT_BAND * r["predicted"], r
+        assert (
+            r["per_rank"][0] > pipeline_bubble(2, 2) + 0.1
+        )  # the fast stage waits for the slow one
+    assert res.passed
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])

@@ -8,6 +8,8 @@ Rank functions (run them with ``launch.spawn``), each returning a
 * :func:`measure_bubbles` — each stage a tiny real layer whose forward and backward the shared
   clock costs (:mod:`course_lib.clock`: known stage times): the bubble measured against
   ``(p−1)/(m+p−1)`` (:class:`BubbleResult`; :func:`sleep_bubbles` is its ``as_dict()``);
+* :func:`unbalanced_timing` — the same clocked stages, one of them ``factor``× slower: the
+  measured step against :func:`~course_lib.step_time.slowest_stage_step` (:class:`UnbalancedTiming`);
 * :func:`gpt_timelines` — the real GPT: timelines, bubbles, live micro-batches and live activation
   bytes, p2p bytes (:class:`TimelineResult`);
 * :func:`pp_dp_training` — 2 stages × 2 replicas (:class:`PPDPResult`);
@@ -49,6 +51,8 @@ from ..pipeline import (
     split_microbatches,
 )
 from ..results import EXACT, Result, Row, for_optimizer, max_abs_diff
+from ..step_time import slowest_stage_step
+from ..timing import AGREEMENT_BAND
 from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch
 
 __all__ = [
@@ -61,6 +65,8 @@ __all__ = [
     "BubbleResult",
     "measure_bubbles",
     "sleep_bubbles",
+    "UnbalancedTiming",
+    "unbalanced_timing",
     "TimelineResult",
     "gpt_timelines",
     "PPDPResult",
@@ -214,7 +220,7 @@ class BubbleResult(Result):
     slept: float = 0.0
     rows: list = field(
         default_factory=list
-    )  # {"schedule", "m", "per_rank", "formula", "peak_live"}
+    )  # {"schedule", "m", "per_rank", "formula", "step", "peak_live"}
     timelines: dict = field(
         default_factory=dict
     )  # "schedule/m" -> per-rank events, seconds from step start
@@ -251,6 +257,20 @@ def _timed_step(runner, chunks, x, y):
     return stats, log, gathered
 
 
+def _timed_steps(runner, chunks, x, steps: int, warmup: int):
+    """``warmup`` + ``steps`` timed steps on input and target ``x``: per measured step the bubbles
+    (:func:`~course_lib.pipeline.bubble_fractions`) and the step (earliest start to latest end, all
+    ranks); with the last step's ``(stats, CommLog, gathered events)``."""
+    bubbles, spans = [], []
+    for i in range(warmup + steps):
+        stats, log, gathered = _timed_step(runner, chunks, x, x)
+        if i >= warmup:
+            bubbles.append(bubble_fractions(gathered))
+            work = [e for tl in gathered for e in tl if e.kind in ("F", "B", "W")]
+            spans.append(max(e.end for e in work) - min(e.start for e in work))
+    return bubbles, spans, (stats, log, gathered)
+
+
 def _from_start(gathered) -> list:
     """Every rank's events as tuples, in seconds from the step's earliest start."""
     t0 = min(e.start for tl in gathered for e in tl)
@@ -275,8 +295,10 @@ def measure_bubbles(
 
     For each schedule and ``m``: ``warmup`` + ``steps`` pipeline steps, each after a barrier; per step
     and rank, bubble = 1 − busy / (latest end − earliest start over all ranks) from ``perf_counter``
-    (one clock for all processes on a machine), gathered on every rank; the median over ``steps``.
-    Every rank returns the same bubbles (read rank 0's) and the last step's timelines.
+    (one clock for all processes on a machine), gathered on every rank; the median over ``steps``
+    (and of the step itself, ``"step"``). ``microbatches``: the m's, or a dict schedule → m's
+    (interleaved needs m divisible by p). Every rank returns the same bubbles (read rank 0's) and
+    the last step's timelines.
     """
     t_b = BACKWARD_FACTOR * t_f if t_b is None else t_b
     if not math.isclose(t_b, BACKWARD_FACTOR * t_f):
@@ -295,7 +317,7 @@ def measure_bubbles(
         # a rank's v chunks share its t_F, t_B: each costs 1/v
         clock = stage_clock(chunks, t_f / v, micro_batch, width, dev)
         names.append(clock.name)
-        for m in microbatches:
+        for m in microbatches[name] if isinstance(microbatches, dict) else microbatches:
             kwargs = {"num_chunks": v} if v > 1 else {}
             runner = PipelineRunner(
                 chunks,
@@ -308,11 +330,7 @@ def measure_bubbles(
             )
             gen = torch.Generator().manual_seed(m)
             x = torch.randn(m * micro_batch, width, generator=gen).to(dev)
-            per_step = []
-            for i in range(warmup + steps):
-                stats, log, gathered = _timed_step(runner, chunks, x, x)
-                if i >= warmup:
-                    per_step.append(bubble_fractions(gathered))
+            per_step, spans, (stats, log, gathered) = _timed_steps(runner, chunks, x, steps, warmup)
             per_rank = [statistics.median(s[r] for s in per_step) for r in range(p)]
             res.rows.append(
                 {
@@ -320,6 +338,7 @@ def measure_bubbles(
                     "m": m,
                     "per_rank": per_rank,
                     "formula": pipeline_bubble(p, m, v),
+                    "step": statistics.median(spans),
                     "peak_live": stats.peak_live_microbatches,
                     "messages_sent": log.count(op="send"),
                     "clock": clock.name,
@@ -336,6 +355,103 @@ def measure_bubbles(
 def sleep_bubbles(*args, **kwargs) -> dict:
     """:func:`measure_bubbles` as a plain dict (``BubbleResult(**d)`` rebuilds it; chapter 10's)."""
     return measure_bubbles(*args, **kwargs).as_dict()
+
+
+@dataclass
+class UnbalancedTiming(Result):
+    """GPipe / 1F1B on clocked tiny stages, stage ``slow_stage`` ``factor``× slower (timing).
+
+    ``rows``: per schedule ``step`` (measured, median over steps), ``predicted``
+    (:func:`~course_lib.step_time.slowest_stage_step` of the modelled stage costs) and ``per_rank``
+    bubbles (median). Rows are displayed, not asserted: the step within ``band`` of the prediction.
+    """
+
+    p: int
+    m: int
+    t_f: float
+    slow_stage: int
+    factor: float
+    clock: str = "real clock"
+    rows: list = field(default_factory=list)
+    timelines: dict = field(default_factory=dict)  # schedule -> every rank's events (from start)
+    band: float = AGREEMENT_BAND
+
+    def checks(self) -> list[Row]:
+        out = list(self.checked)
+        for r in self.rows:
+            out.append(
+                Row(
+                    f"{r['schedule']}, p={self.p}, m={self.m}, stage {self.slow_stage} "
+                    f"{self.factor:g}× slower: step (s)",
+                    r["step"],
+                    r["predicted"],
+                    "m·(F+B)_slowest + Σ others' (F+B)",
+                    f"±{self.band:.0%}",
+                    abs(r["step"] - r["predicted"]) <= self.band * r["predicted"],
+                )
+            )
+        return out
+
+
+def unbalanced_timing(
+    schedules=("gpipe", "1f1b"),
+    num_microbatches: int = 4,
+    t_f: float = 0.04,
+    factor: float = 2.0,
+    slow_stage: int | None = None,
+    steps: int = 3,
+    warmup: int = 1,
+    width: int = 8,
+    micro_batch: int = 2,
+) -> UnbalancedTiming:
+    """Rank function: :func:`measure_bubbles`' stages with stage ``slow_stage`` (default: the last)
+    ``factor``× slower; the measured step against :func:`~course_lib.step_time.slowest_stage_step`.
+
+    Every stage a :func:`tiny_layer` under the shared clock (:func:`stage_clock`): F sleeps ``t_f``
+    (``factor``·``t_f`` on the slow stage), B twice that. Per schedule ``warmup`` + ``steps`` steps
+    after a barrier each; the step (earliest start to latest end over all ranks) and the bubbles,
+    medians over ``steps``. The last stage by default: there 1F1B's step is exactly the formula
+    (earlier, 1F1B hides a little of the others' pass, see ``slowest_stage_step``). Every rank
+    returns the same rows.
+    """
+    p, rank, dev, m = dist.get_world_size(), dist.get_rank(), device(), num_microbatches
+    slow = p - 1 if slow_stage is None else slow_stage
+    if not 0 <= slow < p or factor <= 0:
+        raise ValueError(
+            f"slow_stage={slow_stage} must be a stage in 0..{p - 1} and factor={factor} > 0"
+        )
+    stage_f = [t_f * (factor if s == slow else 1.0) for s in range(p)]
+    loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
+    chunks = [split_layers([tiny_layer(width, seed=k) for k in range(p)], p)[rank].to(dev)]
+    clock = stage_clock(chunks, stage_f[rank], micro_batch, width, dev)
+    res = UnbalancedTiming(p=p, m=m, t_f=t_f, slow_stage=slow, factor=factor, clock=clock.name)
+    res.title = (
+        f"step time, p={p}, m={m}, stage {slow} {factor:g}× slower: stages costed by the "
+        "modelled accelerator clock"
+    )
+    x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(dev)
+    for name in schedules:
+        runner = PipelineRunner(
+            chunks,
+            rank,
+            make_schedules(name, p, m),
+            m,
+            activation_shape=(micro_batch, width),
+            loss_fn=loss_fn,
+            device=dev,
+        )
+        bubbles, spans, (_, _, gathered) = _timed_steps(runner, chunks, x, steps, warmup)
+        res.rows.append(
+            {
+                "schedule": name,
+                "step": statistics.median(spans),
+                "predicted": slowest_stage_step(stage_f, m),
+                "per_rank": [statistics.median(b[r] for b in bubbles) for r in range(p)],
+            }
+        )
+        res.timelines[name] = _from_start(gathered)
+    clock.remove()
+    return res
 
 
 # =========================================================================== the real GPT: timelines and memory

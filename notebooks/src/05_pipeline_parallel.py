@@ -3,7 +3,10 @@
 #
 # **What you will learn**
 # - model parallelism vs data parallelism, and why naive model parallelism leaves devices idle;
-# - micro-batches, the **pipeline bubble** and its formula $(p-1)/(m+p-1)$ — measured on real ranks;
+# - micro-batches, the **pipeline bubble** and its formula $(p-1)/(m+p-1)$ — measured on real ranks, and
+#   interleaved 1F1B's $(p-1)/(v\cdot m+p-1)$ beside it;
+# - why the slowest stage sets the pace of the whole pipeline: the step $m\,(F+B)_\text{slowest} + \sum_\text{others}(F+B)$,
+#   predicted beside measured;
 # - GPipe vs 1F1B: the same bubble, but 1F1B keeps at most $p$ micro-batches of activations alive instead of $m$
 #   (measured in bytes);
 # - that a pipeline step *is* one-device training on the full batch (proven below), alone and combined with data
@@ -40,6 +43,7 @@ from course_lib import show
 from course_lib.pipeline import (backward_input, backward_weight, make_schedules, peak_live_microbatches, simulate,
                                  split_gpt)
 from course_lib.results import SGD, Result, for_optimizer
+from course_lib.step_time import AGREEMENT_BAND, slowest_stage_step
 from course_lib.viz import gantt
 
 print(f"cores: {os.cpu_count()}")
@@ -241,11 +245,15 @@ runner_table.assert_passed()
 # backward sleeps t_B = 2·t_F = 80 ms (chosen long beside a send, a receive or a Python step, so that the
 # stage times set the schedule). Each rank records `perf_counter` at the start and end of
 # every F and B (one clock for all processes on a machine); bubble_r = 1 − busy_r / (latest end − earliest start
-# over all ranks), median of 3 steps after a warm-up.
+# over all ranks), median of 3 steps after a warm-up. Interleaved 1F1B (v = 2 chunks per rank, §6) runs on the same
+# ranks, each chunk's forward sleeping t_F/v = 20 ms and its backward t_B/v = 40 ms: the same work per rank, a fill
+# and drain of chunks instead of stages.
 
 # %%
 def timing_suite():
-    return {"sleep": E.measure_bubbles(("gpipe", "1f1b"), (1, 2, 4, 8), t_f=0.04, t_b=0.08),
+    ms = {"gpipe": (1, 2, 4), "1f1b": (1, 2, 4), "interleaved": (2, 4)}  # interleaved: m divisible by p
+    return {"sleep": E.measure_bubbles(("gpipe", "1f1b", "interleaved"), ms, t_f=0.04, t_b=0.08),
+            "slow": E.unbalanced_timing(("gpipe", "1f1b"), num_microbatches=4, t_f=0.04, factor=2),
             "gpt": E.gpt_timelines(("gpipe", "1f1b"), num_microbatches=8, global_batch=32, steps=3),
             "torch": [E.torch_pipelining_grads(s) for s in ("gpipe", "1f1b", "interleaved")],
             "zb": E.zero_bubble_order(num_microbatches=4)}
@@ -255,37 +263,83 @@ tm = spawn(timing_suite, 2)
 sleep = tm[0]["sleep"]
 
 # %% tags=["nbval-ignore-output"]
-fig, axes = plt.subplots(2, 1, figsize=(9, 3.6))
-for ax, name in zip(axes, ("gpipe", "1f1b"), strict=True):
-    gantt(sleep.timelines[f"{name}/4"], ax=ax, title=f"{name}, p=2, m=4, measured (t_F = 40 ms, t_B = 80 ms)")
+fig, axes = plt.subplots(3, 1, figsize=(9, 5.4), sharex=True)
+for ax, name in zip(axes, ("gpipe", "1f1b", "interleaved"), strict=True):
+    costs = "t_F = 20 ms, t_B = 40 ms per chunk, 2 chunks" if name == "interleaved" else "t_F = 40 ms, t_B = 80 ms"
+    gantt(sleep.timelines[f"{name}/4"], ax=ax, title=f"{name}, p=2, m=4, measured ({costs})")
     legend_beside(ax)
 plt.tight_layout()
 plt.show()
-ms = [1, 2, 4, 8]
+ms = [1, 2, 4]
 fig, ax = plt.subplots(figsize=(5, 3))
 ax.plot(ms, [pipeline_bubble(2, m) for m in ms], "k--", label="(p−1)/(m+p−1)")
-for name, mark, size in (("gpipe", "o", 10), ("1f1b", "s", 5)):
+ax.plot(ms[1:], [pipeline_bubble(2, m, 2) for m in ms[1:]], "k:", label="(p−1)/(v·m+p−1), v = 2")
+for name, mark, size in (("gpipe", "o", 10), ("1f1b", "s", 5), ("interleaved", "^", 7)):
     rows = [r for r in sleep.rows if r["schedule"] == name]
     ax.plot([r["m"] for r in rows], [max(r["per_rank"]) for r in rows], mark, mfc="none", ms=size,
             label=f"{name} measured (max over ranks)")
 worst = max(abs(max(r["per_rank"]) - r["formula"]) for r in sleep.rows)
-ax.set_title(f"measured bubble within {worst:.3f} of (p−1)/(m+p−1)", fontsize=10)
+ax.set_title(f"measured bubble within {worst:.3f} of its formula", fontsize=10)
 ax.set_xlabel("micro-batches m")
 ax.set_ylabel("bubble fraction")
 ax.set_xscale("log", base=2)
-ax.legend(frameon=False, fontsize=8)
+ax.legend(frameon=False, fontsize=8, loc="upper right")
 plt.tight_layout()
 plt.show()
 
 # %% tags=["nbval-ignore-output"]
 print(sleep)
+bub = {(r["schedule"], r["m"]): max(r["per_rank"]) for r in sleep.rows}
+for m in (2, 4):
+    i, o = bub[("interleaved", m)], bub[("1f1b", m)]
+    print(f"m={m}: interleaved (v=2) bubble {i:.3f} (formula {pipeline_bubble(2, m, 2):.3f}), 1F1B's {o:.3f} "
+          f"(formula {pipeline_bubble(2, m):.3f}): interleaving made it {o / i:.2f}× "
+          f"{'smaller' if i < o else 'not smaller'}")
 
 # %% [markdown]
-# More micro-batches → a smaller bubble (the fill and drain cost p − 1 slots whatever m is). And the pipeline moves
-# at the pace of its **slowest** stage: the other stages wait for its outputs and gradients, which is why stages
-# are balanced (here, p = 2 over 4 blocks: two blocks each, with the embedding on the first stage and the head on the
-# last).
+# More micro-batches → a smaller bubble (the fill and drain cost p − 1 slots whatever m is); interleaving shrinks
+# the fill and drain themselves, to p − 1 *chunks* of 1/v the work.
 #
+# ### The slowest stage sets the pace
+# Give stage 1 k = 2 times the work: its forward sleeps t_F = 80 ms, its backward t_B = 160 ms; stage 0 is
+# unchanged. Once it has started, stage 1 never waits: stage 0 has each input ready before stage 1 needs it (stage
+# 0's F + B is half of stage 1's), and stage 1, the last, makes its own gradients. So stage 1 works m·(F+B)_slow
+# back to back — the steady state, paced by the slowest stage alone — and what it cannot
+# overlap is one pass of the others: micro-batch 0's forward on stage 0 before it, the last gradient's backward on
+# stage 0 after it. For GPipe and for 1F1B (slowest stage last):
+# $$\text{step} = m\,(F+B)_\text{slowest} + \sum_{s \neq \text{slowest}} (F_s+B_s),$$
+# which is (m + p − 1)(F + B) for equal stages (`step_time.slowest_stage_step`: its docstring derives the general
+# case). Stage 0's own work is unchanged; the rest of its step is waiting for stage 1, so its idle share grows
+# beyond (p−1)/(m+p−1). That is why stages are
+# balanced (here, p = 2 over 4 blocks: two blocks each, with the embedding on the first stage and the head on the
+# last).
+
+# %% tags=["nbval-ignore-output"]
+slow = tm[0]["slow"]
+fig, ax = plt.subplots(figsize=(9, 1.8))
+gantt(slow.timelines["1f1b"], ax=ax, title="1f1b, p=2, m=4, stage 1 2× slower (t_F = 80 ms, t_B = 160 ms), measured")
+legend_beside(ax)
+plt.tight_layout()
+plt.show()
+pace = Result(title="step time, p = 2, m = 4, stages costed by the modelled accelerator clock")
+for name in ("gpipe", "1f1b"):
+    even = next(r for r in sleep.rows if r["schedule"] == name and r["m"] == 4)
+    pace.within(f"{name}, equal stages (F 40 ms): step (s)", even["step"], slowest_stage_step([0.04, 0.04], 4),
+                AGREEMENT_BAND, "(m+p−1)(F+B)")
+    row = next(r for r in slow.rows if r["schedule"] == name)
+    pace.within(f"{name}, stage 1 2× slower: step (s)", row["step"], row["predicted"], AGREEMENT_BAND,
+                "m·(F+B)_slow + (F+B)_other")
+print(pace)
+even = next(r for r in sleep.rows if r["schedule"] == "1f1b" and r["m"] == 4)
+one = next(r for r in slow.rows if r["schedule"] == "1f1b")
+agrees = abs(one["step"] - one["predicted"]) <= AGREEMENT_BAND * one["predicted"]
+print(f"1F1B: stage 1 2× slower makes the step {one['step'] * 1e3:.0f} ms, {one['step'] / even['step']:.2f}× the "
+      f"equal stages' {even['step'] * 1e3:.0f} ms (predicted {one['predicted'] / slowest_stage_step([0.04] * 2, 4):.2f}×)"
+      f"; stage 0, whose work did not change, idles {one['per_rank'][0]:.0%} of the step instead of "
+      f"{even['per_rank'][0]:.0%}: "
+      + ("the step follows the slowest stage's pace" if agrees else "the step is off the slowest-stage model"))
+
+# %% [markdown]
 # ### The real GPT on 2 cores
 # The same runner on the real GPT (p = 2, m = 8). Stages are not equal here (the last one also computes the output
 # head and the loss), every send and receive is real work, and two processes share two cores with everything else
@@ -387,7 +441,7 @@ print(p2p_table)
 # **Interleaved 1F1B** (Megatron-LM): each rank holds v chunks (virtual stages r, r + p, …), so each chunk's work is
 # 1/v of a stage and the bubble shrinks to (p−1)/(v·m+p−1) — at the price of more messages between ranks: the
 # pipeline now has v·p − 1 boundaries instead of p − 1, each crossed by every micro-batch twice, so
-# (v·p − 1)/(p − 1) times as many (at p = 2, v = 2: 3×; v× only as p grows large). Our `interleaved_one_f_one_b` trained the GPT above (p = 2, v = 2) to one device's weights; on paper:
+# (v·p − 1)/(p − 1) times as many (at p = 2, v = 2: 3×; v× only as p grows large). Our `interleaved_one_f_one_b` trained the GPT above (p = 2, v = 2) to one device's weights, and §4 measured its bubble on ranks; on paper:
 
 # %%
 for v in (1, 2):
@@ -617,9 +671,11 @@ quiz("pipeline")
 # - GPipe, 1F1B and interleaved 1F1B all reproduce one device on the full batch (max |Δparam| printed above), and
 #   so do 2 stages × 2 data-parallel replicas; torch's `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B`
 #   give our gradients.
-# - The bubble measured with fixed stage costs follows (p−1)/(m+p−1) for m = 1, 2, 4, 8 (the table above gives the
+# - The bubble measured with fixed stage costs follows (p−1)/(m+p−1) for m = 1, 2, 4 (the table above gives the
 #   margin); it shrinks as m grows, and is the same for GPipe and 1F1B. Interleaving with v chunks:
-#   (p−1)/(v·m+p−1), at (v·p − 1)/(p − 1) times the messages.
+#   (p−1)/(v·m+p−1), measured on ranks beside 1F1B's, at (v·p − 1)/(p − 1) times the messages.
+# - The slowest stage sets the pace: step = m·(F+B)_slowest + the other stages' (F+B) (predicted beside measured
+#   above); the other stages wait for it.
 # - On the real GPT a rank's idle time splits into the schedule's idle (fill / drain and waiting for a peer: the
 #   bubble, stretched by a slow neighbour) and runtime overhead the formula does not model; the split above prints
 #   which part is larger on this machine.
