@@ -31,6 +31,8 @@ A step is compute plus the communication that compute does not hide. The model h
                        reduce-scatter (after all of it) stay exposed
   :func:`pipeline_step`  each stage's schedule, F and B costs per micro-batch, p2p sends;
                        the bubble (p−1)/(m+p−1) (:func:`bubble_fraction`) comes out of it
+  :func:`slowest_stage_step`  unequal stages: m·(F+B) of the slowest + one (F+B) of
+                       each other stage (GPipe exact; 1F1B an upper bound unless last)
   :func:`tp_step`      2 all-reduces per block forward, 2 backward, all on the critical
                        path (the next matmul needs the sum)
   ``recompute=``       a checkpointed part runs its forward once more, just before its
