@@ -66,11 +66,17 @@ __all__ = [
     "format_summary",
     "benchmark",
     "VARIANTS",
+    "PARQUET_ENV",
 ]
 
 VOCAB = {
     f"w{i:02d}": i for i in range(small_config().vocab_size)
 }  # the "tokenizer": word -> token id
+
+# ``os.environ.update(PARQUET_ENV)`` before Ray starts (its processes inherit it): Ray 2.60's ``read_parquet``
+# reads the files' footers on a pool of 32 new actor processes per run (``RAY_DATA_PARQUET_FOOTER_NUM_ACTORS``),
+# seconds of process start-up on 2 cores for a handful of small files; one actor reads them all.
+PARQUET_ENV = {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
 
 
 # =========================================================================== data

@@ -40,6 +40,7 @@ from course_lib import ray_data, ray_train, show, viz
 from course_lib.results import Result
 from course_lib.experiments import ray_data as E
 
+os.environ.update(E.PARQUET_ENV)       # Ray 2.60's read_parquet: one footer-reading actor, not 32 new processes
 ray = ray_train.start(num_cpus=2, _system_config=ray_data.KEEP_WORKERS)   # as in chapter 08 (local, quiet,
 # short temp dir); idle task workers are kept (starting one takes seconds on a busy laptop), and Ray may start
 # 16 at once, so its "N worker processes have been started" warning stays out of the cells
@@ -428,33 +429,39 @@ print("validation rows per worker (not split):", [w["rows"]["valid"] for w in ru
 # %%
 ds64 = ray.data.range(64, override_num_blocks=4)
 fixed = ray_data.split_ids(ds64.random_shuffle(seed=3), 2, batch_size=8, epochs=2)
-per_epoch = [ray_data.split_ids(ds64.random_shuffle(seed=3 + e), 2, batch_size=8)[0] for e in range(2)]
-local = dict(batch_size=8, epochs=2, local_shuffle_buffer_size=16, local_shuffle_seed=lambda e: 7 + e)
-run_a, run_b = ray_data.split_ids(ds64, 2, **local), ray_data.split_ids(ds64, 2, **local)
+seed_4 = ray_data.split_ids(ds64.random_shuffle(seed=4), 2, batch_size=8)[0]   # seed 3 + epoch, epoch 1
 plain = ray_data.split_ids(ds64, 2, batch_size=8)[0]
 
 
-def rows_of(split):
-    return sorted(i for b in split for i in b)
+def worker0(name):   # worker 0's batches per epoch in the fit of section 6
+    r = next(w for w in run["workers"] if w["rank"] == 0)["runs"][name]
+    return [[b for (e, *_), b in zip(r["steps"], r["ids"], strict=True) if e == epoch] for epoch in (0, 1)]
+
+
+local, local_2, unshuffled = worker0("streaming_2ep"), worker0("serial_2ep"), worker0("streaming")
+
+
+def rows_of(batches):
+    return sorted(i for b in batches for i in b)
 
 
 def same(a, b):
     return "same" if a == b else "differs"
 
 
-shuffles = Result(title="shuffles: 64 rows, 2 workers, 2 epochs")
+shuffles = Result(title="shuffles, 2 workers: global on 64 rows (split here), local in section 6's fit (512 rows)")
 shuffles.condition("random_shuffle(seed=3): epoch 1 vs epoch 0", same(fixed[0], fixed[1]),
                    fixed[0] == fixed[1], "same: a fixed seed repeats")
-shuffles.condition("random_shuffle(seed=3 + epoch): epoch 1 vs 0", same(per_epoch[0], per_epoch[1]),
-                   per_epoch[0] != per_epoch[1], "differs: a new order")
-shuffles.condition("local shuffle, seed 7 + epoch: epoch 1 vs 0", same(run_a[0], run_a[1]),
-                   run_a[0] != run_a[1], "differs: a new order")
-shuffles.condition("local shuffle: a second run", same(run_a, run_b), run_a == run_b, "same: reproducible")
-shuffles.condition("local shuffle: worker 0's rows vs unshuffled", same(rows_of(run_a[0][0]), rows_of(plain[0])),
-                   rows_of(run_a[0][0]) == rows_of(plain[0]), "same: rows stay in the worker's share")
-shuffles.condition("global shuffle: worker 0's rows vs unshuffled",
-                   same(rows_of(per_epoch[0][0]), rows_of(plain[0])),
-                   rows_of(per_epoch[0][0]) != rows_of(plain[0]), "differs: rows move between workers")
+shuffles.condition("random_shuffle(seed=3 + epoch): epoch 1 vs 0", same(fixed[0], seed_4),
+                   fixed[0] != seed_4, "differs: a new order")
+shuffles.condition("local shuffle, seed 11 + epoch: epoch 1 vs 0", same(local[0], local[1]),
+                   local[0] != local[1], "differs: a new order")
+shuffles.condition("local shuffle: a second run (materialized data)", same(local, local_2), local == local_2,
+                   "same: reproducible")
+shuffles.condition("local shuffle: worker 0's rows vs unshuffled", same(rows_of(local[0]), rows_of(unshuffled[0])),
+                   rows_of(local[0]) == rows_of(unshuffled[0]), "same: rows stay in the worker's share")
+shuffles.condition("global shuffle: worker 0's rows vs unshuffled", same(rows_of(fixed[0][0]), rows_of(plain[0])),
+                   rows_of(fixed[0][0]) != rows_of(plain[0]), "differs: rows move between workers")
 print(shuffles)
 
 # %% [markdown]
@@ -497,13 +504,16 @@ except Exception as err:  # noqa: BLE001
 # runs your trainer on this notebook's Ray session with real workers: every row must reach a worker exactly once,
 # through a `map_batches` step, and the trained weights must equal one device trained on the correct tokens
 # (or run `course-lib check ray_data_pipeline`). Stuck? The file's hints go in layers: the idea, then the APIs.
-# Until you write them the check below fails and says what is missing; `make test` runs the same check on
-# `solutions/ray_data.py` (one more trainer fit, so not in this notebook).
+# The shipped stub is still a TODO (the first check below says what is missing); the course's solution,
+# `solutions/ray_data.py`, passes the same check (the second: one more trainer fit).
 
 # %%
 from course_lib.check import check
 
 check("ray_data_pipeline")
+
+# %%
+check("ray_data_pipeline", package="solutions")
 
 # %% [markdown]
 # ## 10. O/X quiz
