@@ -19,15 +19,20 @@ from course_lib.quiz.exercises import EXERCISES
 
 @pytest.fixture(scope="module")
 def race():
-    return spawn(E.tp_vs_dp_step_times, 2, kwargs=dict(batches=(2,), rounds=1), timeout=240)[0]
+    return spawn(
+        E.tp_vs_dp_step_times, 2, kwargs=dict(batches=(2,), rounds=1, alpha_rounds=1), timeout=240
+    )[0]
 
 
 def test_tp_and_dp_are_timed_with_what_their_prediction_needs(race):
     cfg = parallel_config()
     assert list(race["timings"]) == ["TP, B=2", "DP, B=2"]
-    assert race["clock"].startswith("modelled accelerator clock") and race["idle_alpha"] > 0
+    assert race["clock"].startswith("modelled accelerator clock") and race["clocked_alpha"] > 0
     fwd, bwd = st.tp_allreduces(cfg.n_layer, 2 * cfg.block_size, cfg.d_model)
     assert race["tp_allreduces"] == {2: len(fwd) + len(bwd)}  # the model lists what CommLog counted
+    gaps = E.tp_allreduce_gaps(race["forward_s"]["TP, B=2"])
+    assert len(gaps) == len(fwd) + len(bwd)  # one idle gap before each call of the replay
+    assert sum(gaps) <= 3 * sum(s for _, s in race["forward_s"]["TP, B=2"])
     assert sum(b for b, _ in race["buckets"]) == GPT(cfg).num_params() * 4  # each gradient once
     tp_s = sum(s for _, s in race["forward_s"]["TP, B=2"])
     dp_s = sum(s for _, s in race["forward_s"]["DP, B=2"])
@@ -36,11 +41,12 @@ def test_tp_and_dp_are_timed_with_what_their_prediction_needs(race):
 
 def test_the_step_time_model_puts_every_tp_all_reduce_on_the_path_and_overlaps_dp(race):
     cfg = parallel_config()
-    ab = st.AlphaBeta({"all_reduce": race["idle_alpha"]}, {"all_reduce": 1e9}, 2, 0)
+    alpha = race["clocked_alpha"]
+    ab = st.AlphaBeta({"all_reduce": alpha}, {"all_reduce": 1e9}, 2, 0)
     fwd, bwd = st.tp_allreduces(cfg.n_layer, 2 * cfg.block_size, cfg.d_model)
     tp = st.tp_step(race["forward_s"]["TP, B=2"], fwd, bwd, ab, 2)
     dp = st.ddp_step(race["forward_s"]["DP, B=2"], race["buckets"], ab, 2)
-    assert tp.total - tp.parts["compute"] >= 21 * race["idle_alpha"]
+    assert tp.total - tp.parts["compute"] >= 21 * alpha
     assert dp.total - dp.parts["compute"] < sum(
         ab.predict("all_reduce", b) for b, _ in race["buckets"]
     )

@@ -23,6 +23,8 @@ Parent-side: :func:`merge_shards` (the full tensors from every TP rank's shards,
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +77,7 @@ __all__ = [
     "fsdp_tp_step",
     "notebook_suite",
     "mesh_suite",
+    "tp_allreduce_gaps",
     "tp_vs_dp_step_times",
 ]
 
@@ -627,12 +630,63 @@ def fsdp_tp_step(
 # =========================================================================== TP vs DP step time
 
 
+def tp_allreduce_gaps(forward_s: list, backward_factor: float = 2.0) -> list[float]:
+    """The idle seconds before each of the TP GPT's all-reduces in one step under the clock.
+
+    ``forward_s``: the step's ``[(part, forward s)]`` (``wte``, ``wpe``, ``blocks.i``,
+    ``lm_head``). The clock sleeps a part's forward *after* its ops and its backward *before*
+    them, so each all-reduce waits behind the sleep of the part before it, or comes right after
+    its pair's (0 s): forward — the embedding's sum (after the previous step's embedding
+    backward), 2 per block (after the previous part's sleep, then back to back), the loss's 3
+    (after the head's sleep); backward — the head's ``f`` (after its backward sleep), 2 per block
+    (after the block's backward sleep). Same order and count as
+    :func:`~course_lib.step_time.tp_allreduces`.
+    """
+    f = dict(forward_s)
+    blocks = [f[f"blocks.{i}"] for i in range(sum(n.startswith("blocks.") for n in f))]
+    embed, head = f.get("wte", 0.0) + f.get("wpe", 0.0), f["lm_head"]
+    gaps = [backward_factor * embed]
+    for prev in [embed] + blocks[:-1]:
+        gaps += [prev, 0.0]
+    gaps += [blocks[-1], 0.0, 0.0]
+    gaps += [backward_factor * head]
+    for b in reversed(blocks):
+        gaps += [backward_factor * b, 0.0]
+    return gaps
+
+
+def _clocked_alpha(gaps: list[float], rounds: int) -> float:
+    """Seconds of one small all-reduce issued as a clocked step issues them: after ``gaps``.
+
+    Each round replays one step's calls alone (1 KiB each, so α alone), each after its idle
+    gap. A step pays the *sum* of its calls, so the mean call of a round (not the median call:
+    gloo's α has a heavy tail of slow wake-ups, which the step pays); the median round, as
+    ``time_steps`` takes the median step; the max over ranks (the slower rank's wait is in the
+    step).
+    """
+    x = torch.zeros(256, device=device())
+    dist.barrier()
+    means = []
+    for _ in range(rounds):
+        spent = 0.0
+        for gap in gaps:
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            spent += time.perf_counter() - t0
+        means.append(spent / len(gaps))
+    t = torch.tensor([statistics.median(means)], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def tp_vs_dp_step_times(
     batches: tuple = (8, 16),
     rounds: int = 3,
     ratio: float = 10.0,
     bucket_cap_mb: float = 0.2,
     config: GPTConfig | None = None,
+    alpha_rounds: int = 9,
 ) -> dict:
     """Rank function: TP and DP steps at the same global batches, timed under the modelled clock.
 
@@ -646,22 +700,23 @@ def tp_vs_dp_step_times(
     Returns what a prediction needs, for the caller to predict with ``course_lib.step_time``:
     ``timings`` (a Timings, no predictions yet), ``forward_s`` (``{name: [(part, forward s)]}``
     at the clock's rate, :func:`~course_lib.step_time.part_seconds`), ``buckets`` (DP's
-    ``[(bytes, part whose backward completes it)]``), ``idle_alpha`` (one small all-reduce issued
-    after a sleep, as the calls come under the clock), ``tp_allreduces`` (counted in one TP step
-    at each batch, by ``CommLog``), ``rate`` and ``clock``.
+    ``[(bytes, part whose backward completes it)]``), ``clocked_alpha`` (s: the mean small
+    all-reduce of ``alpha_rounds`` replays, right before the timing, of TP's calls with the idle
+    gaps its step at the smallest batch leaves before them, :func:`tp_allreduce_gaps`; gloo's α
+    after a sleep is not its back-to-back α, so it is measured in the step's conditions),
+    ``tp_allreduces`` (counted in one TP step at each batch, by ``CommLog``), ``rate`` and
+    ``clock``.
     """
     from .. import step_time as st
-    from ..clock import AcceleratorClock, calibrate, costed_parts
+    from ..clock import BACKWARD_FACTOR, AcceleratorClock, calibrate, costed_parts
     from ..ddp import DDP
     from ..timing import time_steps
-    from .collectives import idle_alpha
 
     world, dev = dist.get_world_size(), device()
     config = config or parallel_config()
     bad = [b for b in batches if b % world]
     if bad:
         raise ValueError(f"global batches {bad} do not split over {world} DP ranks")
-    alpha = idle_alpha(ops=("all_reduce",))["all_reduce"]
     x, y = shard_batch(*step_batch(0, config, min(batches), dev))
     rate = calibrate(GPT(config, seed=0).to(dev), x, y, ratio=ratio).rate
     rate = torch.tensor([rate], dtype=torch.float64, device=dev)
@@ -693,12 +748,14 @@ def tp_vs_dp_step_times(
         with clock.paused(), comm.CommLog() as log:
             steps[f"TP, B={b}"]()
         counted[b] = sum(1 for r in log.records if r.op == "all_reduce")
+    gaps = tp_allreduce_gaps(forward_s[f"TP, B={min(batches)}"], BACKWARD_FACTOR)
+    alpha = _clocked_alpha(gaps, alpha_rounds)  # right before the timing, as the step issues calls
     timings = time_steps(steps, rounds=rounds, clock=clock)
     return {
         "timings": timings,
         "forward_s": forward_s,
         "buckets": buckets,
-        "idle_alpha": alpha,
+        "clocked_alpha": alpha,
         "tp_allreduces": counted,
         "rate": clock.rate,
         "clock": clock.name,

@@ -316,8 +316,17 @@ for link, beta in (("NVLink, inside a node", NVLINK), ("InfiniBand, across nodes
 #   needs the sum;
 # - DP adds what its buckets leave after backward (`step_time.ddp_step`): a bucket all-reduces while backward
 #   computes the layers before it, and the last one (the embeddings') is ready only when backward ends;
-# - α–β: chapter 00's fit from the all-reduce sweep of section 6's spawn, with α measured as one small all-reduce
-#   issued after a sleep, the way the calls come under the clock.
+# - β: chapter 00's fit from the all-reduce sweep of section 6's spawn. α: measured in the spawn right before the
+#   timing, the way TP's step issues its calls. Under the clock each all-reduce waits behind a sleep (a block's
+#   forward sleeps after its ops, its backward before them) or comes right after its pair's. After a sleep gloo's
+#   worker threads, and the peer's, must be woken and scheduled before the call starts; back to back they are
+#   awake. The wake-up depends on what else the cores run, so gloo's α after a sleep has a tail of slow calls, and
+#   the sweep's back-to-back α is not the one a clocked step meets. So the spawn replays one TP step's calls alone
+#   (`E.tp_allreduce_gaps`: the same idle gap before each, from the step's modelled parts; 1 KiB each, so α alone),
+#   several times, and takes the *mean* call of the median replay: a step pays the sum of its calls, slow wake-ups
+#   included, which the median call would drop, and the timing reports the median step. TP puts all of its calls on
+#   the critical path, so its prediction rests on this α; DP's bucket calls also follow backward's sleeps and use
+#   the same α.
 #
 # Then it measures the four steps in interleaved rounds (`course_lib.timing.time_steps`: median [min–max] over
 # rounds), and compares each median with its prediction within the course's ±20 % band (displayed, not asserted).
@@ -329,8 +338,10 @@ from course_lib import step_time as st
 
 race = spawn(E.tp_vs_dp_step_times, 2, kwargs=dict(batches=(8, 16)), timeout=240)[0]
 fit = fit_alpha_beta(runs[0]["alpha_beta_rows"], min_bytes=2**20)  # chapter 00's fit of the sweep
-here = AlphaBeta({"all_reduce": max(fit.alpha_s["all_reduce"], race["idle_alpha"])},  # α: a call after a sleep
+here = AlphaBeta({"all_reduce": race["clocked_alpha"]},  # α: the calls replayed as the clocked step issues them
                  fit.beta_bytes_per_s, 2, fit.min_bytes, fit.points)
+print(f"all-reduce α: {fit.alpha_s['all_reduce'] * 1e3:.2f} ms fitted to the back-to-back sweep, "
+      f"{race['clocked_alpha'] * 1e3:.2f} ms replayed as TP's clocked step issues its calls (used below)")
 print(here.table())
 
 
