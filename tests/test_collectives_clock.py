@@ -1,9 +1,10 @@
 """Chapter 00's scaling race under the modelled accelerator clock (one α–β sweep, one race spawn).
 
-* compute-bound (d=1024, batch 64): 2 ranks faster than 1 (min–max ranges separate), each variant
-  within ±20 % of the step-time model (FLOPs / rate + real compute + the α–β all-reduce), and the
-  layer sleeps ≥ 10× its real compute at the calibrated rate;
-* communication-bound (d=256, batch 2): 2 ranks slower than 1 (median step longer).
+* compute-bound (a linear layer, d=1024, batch 32): 2 ranks faster than 1 (min–max ranges
+  separate), each variant within ±20 % of the step-time model (FLOPs / rate + real compute + the
+  all-reduce timed alone), and the layer sleeps ≥ 10× its real compute at the calibrated rate;
+* communication-bound (a 4096-row embedding table and the layer, batch 4): 2 ranks slower than 1
+  (median step longer), its 20 MiB of gradient all-reduced one tensor at a time.
 """
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from course_lib.experiments import collectives
 from course_lib.launch import spawn
 
-CASES = {"compute-bound": (1024, 64), "communication-bound": (256, 2)}
+CASES = {"compute-bound": (1024, 32), "communication-bound": (1024, 4, 4096)}
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +40,14 @@ def test_compute_bound_sleeps_at_least_ten_times_its_real_compute(race):
 
 
 def test_communication_bound_two_ranks_slower(race):
-    """By the medians: a step of a few ms, where one slow wake-up of gloo can make the ranges touch.
+    """By the medians: only the direction is a claim here (the notebook shows the band and ranges).
 
-    Only the direction is a claim; how much slower depends on gloo's wake-ups under the machine's
-    load (a CI run at load 3 measured 1.38x where a quiet one measured 3x), so no margin is asserted.
+    How much slower depends on gloo's wake-ups and the memory traffic of the table's dense
+    gradient under the machine's load, so no margin is asserted.
     """
     assert race.expect("communication-bound") == "slower"
+    assert race.grad_bytes["communication-bound"] == [4 * 4096 * 1024, 4 * 1024 * 1024]
+    assert race.comm_s["communication-bound"] > race.comm_s["compute-bound"] > 0
     c = race.clocked.compare(
         race.name("communication-bound", "N"), race.name("communication-bound", "1")
     )

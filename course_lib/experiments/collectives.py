@@ -2,8 +2,8 @@
 
 Rank functions (run them with ``launch.spawn``): :func:`bandwidth_benchmark` (nccl-tests style
 algbw / busbw per op and size, timed with ``timing.time_steps``: median of rounds with their
-spread) and :func:`scaling_race` (1 rank vs N on one linear layer, under the modelled clock:
-compute shrinks with N, the gradient all-reduce does not).
+spread) and :func:`scaling_race` (1 rank vs N on a linear layer, or an embedding table and the
+layer, under the modelled clock: compute shrinks with N, the gradient all-reduce does not).
 Parent-side helpers: :func:`fit_alpha_beta` fits ``time = α + ring_factor · bytes / β`` per op to
 the sweep's rows; :func:`measure_alpha_beta` spawns a short sweep and fits it (a few seconds),
 so any notebook can re-derive the cost model it predicts with. :func:`busbw_table` formats rows.
@@ -185,33 +185,34 @@ def measure_alpha_beta(
 
 @dataclass
 class ScalingRace(Result):
-    """1 rank vs N ranks on one linear layer, under the modelled clock and once on the real clock.
+    """1 rank vs N ranks per case, under the modelled clock and once on the real clock.
 
     ``clocked`` / ``real`` are :class:`~course_lib.timing.Timings` of the variants
     ``"<case> · 1 rank"`` and ``"<case> · N ranks"`` (``real`` also ``"<case> · compute of
-    1/N"``: rank 0 alone on one rank's share, no all-reduce). Per case, ``compute_s`` /
-    ``comm_s`` are the model's parts (FLOPs / rate; the α–β all-reduce) and ``ratio`` the
-    modelled compute over the real compute of the same rows (the smaller of the two batches).
+    1/N"``: every rank on its share at once, as in the N-rank step, but no all-reduce). Per
+    case, ``compute_s`` / ``real_s`` / ``comm_s`` are the model's parts (FLOPs / rate; the real
+    compute; the all-reduces, timed alone) and ``ratio`` the modelled compute over the real
+    compute of the same rows (the smaller of the two batches).
     Rows: each clocked variant within ±20 % of its prediction, the 1-vs-N verdict the
     prediction expects (ranges separate), and ``modelled ≥ 10× real compute`` for the cases in
     ``require_ratio``.
     """
 
-    cases: dict = field(default_factory=dict)  # name -> (d_model, global_batch)
+    # name -> (d_model, global_batch) for a linear layer, (d_model, global_batch, vocab) for a table
+    cases: dict = field(default_factory=dict)
     world_size: int = 1
     rate: float = 0.0
     clock: str = "real clock"
     clocked: Timings | None = None
     real: Timings | None = None
     compute_s: dict = field(default_factory=dict)  # case -> {"1": s, "N": s} modelled compute
-    comm_s: dict = field(default_factory=dict)  # case -> α–β all-reduce seconds (N ranks)
+    # case -> the step's all-reduces (N ranks), timed alone after idling as long as the step computes
+    comm_s: dict = field(default_factory=dict)
+    comm_model_s: dict = field(default_factory=dict)  # case -> the same, by section 4's α–β fit
     real_s: dict = field(default_factory=dict)  # case -> {"1": s, "N": s} real compute alone
     ratio: dict = field(default_factory=dict)  # case -> modelled / real compute
-    grad_bytes: dict = field(default_factory=dict)
+    grad_bytes: dict = field(default_factory=dict)  # case -> [bytes of each parameter's gradient]
     beta: float = 0.0  # the fitted all-reduce β (bytes/s)
-    alpha: float = 0.0  # the all-reduce α the prediction used (s): max(fit's α, idle_alpha)
-    # the all-reduce α measured after a sleep (s): gloo's threads woken first
-    idle_alpha: float = 0.0
     require_ratio: tuple = ()
 
     def name(self, case: str, variant: str) -> str:
@@ -224,11 +225,12 @@ class ScalingRace(Result):
         }[variant]
 
     def predicted(self, case: str) -> dict[str, float]:
-        """``{"1": s, "N": s}``: modelled + real compute (+ the α–β all-reduce on N ranks).
+        """``{"1": s, "N": s}``: modelled + real compute (+ the all-reduces on N ranks).
 
         The clock sleeps *after* the real computation, so a step lasts both: the real part is
-        timed alone before the clocked run (``real_s``: the clock's hooks and FLOP counting
-        on, its rate ∞, so nothing sleeps)."""
+        timed before the clocked run (``real_s``: the compute alone, no all-reduce, under the
+        clock, less the seconds it slept). So are the all-reduces (``comm_s``: the step's
+        gradients, each round after idling as long as the step computes, as under the clock)."""
         c, r = self.compute_s[case], self.real_s[case]
         comm = self.comm_s.get(case, 0.0)
         return {"1": c["1"] + r["1"], "N": c["N"] + r["N"] + comm}
@@ -240,7 +242,7 @@ class ScalingRace(Result):
 
     def crossover_batch(self, case: str) -> float:
         """The global batch at which one rank's compute equals the all-reduce (N ≡ 1 rank)."""
-        d, batch = self.cases[case]
+        batch = self.cases[case][1]
         per_row = self.compute_s[case]["1"] / batch
         return self.world_size * self.comm_s[case] / per_row
 
@@ -315,6 +317,19 @@ def linear_model(d_model: int) -> nn.Sequential:
     return model.to(device())
 
 
+def embedding_model(vocab: int, d_model: int) -> nn.Sequential:
+    """An embedding table of ``vocab`` rows, then :func:`linear_model`'s layer; the same on every rank.
+
+    The lookup costs almost no FLOPs (the clock counts one per output element), but its gradient
+    is dense: all ``vocab × d_model`` entries (the rows not looked up are zero) are all-reduced."""
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Embedding(vocab, d_model), nn.Linear(d_model, d_model, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(vocab, d_model, generator=gen))
+        model[1].weight.copy_(torch.randn(d_model, d_model, generator=gen) / d_model**0.5)
+    return model.to(device())
+
+
 def calibrate_rate(d_model: int, batch: int, ratio: float = 10.0) -> Calibration:
     """:func:`course_lib.clock.calibrate` on :func:`linear_model` at ``batch`` rows, one thread.
 
@@ -363,6 +378,25 @@ def idle_alpha(
     return dict(zip(ops, (t / world).tolist(), strict=True))
 
 
+def _all_reduces_alone(model: nn.Module, idle_s: float, rounds: int) -> float:
+    """Median over ``rounds`` of all-reducing ``model``'s gradients, each round after ``idle_s``.
+
+    As in a step under the clock, the all-reduces follow a stretch of compute with no
+    collective: gloo's threads must wake first. The max over ranks (the slowest sets the pace)."""
+    grads = [torch.ones_like(p) for p in model.parameters()]
+    dist.barrier()
+    times = []
+    for _ in range(rounds):
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        for g in grads:
+            dist.all_reduce(g)
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def scaling_race(
     cases: dict[str, tuple[int, int]],
     rounds: int = 5,
@@ -372,37 +406,52 @@ def scaling_race(
     fit: AlphaBeta | None = None,
     require_ratio: Iterable[str] = (),
 ) -> ScalingRace:
-    """Rank function: 1 rank vs all N ranks on one linear layer, timed with ``time_steps``.
+    """Rank function: 1 rank vs all N ranks on one layer, timed with ``time_steps``.
 
-    ``cases[name] = (d_model, global_batch)``. Per case, the 1-rank step (rank 0 alone on the
-    whole batch, no communication; the other ranks wait in the next barrier) and the N-rank
-    data-parallel step (``global_batch / N`` rows each, then the gradient all-reduce), all
-    variants interleaved in rounds. First on the real clock (``real``; each case's 1/N share
-    of the compute is also timed alone). Then, with ``rate``, under ``AcceleratorClock(rate)``:
-    the compute alone with the clock's hooks and FLOP counting but nothing sleeping (rate ∞:
-    ``real_s``), then the ``clocked`` timings, predicted from FLOPs / rate + ``real_s`` (+, with
-    ``fit``, the α–β all-reduce). ``require_ratio``: the cases whose modelled compute must be
-    ≥ 10× their real compute (a row each).
+    ``cases[name] = (d_model, global_batch)``: a linear layer (:func:`linear_model`) on
+    ``global_batch`` rows; ``(d_model, global_batch, vocab)``: an embedding table then that
+    layer (:func:`embedding_model`) on ``global_batch`` token ids. Per case, the 1-rank step
+    (rank 0 alone on the whole batch, no communication; the other ranks wait in the next
+    barrier) and the N-rank data-parallel step (``global_batch / N`` rows each, then one
+    all-reduce per gradient), all variants interleaved in rounds. First on the real clock
+    (``real``; each case's 1/N share of the compute is also timed, every rank at once, without
+    the all-reduce). Then, with ``rate``, under ``AcceleratorClock(rate)``: the compute alone,
+    less the seconds the clock slept (``real_s``: the real compute, after sleeps as in a step);
+    with ``fit``, the step's all-reduces alone, each round after idling as long as the step
+    computes (``comm_s``; ``comm_model_s`` is the fit's α–β for the same bytes); then the
+    ``clocked`` timings, predicted from FLOPs / rate + ``real_s`` (+ ``comm_s`` on N ranks).
+    ``require_ratio``: the cases whose modelled compute must be ≥ 10× their real compute.
     """
     n, rank = dist.get_world_size(), dist.get_rank()
     dev = device()
     out = ScalingRace(cases=dict(cases), world_size=n, require_ratio=tuple(require_ratio))
     models, batches = {}, {}
-    for name, (d_model, global_batch) in cases.items():
+    for name, case in cases.items():
+        if len(case) not in (2, 3):
+            raise ValueError(
+                f"scaling_race: case {name!r}: {case!r} is not (d_model, global_batch[, vocab])"
+            )
+        d_model, global_batch = case[:2]
         if global_batch % n:
             raise ValueError(
                 f"scaling_race: case {name!r}: global_batch={global_batch} not divisible by {n}"
             )
-        models[name] = linear_model(d_model)
-        x = torch.randn(global_batch, d_model, generator=torch.Generator().manual_seed(1))
+        gen = torch.Generator().manual_seed(1)
+        if len(case) == 3:  # an embedding table: token ids in, a vocab × d_model gradient out
+            models[name] = embedding_model(case[2], d_model)
+            x = torch.randint(case[2], (global_batch,), generator=gen)
+        else:
+            models[name] = linear_model(d_model)
+            x = torch.randn(global_batch, d_model, generator=gen)
         batches[name] = x.to(dev)
-        out.grad_bytes[name] = 4 * d_model * d_model
+        out.grad_bytes[name] = [4 * p.numel() for p in models[name].parameters()]
 
     def step(model, rows, communicate):
         model(rows).square().mean().backward()
-        if communicate:
-            dist.all_reduce(model[0].weight.grad)
-        model[0].weight.grad = None
+        for p in model.parameters():
+            if communicate:
+                dist.all_reduce(p.grad)
+            p.grad = None
 
     def variants(share: bool) -> dict:
         steps_ = {}
@@ -411,9 +460,7 @@ def scaling_race(
             steps_[out.name(name, "1")] = lambda m=m, x=x: rank == 0 and step(m, x, False)
             steps_[out.name(name, "N")] = lambda m=m, x=local: step(m, x, n > 1)
             if share:
-                steps_[out.name(name, "share")] = lambda m=m, x=local: (
-                    rank == 0 and step(m, x, False)
-                )
+                steps_[out.name(name, "share")] = lambda m=m, x=local: step(m, x, False)
         return steps_
 
     kw = dict(rounds=rounds, steps_per_round=steps, warmup=warmup)
@@ -427,30 +474,25 @@ def scaling_race(
     for m in models.values():
         clock.apply(m)
     out.rate, out.clock = clock.rate, clock.name
-    if fit is not None:
-        # under the clock the all-reduce follows a sleep: gloo's threads must wake first
-        out.idle_alpha = idle_alpha(("all_reduce",))["all_reduce"]
-        woken = AlphaBeta(
-            {"all_reduce": max(fit.alpha_s["all_reduce"], out.idle_alpha)},
-            {"all_reduce": fit.beta_bytes_per_s["all_reduce"]},
-            fit.world_size,
-            fit.min_bytes,
-        )
-        out.alpha = woken.alpha_s["all_reduce"]
-    # the real compute the sleeps follow, with the clock's hooks and FLOP counting, sleeping 0 s
-    clock.rate = float("inf")
+    # the real compute the sleeps follow, in the step's conditions: the compute alone (no
+    # all-reduce) under the clock, less what the clock slept
     alone = {k: f for k, f in variants(True).items() if not k.endswith(f"· {n} ranks")}
     real = time_steps(alone, **kw)
-    clock.rate = out.rate
     for name, x in batches.items():
-        r = {"1": real[out.name(name, "1")].median, "N": real[out.name(name, "share")].median}
-        out.real_s[name] = r
         _, flops = count_flops(models[name], x)
         full = (1 + BACKWARD_FACTOR) * flops / clock.rate
         out.compute_s[name] = {"1": full, "N": full / n}
+        r = {
+            "1": max(real[out.name(name, "1")].median - full, 0.0),
+            "N": max(real[out.name(name, "share")].median - full / n, 0.0),
+        }
+        out.real_s[name] = r
         out.ratio[name] = min(full / r["1"], full / n / r["N"])  # the smaller batch: the worst
-        if fit is not None:
-            out.comm_s[name] = woken.predict("all_reduce", out.grad_bytes[name], n)
+        if fit is not None:  # one all-reduce per parameter
+            idle = out.compute_s[name]["N"] + r["N"]
+            out.comm_s[name] = _all_reduces_alone(models[name], idle, rounds)
+            calls = [fit.predict("all_reduce", b, n) for b in out.grad_bytes[name]]
+            out.comm_model_s[name] = sum(calls)
             out.beta = fit.beta_bytes_per_s["all_reduce"]
     predicted = {out.name(c, v): s for c in out.comm_s for v, s in out.predicted(c).items()}
     out.clocked = time_steps(variants(False), clock=clock, predicted=predicted, **kw)
@@ -458,4 +500,11 @@ def scaling_race(
     return out
 
 
-__all__ += ["ScalingRace", "calibrate_rate", "idle_alpha", "linear_model", "scaling_race"]
+__all__ += [
+    "ScalingRace",
+    "calibrate_rate",
+    "embedding_model",
+    "idle_alpha",
+    "linear_model",
+    "scaling_race",
+]

@@ -396,54 +396,64 @@ print(f"all-reduce: the fit's α {fit.alpha_s['all_reduce'] * 1e6:.0f} µs (smal
 # ## 5. When does data parallelism pay?
 #
 # Data parallelism splits the **compute** (each rank gets 1/N of the batch) but not the **communication** (each
-# rank still all-reduces the whole gradient). Below, one linear layer (`nn.Sequential(nn.Linear(d, d))`) trained
-# data-parallel on 1 and on 2 ranks, in two cases: a big batch (much compute per byte of gradient) and a tiny one.
-# The step-time model predicts each: compute = FLOPs / rate (plus the real computation the clock's sleep follows,
-# timed alone first with the clock sleeping 0 s), communication = the α–β all-reduce of section 4. The model
-# splits the compute by N but not the all-reduce: the batch at which one rank's share of the compute equals the
-# all-reduce is the crossover it predicts. We stay at world sizes ≤ the number of cores: more ranks than cores
-# would measure processes fighting for a core (oversubscription), not communication.
+# rank still all-reduces the whole gradient). Below, two models trained data-parallel on 1 and on 2 ranks, with
+# little and with much gradient per FLOP. *Compute-bound*: one linear layer (`nn.Sequential(nn.Linear(d, d))`) at
+# a big batch; a weight used in a matmul costs 6 FLOPs (forward + backward) per row of the batch, so its FLOPs per
+# byte of gradient grow with the batch. *Communication-bound*: an embedding table of V rows in front of the same
+# layer, at a small batch (`collectives.embedding_model`, the input end of a language model); a lookup costs
+# almost no FLOPs, but its gradient is dense — all V × d entries, zero for the rows not looked up — and all of it
+# is all-reduced. The step-time model predicts each step: compute = FLOPs / rate, plus the real computation the
+# clock's sleep follows and the step's all-reduces, both timed alone first (the real compute: the step without
+# its all-reduce under the clock, less what the clock slept; the all-reduces on the same gradients, each time
+# after idling for the step's compute time, as they come in the step). Section 4's α–β model predicts the same
+# all-reduces from the bytes; both are printed. The model splits the compute by N but not the all-reduce: the
+# batch at which one rank's share of the compute equals the all-reduce is the crossover it predicts. We stay at
+# world sizes ≤ the number of cores: more ranks than cores would measure processes fighting for a core
+# (oversubscription), not communication.
 #
 # <a id="accelerator-clock"></a>
 # **The modelled accelerator clock.** On a GPU node the accelerator computes while the communication threads and
 # the network are free; on a 2-core laptop the ranks' compute and gloo's communication threads fight for the same
 # two cores, so a measurement there mixes the algorithm with that contention. `course_lib.clock.AcceleratorClock`
-# models the accelerator: every costed block of the model (here the linear layer) still computes for real — the
+# models the accelerator: every costed block of the model (here each layer) still computes for real — the
 # numbers stay exact — and then also *sleeps* its FLOPs / rate (forward, and 2× that in backward). While a rank
 # sleeps, gloo's threads have the cores. The rate is calibrated on the big batch, so that block sleeps ≥ 10× its
-# real compute; on 2 rows the real step is mostly fixed overhead (Python, autograd, the clock's own hooks), and at
-# the same rate the sleep no longer dominates it (both ratios are printed). Every timing table names its clock.
+# real compute; on the small batch the real step is mostly fixed overhead (Python, autograd, the clock's own
+# hooks) and the table's dense gradient written to memory, and at the same rate the sleep no longer dominates it
+# (both ratios are printed). Every timing table names its clock.
 # The honest limit: the Python thread is blocked while it sleeps, so unlike a real host it cannot run ahead and
 # enqueue the next kernels or issue the next collective early.
 #
 # The variants run **interleaved in rounds** (1 rank alone on the whole batch, then 2 ranks on half each, in a
 # rotated order), so a program that loads the machine meanwhile slows all of them alike; each variant is reported
 # as the median with the min–max range of its rounds, and "faster" is said only when the ranges separate.
-# Under the clock each all-reduce comes right after a sleep, so its prediction uses the α measured after
-# idling (`collectives.idle_alpha`: gloo's threads must wake up first) when that is the larger one: a sleep can
-# only add wake-up time, so a smaller idle α is noise in one of the two measurements, and the prediction keeps
-# the back-to-back α of section 4 (both are printed, with the one used). The communication-bound step lasts a few
-# milliseconds, the scale at which that wake-up varies from round to round, so one slow round can make its
-# min–max ranges touch.
+# Why the all-reduces are timed after idling: under the clock each one comes after a stretch of compute with no
+# collective, and gloo's threads (and the peer's) must wake up before a byte moves. On a busy 2-core machine that
+# wake-up varies from run to run between a fraction of a millisecond and a few; the back-to-back calls of section
+# 4 do not pay it. The communication-bound case moves megabytes per step, so its all-reduce is mostly bytes / β,
+# and the wake-up is a small part of it.
 
 # %% tags=["nbval-ignore-output"]
 from course_lib.clock import format_rate
 
-D, CB, MB = 1024, 64, 2  # compute-bound: d=1024, batch 64; communication-bound: d=256, batch 2
-cases = {"compute-bound": (D, CB), "communication-bound": (256, MB)}
-cal = collectives.calibrate_rate(D, CB)  # real forward+backward at batch 64, one thread per rank
+D, CB, MB, V = 1024, 32, 4, 4096  # compute-bound: batch 32; communication-bound: batch 4, a 4096-row table
+cases = {"compute-bound": (D, CB), "communication-bound": (D, MB, V)}
+cal = collectives.calibrate_rate(D, CB)  # real forward+backward at batch 32, one thread per rank
 print(f"rate: {cal}")
 beta = fit.beta_bytes_per_s["all_reduce"]
 print(f"FLOPs per byte: rate / β = {format_rate(cal.rate)} / {beta / 1e9:.2f} GB/s = {cal.rate / beta:.1f}")
 print(f"cores on this machine: {os.cpu_count()}; load average (1 min): {os.getloadavg()[0]:.1f}")
 race = spawn(collectives.scaling_race, 2, kwargs=dict(cases=cases, rate=cal.rate, fit=fit, rounds=5, steps=2,
                                                       require_ratio=("compute-bound",)))[0]
-for name, (d, batch) in cases.items():
-    print(f"{name} (d={d}, batch {batch}): model's crossover at batch {race.crossover_batch(name):.1f}; "
-          f"modelled / real compute {race.ratio[name]:.1f}×")
-used = "after a sleep" if race.alpha == race.idle_alpha else "back-to-back (the fit's)"
-print(f"all-reduce α after a sleep {race.idle_alpha * 1e3:.2f} ms, back-to-back (the fit's) "
-      f"{fit.alpha_s['all_reduce'] * 1e3:.2f} ms: the prediction used the larger, {used}, {race.alpha * 1e3:.2f} ms")
+for name, (d, batch, *vocab) in cases.items():
+    grad = sum(race.grad_bytes[name])
+    flops = race.compute_s[name]["1"] * race.rate
+    print(f"{name} ({f'{vocab[0]}-row table, ' if vocab else ''}d={d}, batch {batch}): "
+          f"{flops / grad:.2g} FLOPs per byte of gradient; "
+          f"model's crossover at batch {race.crossover_batch(name):.3g}; modelled / real compute "
+          f"{race.ratio[name]:.1f}×")
+    print(f"  all-reduces of its {grad / 2**20:.0f} MiB of gradient: {race.comm_s[name] * 1e3:.1f} ms timed alone "
+          f"after idling (the prediction's), {race.comm_model_s[name] * 1e3:.1f} ms by section 4's α–β")
 print(race)
 
 # %% tags=["nbval-ignore-output"]
