@@ -58,6 +58,7 @@ The contract
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -583,6 +584,19 @@ def _style(e: TraceEvent) -> str:
     return e.kind
 
 
+def _kinds_legend(ax, seen: set, title: str | None):
+    """The legend of the kinds drawn (``seen``, in ``COLORS``' order) beside ``ax``, and its title."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLORS[k], label=k) for k in COLORS if k in seen]
+    ax.legend(
+        handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=8
+    )
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
 def draw_trace(
     events: Sequence[TraceEvent] | dict[str, Sequence[TraceEvent]],
     ax=None,
@@ -605,7 +619,6 @@ def draw_trace(
     import dataclasses
 
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     group = {}
     if isinstance(events, dict):
@@ -657,16 +670,7 @@ def draw_trace(
     ax.set_ylim(len(threads) - 0.5, -0.5)
     ax.set_xlim(0, (hi - lo) * 1e3)
     ax.set_xlabel("time from the first profiled step (ms)")
-    ax.legend(
-        handles=[Patch(color=COLORS[k], label=k) for k in COLORS if k in seen],
-        loc="center left",
-        bbox_to_anchor=(1.01, 0.5),
-        frameon=False,
-        fontsize=8,
-    )
-    if title:
-        ax.set_title(title, fontsize=10)
-    return ax
+    return _kinds_legend(ax, seen, title)
 
 
 # --------------------------------------------------------------------------- a DDP step, per rank
@@ -837,11 +841,21 @@ def read_memory(path: str | os.PathLike, device_type: int = 0) -> tuple[list[flo
     """The allocator's ``[memory]`` events of a trace recorded with ``profile_memory=True``.
 
     Returns ``(times_s, allocated)``: seconds from the trace's first complete range (the axis of
-    :func:`read_trace`) and the bytes allocated on that device *since profiling began* (each
-    event's ``Total Allocated`` less what was allocated before its first event). ``device_type``:
-    0 CPU, 1 CUDA (Kineto's numbering). Memory allocated before the profiler started is not
-    tracked: its frees are not reported (Kineto warns once), so profile from a clean point.
+    :func:`read_trace`) and the bytes allocated on that device *since profiling began*: the
+    running sum of the events' ``Bytes`` (+ an allocation, − a free). Not their ``Total
+    Allocated``: that is the allocator's counter when the event was made, and events of several
+    threads (gloo's workers allocate too) reach the trace in another order than the counter
+    moved. ``device_type``: 0 CPU, 1 CUDA (Kineto's numbering). Memory allocated before the
+    profiler started is not tracked: its frees are not reported (Kineto warns once), so profile
+    from a clean point.
     """
+    mem, t0 = _memory_events(path, device_type)
+    times = [(float(e["ts"]) - t0) / 1e6 for e in mem]
+    return times, list(itertools.accumulate(int(e["args"]["Bytes"]) for e in mem))
+
+
+def _memory_events(path, device_type: int) -> tuple[list[dict], float]:
+    """The raw ``[memory]`` events of one device type, in time order, and the axis' origin (µs)."""
     ranges, _, _, _ = _load(path)
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
@@ -852,14 +866,64 @@ def read_memory(path: str | os.PathLike, device_type: int = 0) -> tuple[list[flo
         if e.get("name") == "[memory]"
         and int((e.get("args") or {}).get("Device Type", -1)) == device_type
     ]
-    if not mem:
-        return [], []
     mem.sort(key=lambda e: float(e["ts"]))
-    t0 = min((float(e["ts"]) for e in ranges), default=float(mem[0]["ts"]))
-    first = mem[0]["args"]
-    base = int(first["Total Allocated"]) - int(first["Bytes"])
-    times = [(float(e["ts"]) - t0) / 1e6 for e in mem]
-    return times, [int(e["args"]["Total Allocated"]) - base for e in mem]
+    t0 = min((float(e["ts"]) for e in ranges), default=float(mem[0]["ts"]) if mem else 0.0)
+    return mem, t0
+
+
+def unseen_frees(path: str | os.PathLike, device_type: int = 0) -> list[tuple[float, int, str]]:
+    """Buffers of a collective whose free the trace lacks: ``[(free_s, bytes, call)]``.
+
+    gloo runs a collective on a worker thread, which holds the work (and its buffers: FSDP2's
+    all-gather output, the clone ``_reduce_scatter_base_`` all-reduces) until the work has run.
+    The profiler records a free on that thread only inside the work's ``gloo:`` range; when the
+    worker drops the last reference a moment after the range, after the training thread dropped
+    its own, the free goes unrecorded — which thread is last is a race. Lost: a buffer the
+    training thread made whose address the trace hands out again unfreed, or one it made inside
+    a ``c10d::`` call and the trace never frees. It belongs to the ``c10d::`` call it was made in
+    or, made before one, the next (``call``), and is freed when that call's ``gloo:`` range ends
+    (``free_s``; no later than the address' reuse).
+    """
+    mem, t0 = _memory_events(path, device_type)
+    live: dict = {}
+    lost = []  # (allocation, when its address was handed out again: it was freed by then)
+    for e in mem:
+        a = e["args"]
+        if int(a["Bytes"]) > 0:
+            if a["Addr"] in live:
+                lost.append((live[a["Addr"]], (float(e["ts"]) - t0) / 1e6))
+            live[a["Addr"]] = e
+        else:
+            live.pop(a["Addr"], None)
+    lost += [(e, None) for e in live.values()]
+    if not lost:
+        return []
+    ranges, _, _, _ = _load(path)
+    tids = {
+        r.get("tid")
+        for r in ranges
+        if r.get("name") in MARKS or str(r.get("name", "")).startswith("ProfilerStep#")
+    }
+    events = read_trace(path)
+    mains = training_threads(events)
+    calls = sorted((e for e in events if e.thread in mains and e.name.startswith("c10d::")),
+                   key=lambda e: e.start)  # fmt: skip
+    works = sorted((e for e in events if e.thread not in mains and e.name.startswith("gloo:")),
+                   key=lambda e: e.start)  # fmt: skip
+    out = []
+    for e, reused in lost:
+        t = (float(e["ts"]) - t0) / 1e6
+        call = next((c for c in calls if c.end >= t), None) if e.get("tid") in tids else None
+        if reused is None and call is not None and call.start > t:
+            call = None  # never freed, made before the call: held (a gradient shard), not lost
+        work = next((w for w in works if w.start >= call.start), None) if call else None
+        if work is None:
+            if reused is not None:  # freed unseen, when is unknown: by the reuse at the latest
+                out.append((reused, int(e["args"]["Bytes"]), "?"))
+            continue  # still held: not a lost free
+        free_s = work.end if reused is None else min(work.end, reused)
+        out.append((free_s, int(e["args"]["Bytes"]), call.name))
+    return sorted(out)
 
 
 @dataclass
@@ -869,7 +933,8 @@ class MemoryCurve(FieldAccess, Result):
     ``times`` (s from the trace's start) and ``allocated`` (bytes: the model states held before
     the step + what the allocator handed out since, net of frees), ``phases``
     ``[(name, start_s, end_s)]`` from :func:`marked_step`'s marks, ``peak`` / ``peak_s`` /
-    ``peak_phase``, ``states_before`` / ``states_after`` (:func:`course_lib.memory.model_state_bytes`).
+    ``peak_phase``, ``states_before`` / ``states_after`` (:func:`course_lib.memory.model_state_bytes`),
+    ``unseen``: :func:`unseen_frees`' ``[(free_s, bytes, call)]``, already applied to ``allocated``.
     """
 
     trace_path: str = ""
@@ -881,6 +946,7 @@ class MemoryCurve(FieldAccess, Result):
     peak_phase: str = ""
     states_before: dict = field(default_factory=dict)
     states_after: dict = field(default_factory=dict)
+    unseen: list = field(default_factory=list)
 
     @property
     def trace_file(self) -> str:
@@ -913,8 +979,10 @@ def memory_curve(
     happen inside it, untracked: the allocator only reports memory it saw allocated). The curve
     starts at the model states held then (parameters + optimizer state, counted by
     :func:`course_lib.memory.model_state_bytes`) and adds every allocation and free of the step
-    on the inputs' device. Rows: the bytes the step left allocated equal the model states it added
-    (the gradients, and on a first step Adam's moments), exactly. The trace goes to
+    on the inputs' device, and the frees gloo's worker threads made unrecorded
+    (:func:`unseen_frees`; a row shows their bytes when there are any). Rows: the bytes the step
+    left allocated equal the model states it added (the gradients, and on a first step Adam's
+    moments), exactly. The trace goes to
     ``.cache/traces/<name>.json`` or ``trace_path``.
     """
     import gc
@@ -941,7 +1009,14 @@ def memory_curve(
             prof.stop()
     prof.export_chrome_trace(str(path))
     after = memory.model_state_bytes(model, optimizer)
-    times, allocated = read_memory(path, device_type=1 if dev.type == "cuda" else 0)
+    kind = 1 if dev.type == "cuda" else 0
+    times, allocated = read_memory(path, device_type=kind)
+    unseen = unseen_frees(path, device_type=kind)
+    for free_s, nbytes, _ in unseen:  # the frees gloo's worker threads made unrecorded
+        k = sum(t <= free_s for t in times)
+        times.insert(k, free_s)
+        allocated.insert(k, allocated[k - 1] if k else 0)
+        allocated[k:] = [a - nbytes for a in allocated[k:]]
     held = [before["total"] + a for a in allocated]
     mains = training_threads(read_trace(path))
     phases = sorted(
@@ -967,7 +1042,15 @@ def memory_curve(
         peak_phase=peak_phase,
         states_before=before,
         states_after=after,
+        unseen=unseen,
     )
+    if unseen:
+        res.condition(
+            "collective buffers freed unrecorded (bytes)",
+            sum(b for _, b, _ in unseen),
+            True,
+            "freed when their gloo range ends (unseen_frees)",
+        )
     res.exact(
         "bytes left allocated by the step",
         (held[-1] if held else before["total"]) - before["total"],
@@ -1039,7 +1122,6 @@ def draw_ops(
     (depth 0: the phase marks; below them the ops each one called), coloured by kind; a range
     carries as much of its name as fits (``chars``: the characters the whole window holds). Returns the axes."""
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     lo, hi = window
     mains = training_threads(events)
@@ -1080,13 +1162,4 @@ def draw_ops(
     ax.set_ylim(max_depth - 0.5, -0.5)
     ax.set_xlim(0, (hi - lo) * 1e3)
     ax.set_xlabel("time from the start of the step (ms)")
-    ax.legend(
-        handles=[Patch(color=COLORS[k], label=k) for k in COLORS if k in seen],
-        loc="center left",
-        bbox_to_anchor=(1.01, 0.5),
-        frameon=False,
-        fontsize=8,
-    )
-    if title:
-        ax.set_title(title, fontsize=10)
-    return ax
+    return _kinds_legend(ax, seen, title)

@@ -185,3 +185,35 @@ def test_memory_curve_agrees_with_the_course_meters(tmp_path):
         t.get_text() for t in ax.get_legend().get_texts()
     }
     matplotlib.pyplot.close(ax.figure)
+
+
+def test_unseen_frees_places_the_frees_gloo_made_unrecorded(tmp_path):
+    """A collective's buffer the trace never frees, and an address handed out twice, are freed
+    when the collective's gloo range ends; a buffer made before any collective and kept is held."""
+
+    def rng(name, tid, ts, dur):
+        return {"ph": "X", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    def mem(tid, ts, addr, nbytes):
+        return {"ph": "i", "name": "[memory]", "pid": 1, "tid": tid, "ts": ts,
+                "args": {"Addr": addr, "Bytes": nbytes, "Total Allocated": 0, "Device Type": 0}}  # fmt: skip
+
+    events = [
+        rng("backward", 1, 0, 100),
+        rng("FSDP::post_backward_reduce", 1, 10, 30),
+        rng("c10d::_reduce_scatter_base_", 1, 20, 5),
+        rng("gloo:all_reduce", 2, 22, 8),  # the work, on a worker thread: ends at 30 µs
+        mem(1, 15, 0xA, 100),  # a gradient shard, made before the call: held
+        mem(1, 21, 0xB, 400),  # the clone inside the call: never freed in the trace
+        mem(1, 60, 0xC, 7),
+        mem(1, 70, 0xC, 7),  # 0xC handed out again: the first was freed, unseen, by then
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    lost = P.unseen_frees(path)
+    assert [(round(t * 1e6), b, c) for t, b, c in lost] == [
+        (30, 400, "c10d::_reduce_scatter_base_"),
+        (70, 7, "?"),
+    ]
+    times, allocated = P.read_memory(path)
+    assert allocated == [100, 500, 507, 514]  # the recorded Bytes, summed

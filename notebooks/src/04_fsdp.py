@@ -9,8 +9,8 @@
 #   (memory per rank, collectives, the unit gather/free);
 # - what prefetch and activation checkpointing change in a step, predicted by the step-time model and measured
 #   under the modelled accelerator clock; what `reshard_after_forward` trades (traffic against memory);
-# - to read a **profiler trace** of one FSDP2 step: its all-gathers and reduce-scatters on gloo's threads, and what
-#   gloo runs for a reduce-scatter;
+# - to read a **profiler trace** of one FSDP2 step: its all-gathers and reduce-scatters on gloo's threads, what
+#   gloo runs for a reduce-scatter, and the step's **memory curve** with its peak against the course's meters;
 # - to `torch.compile` each transformer block under FSDP2, checked against eager.
 #
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
@@ -496,11 +496,19 @@ def fsdp2_step_trace():
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build_fsdp2(world)
     x, y = shard_batch(*step_batch(0, CONFIG, 4 * world, launch.device()))
-    return profiling.profile_steps(lambda: profiling.marked_step(model, opt, x, y), steps=1, warmup=1,
+    prof = profiling.profile_steps(lambda: profiling.marked_step(model, opt, x, y), steps=1, warmup=1,
                                    name=f"fsdp2_rank{rank}", title=f"rank {rank}: one FSDP2 step")
+    curve = profiling.memory_curve(model, opt, x, y, name=f"fsdp2_memory_rank{rank}")  # a third step
+    with memory.SavedTensorMeter(exclude=model) as meter:  # what autograd keeps from that forward
+        _, loss = model(x, y)
+    loss.backward()
+    return prof, curve, meter.bytes
 
 
-profs = spawn(fsdp2_step_trace, 2)
+from course_lib import memory
+
+traced = spawn(fsdp2_step_trace, 2)
+profs = [prof for prof, _, _ in traced]
 print(profs[0])
 print(f"\nrank 1: {profs[1].trace_file}; open either at https://ui.perfetto.dev (drag the file in) "
       "or chrome://tracing (Load)")
@@ -519,6 +527,7 @@ plt.tight_layout()
 plt.show()
 
 # %% tags=["nbval-ignore-output"]
+import dataclasses
 from collections import Counter
 
 ev0 = both_ranks["rank 0"]
@@ -548,6 +557,46 @@ seen.assert_passed()
 # **all-reduce** of the whole unit's gradient buffer, after which each rank keeps its chunk. On gloo a reduce-scatter
 # therefore moves an all-reduce's bytes (in a ring, 2(N − 1)/N of the buffer per rank instead of (N − 1)/N); NCCL
 # runs a real reduce-scatter. The byte counts of section 4 are those of the collectives FSDP2 *asks for*.
+
+# %% [markdown]
+# <a id="fsdp2-memory"></a>
+# **Memory over the step.** The same rank function then profiled a third step with `profile_memory=True`
+# (`profiling.memory_curve`, chapter 01 §5): the bytes held on each rank, from its sharded model states (fp32
+# parameter shards and Adam's moments) through the step. In forward each unit's all-gather brings its bf16 weights,
+# which are freed after the unit's forward while the activations stay; in backward each unit is gathered again, its
+# unsharded fp32 gradient is written, reduce-scattered, and only this rank's gradient shard stays. One thing the
+# profiler cannot see: gloo's worker thread holds each collective's work (and its buffers) until the work has run, and
+# when it, not the training thread, drops the last reference, the free happens outside the profiler's reach — a
+# race, different from run to run. `profiling.unseen_frees` finds those buffers (an address handed out again without a
+# free, or a collective's buffer never freed) and the curve frees each when its `gloo:` range ends. The peak is
+# compared with the course's meters: the model states after the step (with the gradient shards) + the tensors autograd
+# keeps from forward (`SavedTensorMeter`; they include the bf16 weights each Linear keeps for backward, which FSDP2
+# frees after each unit's forward and gathers back before that unit's backward).
+
+# %% tags=["nbval-ignore-output"]
+curves = [c for _, c, _ in traced]
+for rank, c in enumerate(curves):
+    print(f"rank {rank}: held before the step {c.states_before['total']:,} B (sharded parameters + Adam state); "
+          f"peak {c.peak:,} B in {c.peak_phase}; {len(c.unseen)} buffer(s) freed unrecorded")
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.2), sharey=True)
+for rank, (c, ax) in enumerate(zip(curves, axes, strict=True)):
+    expected = c.states_after["total"] + traced[rank][2]
+    profiling.draw_memory_curve(c, ax=ax, references={"model states after + saved (meters)": expected},
+                                title=f"rank {rank}: peak in {c.peak_phase}, ×{c.peak / expected:.2f} the meters' sum")
+fig.suptitle("bytes held over one FSDP2 step (bf16 compute, 3 units), per rank", fontsize=11)
+plt.tight_layout()
+plt.show()
+
+# %% tags=["nbval-ignore-output"]
+fmem = Result(title="memory over one FSDP2 step: the profiler's allocator events against the course's meters")
+for rank, c in enumerate(curves):
+    fmem.checked += [dataclasses.replace(r, quantity=f"rank {rank}: {r.quantity}") for r in c.checked]
+    fmem.within(f"rank {rank}: peak allocated (bytes)", c.peak, c.states_after["total"] + traced[rank][2],
+                profiling.MEMORY_PEAK_BAND, "model states after the step + saved for backward (meters)")
+print(fmem)
+
+# %%
+fmem.assert_passed()
 
 # %% [markdown]
 # <a id="fsdp2-compile"></a>
@@ -675,7 +724,8 @@ quiz("fsdp")
 #   all-gathers and reduce-scatters on the shard dimension and all-reduces on the replicate dimension; activation
 #   checkpointing keeps only each block's input; with meta-device init only rank 0 holds the full state dict.
 # - A profiler trace of one step shows 2L + 1 all-gathers and L + 1 reduce-scatters (section 7's table); on gloo
-#   each reduce-scatter runs as an all-reduce. Each block compiled (`aot_eager`) before `fully_shard` trains like
+#   each reduce-scatter runs as an all-reduce. Its memory curve's peak is compared with the sharded model states +
+#   the tensors autograd keeps from forward (section 7's memory table). Each block compiled (`aot_eager`) before `fully_shard` trains like
 #   eager FSDP2 within the named tolerances (section 8's table).
 
 # %% tags=["nbval-ignore-output"]
