@@ -15,7 +15,7 @@
 # **What you need**: chapters 00 (collectives, α–β model) and 01 (16Ψ, activations); chapter 02's DDP helps.
 # DeepSpeed's first run compiles a C++ op, once (cached in `.cache/torch_extensions`).
 #
-# **Stored build:** 78 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 70 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/zero.py` (our ZeRO), `course_lib/experiments/zero_libraries.py` (the libraries, measured).
 

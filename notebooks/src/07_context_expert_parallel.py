@@ -24,7 +24,7 @@
 # parallelism) and 06 (tensor parallelism: attention heads, process groups). 2 CPU cores are enough: ranks are
 # processes with the gloo backend; on GPUs the same cells use nccl.
 #
-# **Stored build:** 64 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 65 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/context_parallel.py`, `course_lib/moe.py` and `course_lib/expert_parallel.py` (the
 # algorithms, top to bottom); `course_lib/experiments/context_parallel.py` and
