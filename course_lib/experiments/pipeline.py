@@ -100,6 +100,31 @@ def _runner(config, schedule, p, m, v, stage, micro, chunks, ranks=None):
     )
 
 
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _tiny_chunks(p: int, v: int, rank: int, width: int, dev) -> list[nn.Module]:
+    """This rank's ``v`` chunks of ``p·v`` :func:`tiny_layer` stages (chunk c is stage c·p + rank)."""
+    layers = split_layers([tiny_layer(width, seed=k) for k in range(p * v)], p * v)
+    return [layers[c * p + rank].to(dev) for c in range(v)]
+
+
+def _tiny_runner(chunks, rank, schedule, p, m, micro_batch, width, dev, weight_cost=None):
+    """A :class:`PipelineRunner` over tiny stages, an MSE loss on ``(micro_batch, width)`` rows."""
+    kwargs = {"num_chunks": len(chunks)} if len(chunks) > 1 else {}
+    return PipelineRunner(
+        chunks,
+        rank,
+        make_schedules(schedule, p, m, **kwargs),
+        m,
+        activation_shape=(micro_batch, width),
+        loss_fn=_mse,
+        device=dev,
+        weight_cost=weight_cost,
+    )
+
+
 def _state(chunks) -> dict:
     return {k: t.detach().cpu() for c in chunks for k, t in c.state_dict().items()}
 
@@ -307,27 +332,16 @@ def measure_bubbles(
             "the clock costs a backward at twice its forward"
         )
     p, rank, dev = dist.get_world_size(), dist.get_rank(), device()
-    loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
     res = BubbleResult(p=p, t_f=t_f, t_b=t_b)
     names = []
     for name in schedules:
         v = num_chunks if name == "interleaved" else 1
-        layers = split_layers([tiny_layer(width, seed=k) for k in range(p * v)], p * v)
-        chunks = [layers[c * p + rank].to(dev) for c in range(v)]
+        chunks = _tiny_chunks(p, v, rank, width, dev)
         # a rank's v chunks share its t_F, t_B: each costs 1/v
         clock = stage_clock(chunks, t_f / v, micro_batch, width, dev)
         names.append(clock.name)
         for m in microbatches[name] if isinstance(microbatches, dict) else microbatches:
-            kwargs = {"num_chunks": v} if v > 1 else {}
-            runner = PipelineRunner(
-                chunks,
-                rank,
-                make_schedules(name, p, m, **kwargs),
-                m,
-                activation_shape=(micro_batch, width),
-                loss_fn=loss_fn,
-                device=dev,
-            )
+            runner = _tiny_runner(chunks, rank, name, p, m, micro_batch, width, dev)
             gen = torch.Generator().manual_seed(m)
             x = torch.randn(m * micro_batch, width, generator=gen).to(dev)
             per_step, spans, (stats, log, gathered) = _timed_steps(runner, chunks, x, steps, warmup)
@@ -421,8 +435,7 @@ def unbalanced_timing(
             f"slow_stage={slow_stage} must be a stage in 0..{p - 1} and factor={factor} > 0"
         )
     stage_f = [t_f * (factor if s == slow else 1.0) for s in range(p)]
-    loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
-    chunks = [split_layers([tiny_layer(width, seed=k) for k in range(p)], p)[rank].to(dev)]
+    chunks = _tiny_chunks(p, 1, rank, width, dev)
     clock = stage_clock(chunks, stage_f[rank], micro_batch, width, dev)
     res = UnbalancedTiming(p=p, m=m, t_f=t_f, slow_stage=slow, factor=factor, clock=clock.name)
     res.title = (
@@ -431,15 +444,7 @@ def unbalanced_timing(
     )
     x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(dev)
     for name in schedules:
-        runner = PipelineRunner(
-            chunks,
-            rank,
-            make_schedules(name, p, m),
-            m,
-            activation_shape=(micro_batch, width),
-            loss_fn=loss_fn,
-            device=dev,
-        )
+        runner = _tiny_runner(chunks, rank, name, p, m, micro_batch, width, dev)
         bubbles, spans, (_, _, gathered) = _timed_steps(runner, chunks, x, steps, warmup)
         res.rows.append(
             {
@@ -870,8 +875,7 @@ def zero_bubble_timing(
     p, rank, dev, m = dist.get_world_size(), dist.get_rank(), device(), num_microbatches
     if m < p:
         raise ValueError(f"num_microbatches={m} must be >= world size p={p} (the formulas' regime)")
-    loss_fn = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
-    chunks = [split_layers([tiny_layer(width, seed=k) for k in range(p)], p)[rank].to(dev)]
+    chunks = _tiny_chunks(p, 1, rank, width, dev)
     clock = stage_clock(chunks, t_f, micro_batch, width, dev)
     flops = t_f * clock.rate  # the forward's FLOPs
     res = ZeroBubbleTiming(p=p, m=m, t_f=t_f, clock=clock.name)
@@ -879,16 +883,8 @@ def zero_bubble_timing(
     x = torch.randn(m * micro_batch, width, generator=torch.Generator().manual_seed(m)).to(dev)
     for name in ("1f1b", "zero_bubble"):
         clock.backward_factor = 1 if name == "zero_bubble" else BACKWARD_FACTOR
-        runner = PipelineRunner(
-            chunks,
-            rank,
-            make_schedules(name, p, m),
-            m,
-            activation_shape=(micro_batch, width),
-            loss_fn=loss_fn,
-            device=dev,
-            weight_cost=lambda mb, chunk: clock.spend(flops, "W"),
-        )
+        spend_w = lambda mb, chunk: clock.spend(flops, "W")  # noqa: E731
+        runner = _tiny_runner(chunks, rank, name, p, m, micro_batch, width, dev, spend_w)
         idles, events = [], []
         for i in range(warmup + steps):
             _, _, gathered = _timed_step(runner, chunks, x, x)
