@@ -5,6 +5,8 @@ torch's public hooks (module hooks, dispatch modes, ``FSDPMemTracker``):
 
 * :func:`gathered_param_bytes` / :class:`GatheredParamMeter` — full (unsharded) weights alive now,
   and their peak over a forward;
+* :func:`held_gradient_bytes` — gradient bytes a rank holds between backward passes (sharded, or
+  unsharded while ``set_requires_gradient_sync(False)`` accumulates them);
 * :func:`phased_step` — one ``train.train_step`` that tells an instrument when backward and the
   optimizer step begin (at the model's forward hook, and after backward);
 * :func:`counted_step` — that step under a :class:`comm.CollectiveCounter` tagged
@@ -13,7 +15,8 @@ torch's public hooks (module hooks, dispatch modes, ``FSDPMemTracker``):
 * :func:`memory_tracker` — ``FSDPMemTracker`` sampled after every operator (phase, total bytes,
   unsharded-parameter bytes); the one place that reads torch's private ``_FSDPRefType``;
 * :func:`tracker_bytes` — a tracker snapshot's ``{category: bytes}`` for one device type;
-* :class:`Zero3Timeline` — our ``Zero3``'s gathers and frees, attached as a ``zero3.Zero3Observer``.
+* :class:`Zero3Timeline` — our ``Zero3``'s gathers and frees, attached as a ``zero3.Zero3Observer``;
+* :class:`Zero3Waits` — the seconds our ``Zero3`` waits for its all-gathers and reduce-scatters.
 """
 
 from __future__ import annotations
@@ -24,18 +27,21 @@ import torch
 import torch.nn as nn
 
 from .comm import CollectiveCounter
+from .memory import storage_bytes
 from .train import train_step
 from .zero3 import Zero3Observer
 
 __all__ = [
     "gathered_param_bytes",
     "GatheredParamMeter",
+    "held_gradient_bytes",
     "phased_step",
     "counted_step",
     "IssueTimeline",
     "memory_tracker",
     "tracker_bytes",
     "Zero3Timeline",
+    "Zero3Waits",
 ]
 
 
@@ -62,6 +68,35 @@ def gathered_param_bytes(model: nn.Module) -> int:
                 seen.add(s.data_ptr())
                 total += s.nbytes()
     return total
+
+
+def held_gradient_bytes(model: nn.Module) -> dict[str, int]:
+    """Gradient bytes ``model`` (FSDP2) holds now: ``{"sharded": …, "unsharded": …}``.
+
+    ``sharded``: the local shards of the parameters' ``.grad`` (what a reduce-scatter leaves).
+    ``unsharded``: full-size gradients FSDP2 keeps on its gathered parameters while
+    ``set_requires_gradient_sync(False)`` skips the reduce-scatter — read from each unit's
+    ``FSDPParam`` (torch's private ``_get_fsdp_state()``; read only, to measure). Per unique storage.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    sharded, unsharded = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad
+            sharded.append(g.to_local() if isinstance(g, DTensor) else g)
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        for fp in group.fsdp_params if group else ():
+            held = fp.unsharded_accumulated_grad
+            if held is None and hasattr(fp, "_unsharded_param"):
+                held = fp._unsharded_param.grad
+            if held is not None:
+                unsharded.append(held)
+    return {"sharded": storage_bytes(sharded), "unsharded": storage_bytes(unsharded)}
 
 
 class GatheredParamMeter:
@@ -231,3 +266,27 @@ class Zero3Timeline(Zero3Observer):
 
     def count(self, event: str) -> int:
         return sum(e[0] == event for e in self.events)
+
+
+class Zero3Waits(Zero3Observer):
+    """Seconds a ``Zero3`` spends waiting for its collectives, by op: what compute did not hide.
+
+    ``seconds["all_gather"]`` / ``seconds["reduce_scatter"]`` add up every ``work.wait()`` since
+    the last :meth:`reset` (a prefetched all-gather that already finished costs ~0); ``calls``
+    counts them.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = {"all_gather": 0.0, "reduce_scatter": 0.0}
+        self.calls = {"all_gather": 0, "reduce_scatter": 0}
+        self._start = 0.0
+
+    def waiting(self, unit, op) -> None:
+        self._start = time.perf_counter()
+
+    def waited(self, unit, op) -> None:
+        self.seconds[op] += time.perf_counter() - self._start
+        self.calls[op] += 1

@@ -53,14 +53,22 @@ class Zero3Observer:
 
     ``gathered(unit, buffer)``: the unit's full weights just landed in ``buffer`` (forward, an
     eval forward, or the re-gather before backward). ``freed(unit, buffer)``: that storage was
-    just released (``resize_(0)``). Attach with :meth:`Zero3.add_observer`, which returns a
-    handle whose ``remove()`` detaches it.
+    just released (``resize_(0)``). ``waiting(unit, op)`` / ``waited(unit, op)``: this rank is
+    about to wait / has waited for the unit's ``"all_gather"`` or ``"reduce_scatter"`` to finish
+    (a timer between the two sees what was not hidden). Attach with :meth:`Zero3.add_observer`,
+    which returns a handle whose ``remove()`` detaches it.
     """
 
     def gathered(self, unit: Unit, buffer: torch.Tensor) -> None:
         pass
 
     def freed(self, unit: Unit, buffer: torch.Tensor) -> None:
+        pass
+
+    def waiting(self, unit: Unit, op: str) -> None:
+        pass
+
+    def waited(self, unit: Unit, op: str) -> None:
         pass
 
 
@@ -346,7 +354,7 @@ class Zero3(nn.Module):
     @torch.no_grad()
     def _land(self, flight: _InFlight, use: _Use) -> None:
         """Wait for ``flight`` and put the unit's full parameters into ``use.buffer`` (copy-out)."""
-        flight.work.wait()
+        self._wait(flight.unit, flight.work, "all_gather")
         unit, buf = flight.unit, use.buffer
         if buf is None and len(unit.params) == 1:
             use.buffer = flight.out  # the gathered matrix is the padded parameter
@@ -366,6 +374,13 @@ class Zero3(nn.Module):
                 dim=1,
                 out=unit.blocks(buf.data),
             )
+
+    def _wait(self, unit: Unit, work, op: str) -> None:
+        for obs in self._observers:
+            obs.waiting(unit, op)
+        work.wait()
+        for obs in self._observers:
+            obs.waited(unit, op)
 
     def gather(self, use: _Use) -> tuple[torch.Tensor, ...]:
         """The unit's full parameters for ``use``: from a prefetched all-gather, else one now.
@@ -468,7 +483,7 @@ class Zero3(nn.Module):
     def _finish_reductions(self) -> None:
         """Wait for the launched reduce-scatters; average; add into ``shard.grad`` (autograd's accumulation)."""
         for unit, work, out, _ in self._reductions:
-            work.wait()
+            self._wait(unit, work, "reduce_scatter")
             out.div_(self.world_size)
             for sp, g in zip(unit.params, out.split(unit.sizes), strict=True):
                 if not sp.shard.requires_grad:

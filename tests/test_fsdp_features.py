@@ -210,6 +210,9 @@ def test_accumulation_without_sync_reduce_scatters_once_and_equals_the_big_batch
     for r in case(2, "accumulation"):
         _assert_claims(r)
         assert r.reduce_scatters == {"sync_each": 4 * 5, "no_sync": 5}
+        # sync off: the whole gradient, unsharded, and no shard yet; syncing: shards only
+        assert r.held["no_sync"] == {"sharded": 0, "unsharded": r.param_bytes["full"]}
+        assert r.held["sync_each"] == {"sharded": r.param_bytes["shard"], "unsharded": 0}
         for variant in ("sync_each", "no_sync"):
             _assert_equal(r.full_state[variant], want, SGD)
 

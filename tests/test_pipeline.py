@@ -35,7 +35,7 @@ from course_lib.pipeline import (
     split_microbatches,
 )
 from course_lib.results import EXACT, SGD, for_optimizer
-from course_lib.step_time import AGREEMENT_BAND, pipeline_step, slowest_stage_step
+from course_lib.step_time import AGREEMENT_BAND, part_flops, pipeline_step, slowest_stage_step
 from course_lib.train import reference_run, step_batch
 
 STEPS, BATCH, M = 10, 16, 4
@@ -66,6 +66,7 @@ def _suite(world: int) -> dict:
         out["timelines"] = E.gpt_timelines(
             ("gpipe", "1f1b"), num_microbatches=8, global_batch=16, steps=2
         )
+        out["clocked"] = E.gpt_clocked(num_microbatches=2, global_batch=4, steps=1, warmup=0)
     if world == 4:
         out["zb_timing"] = E.zero_bubble_timing(4, t_f=0.02, steps=2, warmup=1)
         # 2 stages × 2 replicas
@@ -462,6 +463,46 @@ def test_slow_stage_sets_the_pace_of_the_measured_step():
             r["per_rank"][0] > pipeline_bubble(2, 2) + 0.1
         )  # the fast stage waits for the slow one
     assert res.passed
+
+
+def test_clocked_gpt_is_predicted_from_each_stages_flops_over_the_rate():
+    """The plumbing of gpt_clocked's prediction (no assertion on measured seconds)."""
+    res, cfg = suite(2)[0]["clocked"], parallel_config()
+    flops = E.gpt_stage_flops(cfg, 2, 2)
+    whole = part_flops(GPT(cfg, seed=0), *step_batch(0, cfg, 2, "cpu"))
+    assert res.stage_flops == flops and sum(flops) == sum(f for _, _, f in whole)
+    assert flops[1] > flops[0]  # the last stage also runs the head and the loss
+    assert res.stage_forward_s == pytest.approx([f / res.rate for f in flops], rel=1e-12)
+    assert res.clock.startswith("modelled accelerator clock")
+    assert [r["schedule"] for r in res.rows] == ["gpipe", "1f1b"]
+    for r in res.rows:
+        sim = pipeline_step(make_schedules(r["schedule"], 2, 2), res.stage_forward_s, 2)
+        assert r["predicted"] == pytest.approx(sim.total, rel=1e-12)
+        busy = [2 * 3 * f for f in res.stage_forward_s]  # m·(F + 2F) per stage
+        assert r["simulated"] == pytest.approx([1 - b / sim.total for b in busy], rel=1e-12)
+        for bubble, split in zip(r["bubble"], r["split"], strict=True):  # the split adds up
+            assert bubble == pytest.approx(
+                split["fill_drain"] + split["waiting"] + split["overhead"]
+            )
+    names = [row.quantity for row in res.checks()]
+    assert names == [
+        f"{s}, p=2, m=2: {q}"
+        for s in ("gpipe", "1f1b")
+        for q in ("step (s)", "rank 0 bubble 1 − busy/step", "rank 1 bubble 1 − busy/step")
+    ]
+    with pytest.raises(ValueError, match="one stage per rank"):
+        E.gpt_clocked(("interleaved",))
+
+
+def test_idle_split_adds_up_to_the_bubble():
+    events = [[tuple(e) for e in tl] for tl in simulate(make_schedules("1f1b", 2, 4), 4)]
+    events[0].append(("wait", 0, -1, 2.0, 3.0))  # blocked between its first and last action
+    split = E.idle_split(events)
+    assert [s.step for s in split] == [15.0, 15.0]  # (m + p − 1)·(F + B) slots
+    assert [s.compute for s in split] == [12.0, 12.0]
+    assert split[0].waiting == 1.0 and split[1].fill_drain == 3.0
+    for s in split:
+        assert s.compute + s.fill_drain + s.waiting + s.overhead == pytest.approx(s.step)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])

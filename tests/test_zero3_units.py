@@ -233,7 +233,7 @@ def _any_models(steps: int = 4) -> dict:
     """Zero3(model) with default units on an nn.Sequential MLP and a CS336-style toy model: SGD vs one device."""
     import torch.distributed as dist
 
-    from course_lib.fsdp_meters import Zero3Timeline
+    from course_lib.fsdp_meters import Zero3Timeline, Zero3Waits
     from course_lib.launch import device
     from course_lib.zero3 import Zero3
 
@@ -245,8 +245,9 @@ def _any_models(steps: int = 4) -> dict:
     )
     for kind in ("sequential", "toy"):
         z = Zero3(any_model(kind).to(dev))
-        timeline = Zero3Timeline()
+        timeline, waits = Zero3Timeline(), Zero3Waits()
         handle = z.add_observer(timeline)
+        z.add_observer(waits)
         opt = torch.optim.SGD(z.parameters(), lr=0.1)
         xs, ys = common.shard_batch(x, y)
         all_gathers = []
@@ -262,6 +263,7 @@ def _any_models(steps: int = 4) -> dict:
             "describe": z.describe(),
             "repr": repr(z),
             "gathers": timeline.count("gather"),
+            "waits": dict(waits.calls),
             "all_gathers": all_gathers,  # per step, as CommLog saw them (prefetches included)
             "frees": timeline.count("free"),
             "freed_bytes": [e[2] for e in timeline.events if e[0] == "free"],
@@ -519,6 +521,8 @@ def test_default_units_wrap_any_model_and_train_like_one_device(world, kind, uni
     assert "unit='block'" in got["repr"] and all(u in got["describe"] for u in units)
     # the observer saw each unit gathered twice per step (forward, backward) and freed as often, to 0 bytes
     assert got["gathers"] == got["frees"] == 2 * 4 * len(units) and set(got["freed_bytes"]) == {0}
+    # one wait per landed all-gather, one per unit's reduce-scatter
+    assert got["waits"] == {"all_gather": 2 * 4 * len(units), "reduce_scatter": 4 * len(units)}
     assert got["units_seen"] == sorted(units)
     # no root unit (the Sequential): the first step too issues no extra all-gather (none prefetches itself)
     assert got["all_gathers"] == [2 * len(units)] * 4

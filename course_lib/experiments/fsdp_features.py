@@ -30,7 +30,13 @@ import torch.distributed as dist
 
 from ..comm import CollectiveCounter
 from ..fsdp import fsdp2_wrap, full_state_dict, padded_numel, set_prefetch
-from ..fsdp_meters import IssueTimeline, counted_step, memory_tracker, phased_step
+from ..fsdp_meters import (
+    IssueTimeline,
+    counted_step,
+    held_gradient_bytes,
+    memory_tracker,
+    phased_step,
+)
 from ..launch import device
 from ..models import GPT, GPTConfig
 from ..results import ADAMW, SGD
@@ -222,6 +228,8 @@ class AccumulationResult(Result):
     reduce_scatters: dict  # {"sync_each": calls per step, "no_sync": calls per step}
     all_gathers: dict
     max_abs_diff: dict  # {variant: vs one device on the big batch, computed on the rank}
+    held: dict = field(default_factory=dict)  # {variant: held_gradient_bytes after micro-batch 1}
+    param_bytes: dict = field(default_factory=dict)  # {"full": Ψ·4, "shard": Ψ_pad/N·4}
     full_state: dict = field(repr=False, default_factory=dict)  # {variant: full tensors (CPU)}
 
     def add_rows(self, reference: dict) -> "AccumulationResult":
@@ -239,6 +247,20 @@ class AccumulationResult(Result):
             u,
             against="formula units",
         )
+        if self.held:
+            sync, acc = self.held["sync_each"], self.held["no_sync"]
+            self.exact(
+                "gradient bytes held after micro-batch 1, syncing each (sharded)",
+                sync["sharded"] + sync["unsharded"],
+                self.param_bytes["shard"],
+                against="Ψ_pad / N × 4 B (this rank's padded shards)",
+            )
+            self.exact(
+                "gradient bytes held after micro-batch 1, sync off (unsharded)",
+                acc["sharded"] + acc["unsharded"],
+                self.param_bytes["full"],
+                against="Ψ × 4 B",
+            )
         got = {f"{v}/{k}": t for v, sd in self.full_state.items() for k, t in sd.items()}
         want = {f"{v}/{k}": reference[k] for v in self.full_state for k in reference}
         self.equal(
@@ -259,13 +281,16 @@ def accumulation_without_sync(
     ``set_requires_gradient_sync(False)`` (FSDP1's ``no_sync``) makes each unit accumulate its
     *unsharded* gradient locally; the last micro-batch turns sync back on and reduce-scatters the
     sum once. Traffic per step drops by (M−1) reduce-scatters per unit; memory rises by one
-    unsharded gradient per unit until then. Losses are scaled by 1/M: the sum of M micro-batch
-    gradients is then the gradient of the mean over the rank's slice.
+    unsharded gradient per unit until then (measured after the first micro-batch:
+    ``fsdp_meters.held_gradient_bytes``, against Ψ × 4 B and Ψ_pad / N × 4 B). Losses
+    are scaled by 1/M: the sum of M micro-batch gradients is then the gradient of the mean over
+    the rank's slice.
     """
     config = config or features_config()
     n, dev = dist.get_world_size(), device()
     check_global_batch(global_batch, n, micro_batches)
     out: dict = {"reduce_scatters": {}, "all_gathers": {}, "max_abs_diff": {}, "full_state": {}}
+    out["held"] = {}
     reference, _, _ = reference_run(config, steps, global_batch, "sgd", dev=dev)
     for variant in ("sync_each", "no_sync"):
         model = fsdp2_wrap(GPT(config, seed=0).to(dev))
@@ -282,12 +307,21 @@ def accumulation_without_sync(
                 with CollectiveCounter() as cc:
                     (model(xm, ym)[1] / micro_batches).backward()
                 counters.append(cc)
+                if step == 0 and j == 0:  # what this rank holds until the next micro-batch
+                    out["held"][variant] = held_gradient_bytes(model)
             opt.step()
         out["reduce_scatters"][variant] = sum(c.count(op="reduce_scatter") for c in counters)
         out["all_gathers"][variant] = sum(c.count(op="all_gather") for c in counters)
         full = full_state_dict(model)
         out["max_abs_diff"][variant] = state_diff(full, reference)
         out["full_state"][variant] = cpu_state(full)
+    params = list(model.parameters())  # DTensors: numel() is the full size
+    out["param_bytes"] = {
+        "full": 4 * sum(p.numel() for p in params),
+        "shard": 4
+        * padded_numel(model, n)
+        // n,  # each rank's shard is stored padded to ⌈d/N⌉ rows
+    }
     result = AccumulationResult(n, micro_batches, len(model.blocks) + 1, **out)
     return result.add_rows(reference.state_dict())
 

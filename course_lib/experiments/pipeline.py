@@ -12,6 +12,9 @@ Rank functions (run them with ``launch.spawn``), each returning a
   measured step against :func:`~course_lib.step_time.slowest_stage_step` (:class:`UnbalancedTiming`);
 * :func:`gpt_timelines` — the real GPT: timelines, bubbles, live micro-batches and live activation
   bytes, p2p bytes (:class:`TimelineResult`);
+* :func:`gpt_clocked` — the same GPT pipeline under the modelled clock at a calibrated rate: the
+  measured step against :func:`~course_lib.step_time.pipeline_step` of each stage's FLOPs / rate,
+  each rank's bubble against the simulation's idle share (:class:`ClockedPipelineResult`);
 * :func:`pp_dp_training` — 2 stages × 2 replicas (:class:`PPDPResult`);
 * :func:`torch_pipelining_grads` — ``torch.distributed.pipelining`` on the same stages: gradients
   equal to ours (:class:`TorchPipeliningResult`);
@@ -19,8 +22,9 @@ Rank functions (run them with ``launch.spawn``), each returning a
 * :func:`zero_bubble_timing` — our 1F1B and ZB-H1 zero bubble on clocked tiny stages: idle time
   per rank against ``(p−1)(F+B+W)`` and ``(p−1)(F+B−W)`` (:class:`ZeroBubbleTiming`, displayed).
 
-Parent-side: :func:`merge_states`. Timelines and memory are measured by the runner's observers
-(:func:`~course_lib.pipeline.measured_step`), p2p bytes by :class:`~course_lib.comm.CommLog`.
+Parent-side: :func:`merge_states`, :func:`gpt_stage_flops`, :func:`idle_split`. Timelines and
+memory are measured by the runner's observers (:func:`~course_lib.pipeline.measured_step`), p2p
+bytes by :class:`~course_lib.comm.CommLog`.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..clock import BACKWARD_FACTOR, AcceleratorClock, count_flops
+from ..clock import BACKWARD_FACTOR, AcceleratorClock, calibrate, count_flops, format_rate
 from ..formulas import pipeline_bubble, pipeline_p2p_bytes
 from ..launch import device
 from ..models import GPT, GPTConfig
@@ -51,7 +56,7 @@ from ..pipeline import (
     split_microbatches,
 )
 from ..results import EXACT, Result, Row, for_optimizer, max_abs_diff
-from ..step_time import slowest_stage_step
+from ..step_time import part_flops, pipeline_step, slowest_stage_step
 from ..timing import AGREEMENT_BAND
 from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch
 
@@ -69,6 +74,11 @@ __all__ = [
     "unbalanced_timing",
     "TimelineResult",
     "gpt_timelines",
+    "IdleSplit",
+    "idle_split",
+    "gpt_stage_flops",
+    "ClockedPipelineResult",
+    "gpt_clocked",
     "PPDPResult",
     "pp_dp_training",
     "TorchPipeliningResult",
@@ -551,6 +561,213 @@ def gpt_timelines(
             "sends": log.count(op="send"),
             "recv_bytes": log.total("tensor_bytes", op="recv"),
         }
+    return res
+
+
+# =========================================================================== the real GPT under the clock
+
+
+class IdleSplit(NamedTuple):
+    """One rank's step in seconds: ``compute + fill_drain + waiting + overhead == step``."""
+
+    step: float  # earliest F/B/W start to latest end, over all ranks
+    compute: float  # Σ of this rank's F, B and W
+    fill_drain: float  # before this rank's first action and after its last
+    waiting: float  # blocked in a receive between its first and last action
+    overhead: float  # the rest: Python between actions, posting messages, the loss's .item()
+
+
+def idle_split(events) -> list[IdleSplit]:
+    """Per rank, the step split into compute, fill/drain, waiting for a peer and runtime overhead.
+
+    ``events``: every rank's events as :func:`_from_start` tuples ``(kind, microbatch, chunk,
+    start, end)``. Fill/drain and waiting are the schedule's idle time (what ``(p−1)/(m+p−1)`` and
+    :func:`~course_lib.step_time.pipeline_step` model); overhead is what neither models.
+    ``1 − compute / step`` is :func:`~course_lib.pipeline.bubble_fractions`' bubble.
+    """
+    work = [[e for e in tl if e[0] in ("F", "B", "W")] for tl in events]
+    t0 = min(e[3] for tl in work for e in tl)
+    t1 = max(e[4] for tl in work for e in tl)
+    out = []
+    for tl, mine in zip(events, work, strict=True):
+        first, last = min(e[3] for e in mine), max(e[4] for e in mine)
+        busy = sum(e[4] - e[3] for e in mine)
+        edges = (first - t0) + (t1 - last)
+        waits = [e for e in tl if e[0] == "wait"]
+        wait = sum(max(0.0, min(e[4], last) - max(e[3], first)) for e in waits)
+        out.append(IdleSplit(t1 - t0, busy, edges, wait, t1 - t0 - busy - edges - wait))
+    return out
+
+
+def gpt_stage_flops(config: GPTConfig, p: int, micro_batch: int) -> list[int]:
+    """Each of the ``p`` stages' forward FLOPs for one micro-batch, as the clock counts them.
+
+    :func:`~course_lib.step_time.part_flops` on each stage of ``split_gpt`` in turn, fed the
+    previous stage's output: its blocks, plus the embeddings on the first stage, plus the head and
+    the loss (3 per logit) on the last. Shapes alone decide the count (any batch, any device).
+    """
+    dev = device()
+    x, _ = step_batch(0, config, micro_batch, dev)
+    out = []
+    for stage in split_gpt(GPT(config, seed=0).to(dev), p):
+        out.append(sum(f for _, _, f in part_flops(stage, x)))
+        with torch.no_grad():
+            x = stage(x)
+    return out
+
+
+def _median_seconds(steps_events: list, kind: str) -> list[float]:
+    """Per rank, the median duration of its ``kind`` events over steps of :func:`_from_start` events."""
+    ranks = range(len(steps_events[0]))
+    return [
+        statistics.median(e[4] - e[3] for ev in steps_events for e in ev[r] if e[0] == kind)
+        for r in ranks
+    ]
+
+
+def _min_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+@dataclass
+class ClockedPipelineResult(Result):
+    """The GPT pipeline under the modelled clock, per schedule: measured beside ``pipeline_step``.
+
+    ``stage_flops[s]``: stage s's forward FLOPs of one micro-batch (:func:`gpt_stage_flops`);
+    :attr:`stage_forward_s` = those / ``rate``, the F each stage sleeps (its B: 2×). ``rows``, per
+    schedule, from the measured step whose span is the median: ``step`` (s), ``predicted``
+    (:func:`~course_lib.step_time.pipeline_step`'s total), per rank ``bubble`` (1 − busy/step),
+    ``simulated`` (the simulation's idle share, 1 − m·(F_s+B_s)/predicted), ``split`` (shares of
+    the step, :func:`idle_split`), ``F`` and ``B`` (median measured seconds). ``timelines``: that
+    step's events, every rank. Timing rows: displayed, not asserted.
+
+    Tolerances. The step: ``band`` (:data:`~course_lib.timing.AGREEMENT_BAND`). A rank's bubble:
+    ``margin`` absolute (0.05, as :class:`BubbleResult`'s). ±20 % of an idle share near 1/9 would
+    be ±0.02, less than the runtime the simulation leaves out and 1 − busy/step counts as idle
+    (Python between actions, posting messages, the loss's ``.item()``: the ``overhead`` share of
+    the split, a few % of the step at the calibrated rate). 0.05 still catches a simulation
+    that gets the fill or drain wrong: one stage's F + B is 1/(m+p−1) of the step (0.11 at
+    p = 2, m = 8).
+    """
+
+    p: int
+    m: int
+    rate: float
+    stage_flops: list
+    clock: str = "real clock"
+    calibration: str = ""
+    rows: list = field(default_factory=list)
+    timelines: dict = field(default_factory=dict)  # schedule -> every rank's events (from start)
+    band: float = AGREEMENT_BAND
+    margin: float = 0.05
+
+    @property
+    def stage_forward_s(self) -> list[float]:
+        """Each stage's modelled forward of one micro-batch (s): its FLOPs / ``rate``."""
+        return [f / self.rate for f in self.stage_flops]
+
+    def checks(self) -> list[Row]:
+        out = list(self.checked)
+        for r in self.rows:
+            name = f"{r['schedule']}, p={self.p}, m={self.m}"
+            out.append(
+                Row(
+                    f"{name}: step (s)",
+                    r["step"],
+                    r["predicted"],
+                    "pipeline_step, F_s = FLOPs_s / rate",
+                    f"±{self.band:.0%}",
+                    abs(r["step"] - r["predicted"]) <= self.band * r["predicted"],
+                )
+            )
+            for rank, (got, want) in enumerate(zip(r["bubble"], r["simulated"], strict=True)):
+                out.append(
+                    Row(
+                        f"{name}: rank {rank} bubble 1 − busy/step",
+                        got,
+                        want,
+                        "pipeline_step's idle share",
+                        f"±{self.margin} (absolute)",
+                        abs(got - want) <= self.margin,
+                    )
+                )
+        return out
+
+
+def gpt_clocked(
+    schedules=("gpipe", "1f1b"),
+    num_microbatches: int = 8,
+    global_batch: int = 32,
+    steps: int = 3,
+    warmup: int = 0,
+    ratio: float = 20.0,
+    config: GPTConfig | None = None,
+) -> ClockedPipelineResult:
+    """Rank function: :func:`gpt_timelines`' GPT pipeline under the modelled clock, predicted.
+
+    The rate: ``clock.calibrate`` on the full GPT at one micro-batch (every block sleeps ≥
+    ``ratio`` × its real forward + backward; calibrate aims at twice that, its margin for noise),
+    the minimum over ranks, so every rank runs one rate. The clock costs this rank's stage (its
+    blocks, the embeddings on the first, the head and the loss on the last).
+
+    The prediction: :func:`~course_lib.step_time.pipeline_step` of the schedules with each
+    stage's own F = FLOPs / rate (:func:`gpt_stage_flops`: the last stage also has the head and
+    the loss, so the stages are unequal); the sends (one micro-batch's boundary activation each)
+    are left out.
+
+    Per schedule ``warmup`` + ``steps`` steps after a barrier each; the step whose span is the
+    median is reported (of 3, a slow first step is outvoted: no warm-up by default, each step is
+    m + p − 1 slots of modelled compute). Every rank returns the same rows.
+    """
+    unknown = [s for s in schedules if s not in ("gpipe", "1f1b")]
+    if unknown:
+        raise ValueError(f"schedules {unknown}: gpt_clocked runs one stage per rank (gpipe, 1f1b)")
+    config = config or parallel_config()
+    p, rank, dev, m = dist.get_world_size(), dist.get_rank(), device(), num_microbatches
+    micro = global_batch // m
+    split_microbatches(torch.empty(global_batch), m)  # a clear error before any rank waits
+    x, y = step_batch(0, config, micro, dev)
+    cal = calibrate(GPT(config, seed=0).to(dev), x, y, ratio=ratio)
+    rate = _min_over_ranks(cal.rate)  # one rate on every rank
+    worst = _min_over_ranks(cal.ratio * cal.rate / rate)  # a lower rate sleeps longer
+    clock = AcceleratorClock(rate)
+    chunks = _stage_chunks(config, p, 1, rank, dev)
+    clock.apply(chunks[0])
+    res = ClockedPipelineResult(p, m, rate, gpt_stage_flops(config, p, micro), clock=clock.name)
+    res.calibration = f"{format_rate(rate)}: every block sleeps ≥ {worst:.0f}× its real compute"
+    res.title = f"the GPT pipeline, p={p}, m={m}, under the {clock.name}: measured vs pipeline_step"
+    fwd = res.stage_forward_s
+    for name in schedules:
+        runner = _runner(config, name, p, m, 1, rank, micro, chunks)
+        measured = []
+        for i in range(warmup + steps):
+            x, y = step_batch(i, config, global_batch, dev)
+            _, _, gathered = _timed_step(runner, chunks, x, y)
+            if i >= warmup:
+                measured.append(_from_start(gathered))
+        spans = [idle_split(ev)[0].step for ev in measured]
+        ev = measured[spans.index(statistics.median_low(spans))]
+        split = idle_split(ev)
+        pred = pipeline_step(runner.schedules, fwd, m, backward_factor=clock.backward_factor)
+        busy = [m * (1 + clock.backward_factor) * f for f in fwd]  # per rank, v = 1
+        res.rows.append(
+            {
+                "schedule": name,
+                "step": split[0].step,
+                "predicted": pred.total,
+                "bubble": [1 - s.compute / s.step for s in split],
+                "simulated": [1 - b / pred.total for b in busy],
+                "split": [
+                    {k: v / s.step for k, v in s._asdict().items() if k != "step"} for s in split
+                ],
+                "F": _median_seconds(measured, "F"),
+                "B": _median_seconds(measured, "B"),
+            }
+        )
+        res.timelines[name] = ev
+    clock.remove()
     return res
 
 

@@ -59,7 +59,7 @@ def torch_extensions_dir() -> str:
 
 @functools.lru_cache(maxsize=1)
 def deepspeed_available() -> tuple[bool, str]:
-    """``(True, "deepspeed 0.19.8 ...")`` when DeepSpeed can run here, else ``(False, why not)``.
+    """``(True, "DeepSpeed 0.19.8")`` (its version) when DeepSpeed can run here, else ``(False, why not)``.
 
     Checks, in order: a C++ compiler (``c++`` on PATH) and ``Python.h`` (DeepSpeed JIT-compiles a
     C++ op on first use), then that ``import deepspeed`` works -- in a subprocess, so the check
@@ -99,7 +99,8 @@ def deepspeed_available() -> tuple[bool, str]:
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
         return False, f"import deepspeed failed: {last}"
-    return True, f"deepspeed {out.stdout.strip().splitlines()[-1]}, C++ compiler {cxx}"
+    version = out.stdout.strip().splitlines()[-1]
+    return True, f"DeepSpeed {version}"  # what a learner needs to know: which version ran
 
 
 def import_deepspeed():

@@ -17,7 +17,7 @@
 #   real clock.
 #
 # **What you need**: Python and basic PyTorch (tensors, `backward()`); no earlier chapter.
-# **Stored build:** 55 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 52 s on 2 cores (0% of them busy just before it started).
 #
 # Everything below calls `course_lib`; open `course_lib/launch.py` and `course_lib/comm.py` to read the code.
 #

@@ -16,7 +16,7 @@
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
 # 2 CPU cores are enough (gloo); on GPUs the same rank functions run on nccl, one GPU per rank.
 #
-# **Stored build:** 81 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 85 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/fsdp.py`.
 
@@ -373,20 +373,38 @@ plt.show()
 # clock's rate). `step_time.zero3_step(prefetch=…, recompute=…)` predicts each variant from the units `Zero3`
 # holds and α–β measured on the spot: without prefetch every all-gather is exposed; with it, unit i+1's runs behind
 # unit i's compute; activation checkpointing (a `torch.utils.checkpoint` around each block) adds one forward of the
-# blocks to backward and nothing else.
+# blocks to backward and nothing else — the clock's sleeps for it, plus what checkpointing adds on the host (its
+# saved-tensor hooks and the re-run forward: a checkpointed minus a plain step, timed under a clock that does not
+# sleep).
+#
+# Where prefetch acts is the wait: a `Zero3Waits` observer (`course_lib.fsdp_meters`) times every `work.wait()`
+# of the step's all-gathers and reduce-scatters. The step then splits into what the clock slept, those waits, and
+# the host's own work — copying shards into the all-gather's input and out of its output, the hooks, the
+# optimizer — which the model leaves out (it counts compute and communication only).
 
 # %% tags=["nbval-ignore-output"]
 clk = f2[0]["clocked"]
 print(clk.timings)
+print(clk.breakdown())
 print(clk)
+ag = {n: clk.waits[n]["all_gather"] for n in ("no prefetch", "prefetch")}
+pf_saved, pf_model = clk.saving("no prefetch", "prefetch", "measured"), clk.saving("no prefetch", "prefetch", "predicted")
+print(f"prefetch: the all-gather waits fall from {ag['no prefetch'] * 1e3:.1f} to {ag['prefetch'] * 1e3:.1f} ms per "
+      f"step; the step shrinks by {pf_saved * 1e3:.1f} ms, the model's α–β said {pf_model * 1e3:.1f} ms")
 
 # %% [markdown]
 # ### Gradient accumulation without the reduce-scatters
-# Four micro-batches per step, with `set_requires_gradient_sync(False)` on the first three (see above):
+# Four micro-batches per step, with `set_requires_gradient_sync(False)` on the first three (see above). The price
+# is memory: a unit that skips its reduce-scatter keeps its gradient **unsharded** (full size, on every rank) until
+# the last micro-batch reduce-scatters the sum. The table also counts the gradient bytes each rank holds right after
+# the first micro-batch's backward (`fsdp_meters.held_gradient_bytes`): its shards when every micro-batch syncs,
+# the whole gradient when sync is off.
 
 # %%
 a = f2[0]["accumulate"]
 print(f"reduce-scatters per step: {a.reduce_scatters}; all-gathers per step: {a.all_gathers}")
+held = {v: h["sharded"] + h["unsharded"] for v, h in a.held.items()}
+print(f"gradient bytes held after micro-batch 1: {held} (× {held['no_sync'] / held['sync_each']:.2f} with sync off)")
 print(a)
 
 # %% [markdown]

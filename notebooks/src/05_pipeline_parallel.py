@@ -7,6 +7,9 @@
 #   interleaved 1F1B's $(p-1)/(v\cdot m+p-1)$ beside it;
 # - why the slowest stage sets the pace of the whole pipeline: the step $m\,(F+B)_\text{slowest} + \sum_\text{others}(F+B)$,
 #   predicted beside measured;
+# - the real GPT's pipeline under the modelled clock: its step predicted from each stage's own FLOPs / rate
+#   (`step_time.pipeline_step`) beside the measured one, and each rank's idle time split into the schedule's
+#   (fill / drain, waiting for a peer) and runtime overhead;
 # - GPipe vs 1F1B: the same bubble, but 1F1B keeps at most $p$ micro-batches of activations alive instead of $m$
 #   (measured in bytes);
 # - that a pipeline step *is* one-device training on the full batch (proven below), alone and combined with data
@@ -21,7 +24,7 @@
 # GPT) and 02 (data parallelism). 2 CPU cores are enough: ranks are processes with the gloo backend; on GPUs the same
 # code runs on nccl.
 #
-# **Stored build:** 62 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 71 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/pipeline.py` (stages, schedules, the runner) and `course_lib/experiments/pipeline.py`
 # (what this notebook runs on ranks).
@@ -43,7 +46,7 @@ from course_lib import show
 from course_lib.pipeline import (backward_input, backward_weight, make_schedules, peak_live_microbatches, simulate,
                                  split_gpt)
 from course_lib.results import SGD, Result, for_optimizer
-from course_lib.step_time import AGREEMENT_BAND, slowest_stage_step
+from course_lib.step_time import AGREEMENT_BAND, bubble_fraction, slowest_stage_step
 from course_lib.viz import gantt
 
 print(f"cores: {os.cpu_count()}")
@@ -255,6 +258,7 @@ def timing_suite():
     return {"sleep": E.measure_bubbles(("gpipe", "1f1b", "interleaved"), ms, t_f=0.04, t_b=0.08),
             "slow": E.unbalanced_timing(("gpipe", "1f1b"), num_microbatches=4, t_f=0.04, factor=2),
             "gpt": E.gpt_timelines(("gpipe", "1f1b"), num_microbatches=8, global_batch=32, steps=3),
+            "clocked": E.gpt_clocked(("gpipe", "1f1b"), num_microbatches=8, global_batch=32, steps=3),
             "torch": [E.torch_pipelining_grads(s) for s in ("gpipe", "1f1b", "interleaved")],
             "zb": E.zero_bubble_order(num_microbatches=4)}
 
@@ -366,23 +370,9 @@ for ax, name in zip(axes, ("gpipe", "1f1b"), strict=True):
     legend_beside(ax)
 plt.tight_layout()
 plt.show()
-def idle_split(ev):
-    """Per rank: (step, compute, fill/drain, waiting mid-step, runtime overhead) in seconds."""
-    t0, t1 = min(e[3] for tl in ev for e in tl), max(e[4] for tl in ev for e in tl)
-    out = []
-    for tl in ev:
-        work = [e for e in tl if e[0] in ("F", "B")]
-        first, last = min(e[3] for e in work), max(e[4] for e in work)
-        busy = sum(e[4] - e[3] for e in work)
-        edges = (first - t0) + (t1 - last)
-        wait = sum(max(0.0, min(e[4], last) - max(e[3], first)) for e in tl if e[0] == "wait")
-        out.append((t1 - t0, busy, edges, wait, t1 - t0 - busy - edges - wait))
-    return out
-
-
 totals = {"schedule's idle (fill/drain + waiting)": 0.0, "runtime overhead": 0.0}
 for name in ("gpipe", "1f1b"):
-    for r, (span, busy, edges, wait, over) in enumerate(idle_split(gpt[0]["gpt"].schedules[name]["events"])):
+    for r, (span, busy, edges, wait, over) in enumerate(E.idle_split(gpt[0]["gpt"].schedules[name]["events"])):
         print(f"GPT {name:<5} rank {r}: step {span * 1e3:5.1f} ms = compute {busy / span:4.0%} + schedule's idle "
               f"{(edges + wait) / span:4.0%} (fill/drain {edges / span:3.0%}, waiting {wait / span:3.0%}; formula "
               f"{pipeline_bubble(2, 8):.0%}) + runtime overhead {over / span:4.0%}")
@@ -391,6 +381,47 @@ for name in ("gpipe", "1f1b"):
 biggest = max(totals, key=totals.get)
 print("idle time summed over ranks and schedules: "
       + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in totals.items()) + f" — the larger part is {biggest}")
+
+# %% [markdown]
+# ### The real GPT under the modelled clock
+# The same pipeline again (the same GPT, p = 2, m = 8, the same two stages), now under the modelled accelerator
+# clock (`E.gpt_clocked`). `clock.calibrate` times each block's real forward and backward on one micro-batch and
+# picks the rate at which every block sleeps at least 20× that; a MIN all-reduce gives both ranks the lower of
+# their two rates, so they run one clock. Each stage's forward then sleeps its FLOPs / rate and its backward twice
+# that: the blocks on both stages, the embeddings on stage 0, the output head and the loss on stage 1. The two
+# stages are therefore not equal, so the prediction takes each stage's own F and B instead of the equal-stage
+# formula: `step_time.pipeline_step` simulates both ranks' schedules, starting an F when its input has arrived
+# and the rank is free, a B when the next stage's gradient has arrived. Its end is the predicted step, and a rank's
+# simulated idle share is 1 − m·(F_s + B_s) / step. The measured bubble of each rank, 1 − busy / step, is split as
+# above into fill / drain, waiting for a peer and runtime overhead; the simulation models the first two, and the
+# band leaves room for the third.
+
+# %% tags=["nbval-ignore-output"]
+clk = tm[0]["clocked"]
+fig, axes = plt.subplots(2, 1, figsize=(9, 3.6), sharex=True)
+for ax, row in zip(axes, clk.rows, strict=True):
+    gantt(clk.timelines[row["schedule"]], ax=ax, label_microbatches=False,
+          title=f"GPT under the clock, {row['schedule']}, p=2, m=8: measured step {row['step'] * 1e3:.0f} ms, "
+                f"pipeline_step {row['predicted'] * 1e3:.0f} ms")
+    legend_beside(ax)
+plt.tight_layout()
+plt.show()
+print(clk.calibration)
+print("modelled forward per micro-batch: "
+      + ", ".join(f"stage {s} {f * 1e3:.2f} ms" for s, f in enumerate(clk.stage_forward_s))
+      + f" (backward 2×); equal-stage formula bubble_fraction(2, 8) = {bubble_fraction(2, 8):.3f}")
+print(clk)
+for row in clk.rows:
+    ok = abs(row["step"] - row["predicted"]) <= AGREEMENT_BAND * row["predicted"]
+    ranks = "; ".join(
+        f"rank {r} bubble {b:.0%} (simulated {sim:.0%}) = schedule's idle {s['fill_drain'] + s['waiting']:.0%} "
+        f"+ runtime overhead {s['overhead']:.0%}"
+        for r, (b, sim, s) in enumerate(zip(row["bubble"], row["simulated"], row["split"], strict=True)))
+    print(f"{row['schedule']}: measured step {row['step'] * 1e3:.0f} ms, predicted {row['predicted'] * 1e3:.0f} ms: "
+          f"{'within' if ok else 'outside'} ±{AGREEMENT_BAND:.0%}; {ranks}")
+    print("    per micro-batch, measured (modelled): " + "; ".join(
+        f"rank {r} F {f * 1e3:.1f} ({t * 1e3:.1f}) ms, B {b * 1e3:.1f} ({2 * t * 1e3:.1f}) ms"
+        for r, (f, b, t) in enumerate(zip(row["F"], row["B"], clk.stage_forward_s, strict=True))))
 
 # %% [markdown]
 # ## 5. Live activations: GPipe holds m micro-batches, 1F1B at most p − stage
@@ -678,7 +709,8 @@ quiz("pipeline")
 #   above); the other stages wait for it.
 # - On the real GPT a rank's idle time splits into the schedule's idle (fill / drain and waiting for a peer: the
 #   bubble, stretched by a slow neighbour) and runtime overhead the formula does not model; the split above prints
-#   which part is larger on this machine.
+#   which part is larger on this machine. Under the modelled clock, `pipeline_step` with each stage's own F and B
+#   predicts the GPT's step; the verdict against the ±20 % band and each rank's split are printed above.
 # - Zero bubble splits backward into B (input gradient: the previous stage waits for it) and W (weight gradient:
 #   nobody waits) and runs W's where 1F1B idles; the GPT trained with it equals one device, and the measured idle
 #   time per rank is printed above beside (p−1)(F+B−W) and 1F1B's (p−1)(F+B+W).
