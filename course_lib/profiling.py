@@ -880,7 +880,9 @@ def unseen_frees(path: str | os.PathLike, device_type: int = 0) -> list[tuple[fl
     worker drops the last reference a moment after the range, after the training thread dropped
     its own, the free goes unrecorded — which thread is last is a race. Lost: a buffer the
     training thread made whose address the trace hands out again unfreed, or one it made inside
-    a ``c10d::`` call and the trace never frees. It belongs to the ``c10d::`` call it was made in
+    a ``c10d::`` call (or right before an all-gather: its output) and the trace never frees;
+    one made right before another call is held (a reduce-scatter's output: the gradient shard).
+    It belongs to the ``c10d::`` call it was made in
     or, made before one, the next (``call``), and is freed when that call's ``gloo:`` range ends
     (``free_s``; no later than the address' reuse).
     """
@@ -914,7 +916,7 @@ def unseen_frees(path: str | os.PathLike, device_type: int = 0) -> list[tuple[fl
     for e, reused in lost:
         t = (float(e["ts"]) - t0) / 1e6
         call = next((c for c in calls if c.end >= t), None) if e.get("tid") in tids else None
-        if reused is None and call is not None and call.start > t:
+        if reused is None and call is not None and call.start > t and "allgather" not in call.name:
             call = None  # never freed, made before the call: held (a gradient shard), not lost
         work = next((w for w in works if w.start >= call.start), None) if call else None
         if work is None:

@@ -21,7 +21,7 @@
 # **What you need**: chapter 00 is not required; PyTorch at the level of a training loop (`loss.backward()`,
 # `optimizer.step()`).
 #
-# **Stored build:** 42 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 45 s on 2 cores (0% of them busy just before it started).
 #
 # This is the baseline the later chapters compare with: each of them checks that its distributed run equals a
 # single-device run of the same model and data (computed in that chapter, on its own configuration), and measures

@@ -25,7 +25,7 @@
 # **What you need**: chapters 00 (collectives, the α–β model) and 01 (a training step's memory); PyTorch autograd
 # at the level of `loss.backward()` and tensor hooks.
 #
-# **Stored build:** 84 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 96 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/ddp.py` (the algorithm, ~330 lines), `course_lib/experiments/ddp.py` and
 # `ddp_compression.py` (the measurements).

@@ -16,7 +16,7 @@
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
 # 2 CPU cores are enough (gloo); on GPUs the same rank functions run on nccl, one GPU per rank.
 #
-# **Stored build:** 85 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 87 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/fsdp.py`.
 

@@ -24,7 +24,7 @@
 # GPT) and 02 (data parallelism). 2 CPU cores are enough: ranks are processes with the gloo backend; on GPUs the same
 # code runs on nccl.
 #
-# **Stored build:** 71 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 76 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/pipeline.py` (stages, schedules, the runner) and `course_lib/experiments/pipeline.py`
 # (what this notebook runs on ranks).
@@ -386,8 +386,9 @@ print("idle time summed over ranks and schedules: "
 # ### The real GPT under the modelled clock
 # The same pipeline again (the same GPT, p = 2, m = 8, the same two stages), now under the modelled accelerator
 # clock (`E.gpt_clocked`). `clock.calibrate` times each block's real forward and backward on one micro-batch and
-# picks the rate at which every block sleeps at least 20× that; a MIN all-reduce gives both ranks the lower of
-# their two rates, so they run one clock. Each stage's forward then sleeps its FLOPs / rate and its backward twice
+# picks the rate at which every block sleeps at least 20× that (aiming at twice that, a margin for timing noise:
+# the first line below prints what it got); a MIN all-reduce gives both ranks the lower of their two rates, so
+# they run one clock. Each stage's forward then sleeps its FLOPs / rate and its backward twice
 # that: the blocks on both stages, the embeddings on stage 0, the output head and the loss on stage 1. The two
 # stages are therefore not equal, so the prediction takes each stage's own F and B instead of the equal-stage
 # formula: `step_time.pipeline_step` simulates both ranks' schedules, starting an F when its input has arrived
