@@ -13,7 +13,7 @@ The pieces a checker also needs live in foundation modules and are re-exported h
 
 Defined here:
 
-* **Reductions over ranks** — :func:`mean_over_ranks`, :func:`max_over_ranks`.
+* **Reductions over ranks** — :func:`mean_over_ranks`, :func:`max_over_ranks`, :func:`min_over_ranks`.
 * **Differences** — :func:`max_abs_diff`, :func:`state_diff` (models or state dicts).
 * **Races** — :func:`race`: :func:`course_lib.timing.time_steps`'s rounds as a plain dict.
 """
@@ -53,6 +53,7 @@ __all__ = [
     "reference_run",
     "mean_over_ranks",
     "max_over_ranks",
+    "min_over_ranks",
     "max_abs_diff",
     "state_diff",
     "race",
@@ -75,6 +76,13 @@ def max_over_ranks(value: float, group=None) -> float:
     """The largest per-rank number (a synchronous step lasts as long as its slowest rank)."""
     t = torch.tensor([value], dtype=torch.float64, device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def min_over_ranks(value: float, group=None) -> float:
+    """The smallest per-rank number (one clock rate for every rank: the slowest rank's)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return t.item()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,6 @@ from ..results import Result
 from ..timing import AGREEMENT_BAND, time_steps
 from ..zero3 import Zero3
 from . import common
-from .collectives import bandwidth_benchmark, idle_alpha
 from .fsdp import FSDPResult
 
 __all__ = [
@@ -175,25 +174,52 @@ class Recompute(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def _min_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
+def _replayed_links(
+    sizes: list[int], gap_s: float = 0.0, calls: int = 5, rounds: int = 3
+) -> st.AlphaBeta:
+    """α–β of the step's own collectives, replayed alone: the sizes it sends, as gloo runs them.
 
+    For each op and each size in ``sizes`` (bytes: a unit's gathered parameters; the root's and a
+    block's), ``rounds`` rounds of ``calls`` blocking calls, each after ``gap_s`` of sleep. Per
+    round the mean call (a step pays every call, the slow ones too); the median round; the max
+    over ranks (the slower rank's time is in the step). α and β are the line through the
+    smallest and the largest size: exact at the sizes the model prices.
 
-def _fit_links() -> st.AlphaBeta:
-    """α–β fitted on the spot (a short sweep), α no lower than an idle machine's."""
-    rows = bandwidth_benchmark(
-        (2**10, 2**14, 2**18, 2**21),
-        ops=("all_gather", "reduce_scatter"),
-        iters=2,
-        warmup=1,
-        repeats=3,
-    )
-    fit = st.fit_alpha_beta(rows)
-    idle = idle_alpha()
-    alpha = {op: max(a, idle.get(op, a)) for op, a in fit.alpha_s.items()}
-    return st.AlphaBeta(alpha, fit.beta_bytes_per_s, fit.world_size, fit.min_bytes, fit.points)
+    Why back to back (``gap_s=0``), although under the clock each collective follows a sleep:
+    in the step the host works between the sleep and the call (hooks, the copy into the
+    gather's input), and the step's waits match calls made back to back — ≈ 2.5 ms per block
+    all-gather in both, measured at load < 1 — while calls made right after a sleep paid
+    gloo's wake-up, 2–4 ms more each, which put the model's exposed all-gathers 1.5–3× over the
+    step's (as did chapter 00's sweep with an idle-α floor, over other sizes)."""
+    world = dist.get_world_size()
+    sizes = sorted(set(sizes))
+    run = {
+        "all_gather": lambda out, shard: dist.all_gather_into_tensor(out, shard),
+        "reduce_scatter": lambda out, shard: dist.reduce_scatter_tensor(shard, out),
+    }
+    alpha, beta = {}, {}
+    for op, call in run.items():
+        seconds = []
+        for nbytes in sizes:
+            full = torch.zeros(nbytes // 4, device=device())
+            shard = torch.zeros(nbytes // 4 // world, device=device())
+            call(full, shard)  # warm-up
+            means = []
+            for _ in range(rounds):
+                spent = 0.0
+                for _ in range(calls):
+                    time.sleep(gap_s)
+                    t0 = time.perf_counter()
+                    call(full, shard)
+                    spent += time.perf_counter() - t0
+                means.append(spent / calls)
+            seconds.append(common.max_over_ranks(statistics.median(means)))
+        factor = st.op_factor(op, world)
+        (b0, t0), (b1, t1) = (sizes[0], seconds[0]), (sizes[-1], seconds[-1])
+        # the line through both sizes; a larger message never costs less than a smaller one
+        beta[op] = factor * (b1 - b0) / (t1 - t0) if t1 > t0 else float("inf")
+        alpha[op] = t0 - factor * b0 / beta[op]
+    return st.AlphaBeta(alpha, beta, world, sizes[0], dict.fromkeys(alpha, len(sizes)))
 
 
 def _zero3_units(z3: Zero3, fwd) -> list:
@@ -231,21 +257,37 @@ class ClockedResult(Result):
     slept: dict = field(default_factory=dict)  # {variant: s the clock sleeps per step}
     waits: dict = field(default_factory=dict)  # {variant: {op: s waited per step (Zero3Waits)}}
     host_recompute: float = 0.0  # s recompute adds on the host (a clock that never sleeps)
+    links: object = field(default=None, repr=False)  # the replayed α–β the model priced with
 
     def host(self, name: str) -> float:
         """Seconds per step neither slept nor waiting on a collective: the host's own work."""
         return self.measured[name] - self.slept[name] - sum(self.waits[name].values())
 
     def breakdown(self) -> str:
-        """Per variant: the step, what the clock slept, the waits, and the host's work (ms)."""
-        lines = ["ms per step     step   slept   all-gather wait   reduce-scatter wait   host work"]
+        """Per variant, measured and predicted (ms): the step, compute, communication, host work.
+
+        Measured: what the clock slept, the waits for all-gathers + reduce-scatters
+        (``Zero3Waits``), the rest (:meth:`host`). Predicted: the clock's compute (and
+        recompute), the communication ``zero3_step`` leaves exposed, the host work measured
+        under a clock that never sleeps."""
+        head = f"{'ms per step':<34}{'step':>6}{'compute':>9}{'communication':>15}{'host work':>11}"
+        lines = [head]
         for n in self.measured:
-            w = self.waits[n]
+            w, p = self.waits[n], self.predicted[n].parts
+            comm = f"{w['all_gather'] * 1e3:.1f} + {w['reduce_scatter'] * 1e3:.1f}"
             lines.append(
-                f"{n:<22}{self.measured[n] * 1e3:>6.0f}{self.slept[n] * 1e3:>8.0f}"
-                f"{w['all_gather'] * 1e3:>18.1f}{w['reduce_scatter'] * 1e3:>22.1f}"
-                f"{self.host(n) * 1e3:>12.1f}"
+                f"{n + ', measured':<34}{self.measured[n] * 1e3:>6.0f}{self.slept[n] * 1e3:>9.0f}"
+                f"{comm:>15}{self.host(n) * 1e3:>11.1f}"
             )
+            exposed = p.get("exposed all_gather + reduce_scatter", 0.0)
+            lines.append(
+                f"{n + ', predicted':<34}{self.predicted[n].total * 1e3:>6.0f}"
+                f"{self.slept[n] * 1e3:>9.0f}{exposed * 1e3:>15.1f}{p.get('host work', 0.0) * 1e3:>11.1f}"
+            )
+        lines.append(
+            "(measured communication: all-gather + reduce-scatter waits; predicted: what zero3_step "
+            "leaves exposed)"
+        )
         return "\n".join(lines)
 
     def saving(self, a: str, b: str, which: str) -> float:
@@ -256,7 +298,7 @@ class ClockedResult(Result):
 
 
 def zero3_clocked(
-    rounds: int = 3, batch: int = 1, ratio: float = 15.0, config=None
+    rounds: int = 5, batch: int = 1, ratio: float = 15.0, config=None
 ) -> ClockedResult:
     """Rank function: our ``Zero3`` without prefetch, with it, and with it plus per-block recompute.
 
@@ -264,50 +306,43 @@ def zero3_clocked(
     block comparable to one block's all-gather, so what prefetch hides shows).
 
     Under the modelled accelerator clock (every block sleeps ≥ ``ratio`` × 2 its real compute,
-    ``clock.calibrate``) and predicted by ``step_time.zero3_step(prefetch=…, recompute=…)`` from
-    the units Zero3 really holds and α–β fitted on the spot. Rows: each variant's measured
-    median within ``timing.AGREEMENT_BAND`` of its prediction; prefetch where it acts — the
-    seconds the step waits for its all-gathers (``fsdp_meters.Zero3Waits``), at most half of
-    those without prefetch (the model's ratio beside it); and what recompute costs against one
-    forward of the blocks (the clock's sleeps, plus what checkpointing adds on the host: a
-    checkpointed minus a plain step under a clock that does not sleep). ``breakdown()`` splits
-    each step into sleeps, waits and the host's own work (copies into and out of the gather
-    buffers, hooks, the optimizer), which the model leaves out.
-    Same on every rank.
+    ``clock.calibrate``), each variant predicted as three measured parts: the clock's compute,
+    the communication ``step_time.zero3_step(prefetch=…, recompute=…)`` leaves exposed (the
+    units Zero3 really holds, priced by the same collectives replayed alone,
+    :func:`_replayed_links`), and the host's own work (:func:`_host_work`: the same step under a
+    clock that never sleeps, less its waits). Rows: each variant's measured median within
+    ``timing.AGREEMENT_BAND`` of its prediction; prefetch where it acts — the seconds the step
+    waits for its all-gathers (``fsdp_meters.Zero3Waits``), at most half of those without
+    prefetch (the model's ratio beside it); and what recompute costs against one forward of the
+    blocks (the clock's sleeps, plus what checkpointing adds on the host). ``breakdown()``
+    splits each measured step into sleeps, waits and host work. Same on every rank.
     """
     config = config or clocked_config()
     rank, world = dist.get_rank(), dist.get_world_size()
-    ab = _fit_links()
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g).to(device())
     y = torch.randint(0, config.vocab_size, (batch, config.block_size), generator=g).to(device())
     probe = GPT(config).to(device())
-    rate = _min_over_ranks(calibrate(probe, x, y, ratio=ratio).rate)  # one rate on every rank
+    rate = common.min_over_ranks(calibrate(probe, x, y, ratio=ratio).rate)  # one rate on every rank
     clock = AcceleratorClock(rate)
-    host_recompute = _host_recompute(config, x, y)
+    host = _host_work(config, x, y)
     steps, predicted, waits, calls = {}, {}, {}, dict.fromkeys(CLOCKED_VARIANTS, 0)
+    links = None
     for name in CLOCKED_VARIANTS:
-        model = GPT(config, seed=0).to(device())
-        clock.apply(model)
-        recompute = name.endswith("recompute")
-        if recompute:
-            for i, block in enumerate(model.blocks):
-                model.blocks[i] = Recompute(block)
-        fwd = st.part_seconds(st.part_flops(model, x, y), rate)
-        z3 = Zero3(model, prefetch=name != "no prefetch")
-        opt = torch.optim.SGD(z3.parameters(), lr=1e-3)
-        waits[name] = Zero3Waits()
-        z3.add_observer(waits[name])
+        z3, opt, waits[name], flops = _zero3_variant(name, config, clock, x, y)
+        fwd = st.part_seconds(flops, rate)
+        units = _zero3_units(z3, fwd)
+        if links is None:  # the root's and a block's messages
+            links = _replayed_links([u[1] for u in units])
 
         def step(z3=z3, opt=opt, name=name):
             calls[name] += 1
             return common.train_step(z3, opt, x, y)
 
         steps[name] = step
-        blocks = [n for n, _ in fwd if n.startswith("blocks.")] if recompute else []
-        predicted[name] = st.zero3_step(
-            fwd, _zero3_units(z3, fwd), ab, world, prefetch=z3.prefetch, recompute=blocks
-        )
+        recompute = [n for n, _ in fwd if n.startswith("blocks.")] if "recompute" in name else []
+        p = st.zero3_step(fwd, units, links, world, prefetch=z3.prefetch, recompute=recompute)
+        predicted[name] = replace(p, parts={**p.parts, "host work": host[name]})
     timings = time_steps(
         steps,
         rounds=rounds,
@@ -323,7 +358,8 @@ def zero3_clocked(
         timings=timings,
         slept={n: p.parts["compute"] + p.parts.get("recompute", 0.0) for n, p in predicted.items()},
         waits={n: {op: s / calls[n] for op, s in w.seconds.items()} for n, w in waits.items()},
-        host_recompute=host_recompute,
+        host_recompute=host["prefetch + recompute"] - host["prefetch"],
+        links=links,
     )
     # prefetch, measured where it acts: the seconds the step waits for its all-gathers. The model
     # says only the first unit of each pass (and the root) still waits.
@@ -339,7 +375,7 @@ def zero3_clocked(
     )
     # "recompute adds one forward of the blocks", measured: the extra step time against one
     # forward of the blocks — what the clock sleeps for it plus its real host work
-    one_forward = sum(s for n, s in fwd if n.startswith("blocks.")) + host_recompute
+    one_forward = sum(s for n, s in fwd if n.startswith("blocks.")) + res.host_recompute
     res.within(
         "recompute costs (recompute − prefetch), s",
         res.saving("prefetch + recompute", "prefetch", "measured"),
@@ -350,27 +386,38 @@ def zero3_clocked(
     return res
 
 
-def _host_recompute(config, x, y, repeats: int = 5) -> float:
-    """Seconds recompute adds to a training step on the host: checkpointed minus plain.
+def _zero3_variant(name: str, config, clock: AcceleratorClock, x, y):
+    """One of :data:`CLOCKED_VARIANTS`: ``(Zero3, SGD, its Zero3Waits, part FLOPs)`` on ``clock``."""
+    model = GPT(config, seed=0).to(device())
+    clock.apply(model)
+    if name.endswith("recompute"):
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = Recompute(block)
+    flops = st.part_flops(model, x, y)
+    z3 = Zero3(model, prefetch=name != "no prefetch")
+    waits = Zero3Waits()
+    z3.add_observer(waits)
+    return z3, torch.optim.SGD(z3.parameters(), lr=1e-3), waits, flops
 
-    Both on one device under a clock too fast to sleep, so its FLOP counting and hooks run as in
-    the step; checkpointing re-runs them in backward and adds its own saved-tensor hooks. Median
-    of ``repeats`` interleaved pairs after a warm-up."""
-    models = {}
-    for recompute in (False, True):
-        model = GPT(config, seed=0).to(device())
-        AcceleratorClock(1e30).apply(model)
-        if recompute:
-            for i, block in enumerate(model.blocks):
-                model.blocks[i] = Recompute(block)
-        models[recompute] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
-    extra = []
+
+def _host_work(config, x, y, repeats: int = 5) -> dict[str, float]:
+    """Seconds per step each variant's host works: its step less its waits, under a clock that never sleeps.
+
+    What the step-time model does not price: the real (small) compute, copying shards into each
+    all-gather's input and out of its output, the hooks, checkpointing's re-run forward and saved-
+    tensor hooks, the optimizer. With nothing to sleep, each step is that work plus the waits for
+    its collectives (timed by ``Zero3Waits``), which are taken out. Variants interleaved, the
+    median of ``repeats`` after a warm-up, the max over ranks."""
+    fast = AcceleratorClock(1e30)
+    built = {n: _zero3_variant(n, config, fast, x, y)[:3] for n in CLOCKED_VARIANTS}
+    spent = {n: [] for n in built}
     for i in range(repeats + 1):  # the first is a warm-up
-        took = {}
-        for recompute, (model, opt) in models.items():
+        for n, (z3, opt, waits) in built.items():
+            dist.barrier()
+            waits.reset()
             t0 = time.perf_counter()
-            common.train_step(model, opt, x, y)
-            took[recompute] = time.perf_counter() - t0
-        if i:
-            extra.append(took[True] - took[False])
-    return max(0.0, statistics.median(extra))
+            common.train_step(z3, opt, x, y)
+            took = time.perf_counter() - t0
+            if i:
+                spent[n].append(took - sum(waits.seconds.values()))
+    return {n: common.max_over_ranks(statistics.median(s)) for n, s in spent.items()}

@@ -58,7 +58,14 @@ from ..pipeline import (
 from ..results import EXACT, Result, Row, for_optimizer, max_abs_diff
 from ..step_time import part_flops, pipeline_step, slowest_stage_step
 from ..timing import AGREEMENT_BAND
-from .common import make_optimizer, parallel_config, reference_run, shard_batch, step_batch
+from .common import (
+    make_optimizer,
+    min_over_ranks,
+    parallel_config,
+    reference_run,
+    shard_batch,
+    step_batch,
+)
 
 __all__ = [
     "parallel_config",
@@ -625,12 +632,6 @@ def _median_seconds(steps_events: list, kind: str) -> list[float]:
     ]
 
 
-def _min_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
-
-
 @dataclass
 class ClockedPipelineResult(Result):
     """The GPT pipeline under the modelled clock, per schedule: measured beside ``pipeline_step``.
@@ -730,8 +731,8 @@ def gpt_clocked(
     split_microbatches(torch.empty(global_batch), m)  # a clear error before any rank waits
     x, y = step_batch(0, config, micro, dev)
     cal = calibrate(GPT(config, seed=0).to(dev), x, y, ratio=ratio)
-    rate = _min_over_ranks(cal.rate)  # one rate on every rank
-    worst = _min_over_ranks(cal.ratio * cal.rate / rate)  # a lower rate sleeps longer
+    rate = min_over_ranks(cal.rate)  # one rate on every rank
+    worst = min_over_ranks(cal.ratio * cal.rate / rate)  # a lower rate sleeps longer
     clock = AcceleratorClock(rate)
     chunks = _stage_chunks(config, p, 1, rank, dev)
     clock.apply(chunks[0])

@@ -33,6 +33,7 @@ from ..train import train_step
 from ..zero import ZeroOptimizer
 from ..zero3 import Zero3
 from .collectives import bandwidth_benchmark, idle_alpha
+from .common import min_over_ranks
 
 __all__ = ["measure_step_times", "idle_alpha", "TECHNIQUES", "step_time_config"]
 
@@ -77,12 +78,6 @@ def _ready(params, owner: dict, order: list[str]) -> str:
     return min((owner[p] for p in params), key=order.index)
 
 
-def _min_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
-
-
 def measure_step_times(
     rounds: int = 3, batch: int = 2, microbatches: int = 4, ratio: float = 20.0, config=None
 ) -> dict:
@@ -113,7 +108,7 @@ def measure_step_times(
 
     probe = GPT(config).to(device())
     x, y = _batch(config, batch, seed=rank)
-    rate = _min_over_ranks(calibrate(probe, x, y, ratio=ratio).rate)  # one rate for every rank
+    rate = min_over_ranks(calibrate(probe, x, y, ratio=ratio).rate)  # one rate for every rank
     clock = AcceleratorClock(rate)
     steps, predicted = {}, {}
 

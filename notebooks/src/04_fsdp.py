@@ -370,17 +370,20 @@ plt.show()
 # ### Prefetch and recompute in a step: predicted, then measured
 # Our `Zero3` issues asynchronous all-gathers, so its prefetch really runs communication during compute once
 # compute is a modelled accelerator's (`course_lib.clock`: each block sleeps what its FLOPs would take at the
-# clock's rate). `step_time.zero3_step(prefetch=…, recompute=…)` predicts each variant from the units `Zero3`
-# holds and α–β measured on the spot: without prefetch every all-gather is exposed; with it, unit i+1's runs behind
-# unit i's compute; activation checkpointing (a `torch.utils.checkpoint` around each block) adds one forward of the
-# blocks to backward and nothing else — the clock's sleeps for it, plus what checkpointing adds on the host (its
-# saved-tensor hooks and the re-run forward: a checkpointed minus a plain step, timed under a clock that does not
-# sleep).
+# clock's rate). The prediction adds three parts, each measured on its own before the timed steps:
+#
+# * **compute** — the clock's sleeps, from each block's FLOPs; activation checkpointing (a
+#   `torch.utils.checkpoint` around each block) adds one forward of the blocks to backward;
+# * **exposed communication** — `step_time.zero3_step(prefetch=…)` walks the step unit by unit on one link:
+#   without prefetch every all-gather is exposed; with it, unit i+1's runs behind unit i's compute. It prices
+#   each all-gather and reduce-scatter at the sizes `Zero3` really sends, by replaying those collectives alone;
+# * **host work** — what the model's compute and communication leave out: copying shards into each
+#   all-gather's input and out of its output, the hooks, the optimizer (and checkpointing's re-run forward):
+#   the same step under a clock that never sleeps, less its waits for collectives.
 #
 # Where prefetch acts is the wait: a `Zero3Waits` observer (`course_lib.fsdp_meters`) times every `work.wait()`
-# of the step's all-gathers and reduce-scatters. The step then splits into what the clock slept, those waits, and
-# the host's own work — copying shards into the all-gather's input and out of its output, the hooks, the
-# optimizer — which the model leaves out (it counts compute and communication only).
+# of the step's all-gathers and reduce-scatters, so each measured step splits the same way — what the clock
+# slept, those waits, and the rest (host work) — and the table below puts each part beside its prediction.
 
 # %% tags=["nbval-ignore-output"]
 clk = f2[0]["clocked"]
@@ -389,8 +392,9 @@ print(clk.breakdown())
 print(clk)
 ag = {n: clk.waits[n]["all_gather"] for n in ("no prefetch", "prefetch")}
 pf_saved, pf_model = clk.saving("no prefetch", "prefetch", "measured"), clk.saving("no prefetch", "prefetch", "predicted")
+print(clk.timings.compare("prefetch", "no prefetch"))
 print(f"prefetch: the all-gather waits fall from {ag['no prefetch'] * 1e3:.1f} to {ag['prefetch'] * 1e3:.1f} ms per "
-      f"step; the step shrinks by {pf_saved * 1e3:.1f} ms, the model's α–β said {pf_model * 1e3:.1f} ms")
+      f"step; the step shrinks by {pf_saved * 1e3:.1f} ms (medians), the model said {pf_model * 1e3:.1f} ms")
 
 # %% [markdown]
 # ### Gradient accumulation without the reduce-scatters
