@@ -40,7 +40,7 @@ The contract
   encloses it on its thread, else it is ``other``. Each event also has a ``phase`` (forward /
   backward / optimizer / "") — a clock sleep in backward has phase backward. A GPU kernel takes
   the kind and phase of the CPU op that launched it (their shared ``External id``).
-* What gloo looks like (torch 2.13, CPU, all threads): the training thread holds the few-µs
+* What gloo looks like (torch 2.13, CPU, all threads): the training thread holds the short
   ``c10d::allreduce_`` / ``c10d::broadcast_`` calls that enqueue each collective; the collective
   itself is a ``gloo:all_reduce`` / ``gloo:broadcast`` range on one of gloo's worker threads (one
   named ``pt_gloo_runloop``, the other named or not from run to run). No ``record_param_comms``
@@ -49,8 +49,10 @@ The contract
   ``all_threads`` adds is whatever else those and other threads run (their own ops, data-loader
   or autograd device threads). :func:`overlap` asks the learner's
   question of a trace: for how long does a collective run (on its own thread) while backward
-  computes (autograd's nodes and their ops, or under the modelled clock its backward sleeps —
-  not :func:`marked_step`'s ``backward`` mark, which also spans the wait for the last bucket)?
+  computes (:func:`computing`: autograd's nodes and their ops, and under the modelled clock its
+  backward sleeps — not :func:`marked_step`'s ``backward`` mark, which also spans DDP's wait for
+  the last bucket and the copy of the averages into ``.grad``, nor the ``c10d::`` calls that
+  enqueue the collectives)?
 * Quiet. Kineto writes ``USDT: … profiler_start`` lines straight to file descriptor 2, which a
   Jupyter kernel copies into the cell: the profiler's own start/step/stop calls run with fd 2
   sent to /dev/null (the step itself does not).
@@ -85,6 +87,7 @@ __all__ = [
     "read_traces",
     "classify",
     "overlap",
+    "computing",
     "busy",
     "training_threads",
     "draw_trace",
@@ -540,23 +543,23 @@ def _elsewhere(events: Sequence[TraceEvent], kind: str) -> list[TraceEvent]:
     return [e for e in events if e.kind == kind and e.thread not in mains and e.duration > 0]
 
 
-def overlap(events: Sequence[TraceEvent], a: str = "communication", b: str = "backward") -> float:
-    """Seconds during which an ``a`` range runs off the training thread while ``b`` work runs.
+def _subtract(xs: list[tuple[float, float]], cuts: list[tuple[float, float]]):
+    """Merged intervals ``xs`` with the merged intervals ``cuts`` taken out."""
+    out = []
+    for a, b in xs:
+        for c, d in cuts:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if a < b:
+            out.append((a, b))
+    return out
 
-    ``a`` is a kind, counted where it runs (gloo's worker threads, a CUDA stream's NCCL kernels —
-    not the few-µs ``c10d::`` call on the training thread that enqueues the collective). ``b`` is
-    a phase; its work is every range in that phase except the phase marks themselves
-    (:func:`marked_step`'s ``backward`` range also spans the wait for the last all-reduce):
-    autograd's nodes, their ops, and — under the modelled clock — its backward sleeps.
-    """
-    xs = _merge([(e.start, e.end) for e in _elsewhere(events, a)])
-    ys = _merge(
-        [
-            (e.start, e.end)
-            for e in events
-            if e.phase == b and e.kind != a and e.name not in MARKS and e.duration > 0
-        ]
-    )
+
+def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Seconds two lists of merged intervals share."""
     total, j = 0.0, 0
     for x0, x1 in xs:
         while j < len(ys) and ys[j][1] <= x0:
@@ -566,6 +569,60 @@ def overlap(events: Sequence[TraceEvent], a: str = "communication", b: str = "ba
             total += max(0.0, min(x1, ys[k][1]) - max(x0, ys[k][0]))
             k += 1
     return total
+
+
+def computing(events: Sequence[TraceEvent], phase: str = "backward") -> list[tuple[float, float]]:
+    """When ``phase``'s compute runs: merged ``(start, end)`` intervals, seconds.
+
+    Compute is the ranges whose own name says ``phase`` — for backward autograd's nodes
+    (``evaluate_function`` ranges and the ``…Backward0`` ops inside them), for forward a module's
+    ``forward`` — and, under the modelled clock, the clock's sleeps of that phase; the ops they
+    call lie inside them. Not compute: :func:`marked_step`'s phase marks and what runs under a mark
+    but outside every node — for backward, the end-of-backward callback that waits for the
+    all-reduces and copies the averages into ``.grad`` — and the host's ``c10d::`` calls that
+    enqueue a collective (inside a node: a DDP hook launching a bucket). A GPU kernel
+    counts when it was launched in ``phase`` (its launching op is not told apart here)."""
+    work = [
+        (e.start, e.end)
+        for e in events
+        if e.phase == phase
+        and e.duration > 0
+        and e.name not in MARKS
+        and (
+            _own_kind(e.name)[0] in (phase, "clock sleep")
+            or (e.category.lower() in GPU_CATEGORIES and e.kind != "communication")
+        )
+    ]
+    enqueue = [  # the host's calls that enqueue a collective (gloo's own ranges are the work)
+        (e.start, e.end)
+        for e in events
+        if e.kind == "communication"
+        and e.duration > 0
+        and e.category.lower() not in GPU_CATEGORIES
+        and not e.name.lower().startswith("gloo:")
+    ]
+    return _subtract(_merge(work), _merge(enqueue))
+
+
+def overlap(
+    events: Sequence[TraceEvent],
+    a: str = "communication",
+    b: str = "backward",
+    *,
+    ranges: Sequence[TraceEvent] | None = None,
+) -> float:
+    """Seconds during which an ``a`` range runs off the training thread while ``b``'s compute runs.
+
+    ``a`` is a kind, counted where it runs (gloo's worker threads, a CUDA stream's NCCL kernels —
+    not the ``c10d::`` call on the training thread that enqueues the collective). ``b`` is a
+    phase; its compute is :func:`computing`'s: autograd's nodes and the ops they call, and —
+    under the modelled clock — the phase's sleeps; not the phase mark (:func:`marked_step`'s
+    ``backward`` range also spans DDP's end-of-backward wait for the last all-reduce and the copy
+    of the averages into ``.grad``), nor the enqueueing ``c10d::`` calls. ``ranges``: count only
+    these ``a`` ranges (e.g. one all-reduce) instead of every one in ``events``.
+    """
+    xs = _elsewhere(events, a) if ranges is None else [e for e in ranges if e.duration > 0]
+    return _intersection(_merge([(e.start, e.end) for e in xs]), computing(events, b))
 
 
 def busy(events: Sequence[TraceEvent], kind: str = "communication") -> float:

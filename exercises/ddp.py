@@ -117,8 +117,10 @@ class OverlappedDDP(nn.Module):
     Must: start every rank from rank 0's weights; pack the trainable parameters (reverse
     registration order, at most ``bucket_size_mb`` MiB per bucket, a larger parameter alone) into
     buckets; launch each bucket's all-reduce (``comm.all_reduce(..., async_op=True, tag="grad")``)
-    from a gradient hook as soon as the bucket is complete — none after ``backward()`` returns;
-    leave frozen parameters without a gradient; work for many steps.
+    from a gradient hook as soon as the bucket is complete, while backward still produces the
+    other gradients (the checker counts, at each launch, the gradients still pending: buckets
+    launched all at once from an end-of-backward callback fail) — none after ``backward()``
+    returns; leave frozen parameters without a gradient; work for many steps.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 0.03):

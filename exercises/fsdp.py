@@ -1,66 +1,68 @@
-"""Chapter 04 exercises: FSDP2 by hand — choose the communication units, checkpoint the shards.
+"""Chapter 04 exercise: one FSDP unit from scratch — FSDP1's flat parameter, gathered on demand.
 
-(a) ``wrap_blocks(model, mesh, reshard_after_forward=True)`` — ``fully_shard`` every transformer
-    block, then the root. Each ``fully_shard`` call makes one *unit*: its parameters are
-    all-gathered in one collective before it runs and reduce-scattered in one after its backward.
-    Blocks first, root last: the root then owns only what no block owns (embeddings, ``ln_f``,
-    the tied ``lm_head``). Wrap only the root and the whole model is gathered at once.
-(b) ``ShardedCheckpoint.save(model, optimizer, path)`` / ``.load(model, optimizer, path)`` — a
-    sharded checkpoint with ``torch.distributed.checkpoint`` (DCP): every rank writes its own
-    shards, nobody gathers the model, and loading into a fresh model resumes bit for bit.
+``FlatUnit(module, process_group=None)`` wraps one module (the checker's: a transformer block). All of
+its parameters are flattened into one 1-D buffer, zero-padded to N·S elements, and cut into N equal
+shards (FSDP1's ``FlatParameter``); this rank keeps shard r as its only parameter. Per step:
 
-``course_lib.fsdp`` does both (``fsdp2_wrap``, ``fsdp2_checkpoint_roundtrip``) with checks and
-measurements. Check: ``course-lib check fsdp2_wrap_blocks`` / ``course-lib check sharded_checkpoint``
-(or ``check("fsdp2_wrap_blocks")`` in a notebook).
+* forward: one all-gather of the whole flat buffer, the module runs on views of it, the buffer's
+  storage is freed the moment the module returns;
+* before the module's backward: the same buffer is gathered again, in place;
+* after it: the flat gradient is reduce-scattered (averaged over ranks) into the shard's gradient,
+  and the buffer is freed again.
+
+One unit, one collective of each kind, no prefetch: ``course_lib.zero3.Zero3`` (chapter 03) does the
+same for every block of a model, per parameter padded, with prefetch and the root unit.
+
+Check: ``course-lib check flat_unit`` (or ``check("flat_unit")`` in a notebook), on 2 ranks.
+Stuck? ``course_lib.checks.fsdp.hint("flat_unit", 1)`` is the idea, level 2 the API (never the code).
 """
 
-import torch.distributed.checkpoint as dcp  # noqa: F401  (dcp.save / dcp.load)
+import torch  # noqa: F401
+import torch.distributed as dist  # noqa: F401  (all_gather_into_tensor, reduce_scatter_tensor)
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: F401
-from torch.distributed.fsdp import fully_shard  # noqa: F401
+from torch.func import functional_call  # noqa: F401  (runs a module with tensors you pass)
 
 
-def wrap_blocks(model: nn.Module, mesh, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard ``model`` with FSDP2, one unit per block of ``model.blocks`` plus the root; return it.
+class FlatUnit(nn.Module):
+    """ZeRO-3 for one module: this rank keeps 1/N of the module's flattened parameters.
 
-    Bottom-up matters: ``fully_shard(m)`` takes every parameter of ``m`` that is not already in
-    a unit of a submodule. Pass ``mesh=mesh`` and ``reshard_after_forward`` to every call.
+    ``FlatUnit(module, process_group=None)``; usage, every step (each rank its own batch)::
+
+        out = unit(x)               # the module's output, computed with the full weights
+        loss.backward()             # unit.shard.grad: this rank's slice of the averaged gradient
+        optimizer.step()            # the optimizer was built over unit.parameters()
+
+    Must:
+
+    * Layout: ``module.named_parameters()`` in order, each ``reshape(-1)``, concatenated and
+      zero-padded to N·S elements, S = ⌈Ψ/N⌉ (Ψ: the module's parameter count). ``self.shard``, an
+      ``nn.Parameter`` of S elements, is slice ``[r·S, (r+1)·S)`` of it and the unit's **only**
+      parameter: the module keeps none of its own.
+    * Memory: the full parameters exist only while they are needed — from the all-gather before
+      forward until the module returns, and again from before the module's backward until the
+      flat gradient is reduce-scattered. In between, and at rest, the unit (and autograd's saved
+      tensors) hold this rank's shard, not the full weights.
+    * Collectives, per step: one all-gather in forward; one all-gather and one reduce-scatter in
+      backward (any API: the checker counts the operators).
+    * Numbers: after ``backward()``, ``shard.grad`` is slice r of the gradient averaged over ranks,
+      so N ranks on their halves train exactly like one device on the whole batch.
+
+    One forward, then its backward (no second forward of the same unit before backward); the
+    module returns one tensor.
     """
-    # TODO: one fully_shard per block, then one on the whole model.
-    raise NotImplementedError(
-        "wrap_blocks: implement it (hints in layers, the idea then the API: "
-        "course_lib.checks.fsdp.hint('fsdp2_wrap_blocks', 1), then level 2)"
-    )
 
-
-class ShardedCheckpoint:
-    """Save and restore an FSDP2 model and its optimizer with DCP (every rank calls both)."""
-
-    @staticmethod
-    def save(model: nn.Module, optimizer, path: str) -> None:
-        """Write this rank's shards of the model and of the optimizer state under ``path``.
-
-        ``get_state_dict(model, optimizer)`` gives both as state dicts of DTensor shards, keyed by
-        parameter *name* (the optimizer's own ``state_dict()`` keys by position); ``dcp.save`` of
-        ``{"model": ..., "optim": ...}`` with ``checkpoint_id=path`` writes one file per rank plus
-        ``.metadata`` (which global slice of which tensor is in which file).
-        """
-        # TODO
+    def __init__(self, module: nn.Module, process_group=None):
+        super().__init__()
+        # TODO: build the layout of the docstring, keep this rank's shard, release the rest.
         raise NotImplementedError(
-            "ShardedCheckpoint.save: implement it (hints in layers, the idea then the API: "
-            "course_lib.checks.fsdp.hint('sharded_checkpoint', 1), then level 2)"
+            "FlatUnit: implement it (hints in layers, the idea then the API: "
+            "course_lib.checks.fsdp.hint('flat_unit', 1), then level 2)"
         )
 
-    @staticmethod
-    def load(model: nn.Module, optimizer, path: str) -> None:
-        """Fill ``model`` and ``optimizer`` (freshly built, same sharding) from the checkpoint at ``path``.
-
-        DCP loads *in place*: first ask ``get_state_dict`` for the layout to fill (it also creates
-        the optimizer's state tensors), ``dcp.load`` it, then hand the filled dicts back with
-        ``set_state_dict(model, optimizer, model_state_dict=..., optim_state_dict=...)``.
-        """
-        # TODO
+    def forward(self, *args):
+        # TODO: gather, run the module on the full weights, free; arrange the re-gather before
+        # the module's backward and the reduce-scatter after it.
         raise NotImplementedError(
-            "ShardedCheckpoint.load: implement it (hints in layers, the idea then the API: "
-            "course_lib.checks.fsdp.hint('sharded_checkpoint', 1), then level 2)"
+            "FlatUnit.forward: implement it (hints in layers: "
+            "course_lib.checks.fsdp.hint('flat_unit', 1), then level 2)"
         )

@@ -144,6 +144,40 @@ def test_wrong_answer_names_rank_tensor_and_error(learner_answer):
     assert "rank 0, tensor of 1 elements: max |error|" in result.message
 
 
+_LAUNCH_AT_THE_END = """
+
+class _LaunchAtTheEnd(BucketedReducer):
+    \"\"\"Every bucket launched from one end-of-backward callback: inside backward(), no overlap.\"\"\"
+
+    queued = False
+
+    def _on_grad_ready(self, p):
+        self.slot[p].copy_(p.grad)
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._launch_all)
+
+    def _launch_all(self):
+        for i, flat in enumerate(self.flat):
+            flat.div_(self.world_size)
+            self.works.append((i, comm.all_reduce(flat, async_op=True, tag="grad")))
+        self.queued = False
+"""
+
+
+def test_overlapped_ddp_launching_every_bucket_at_the_end_of_backward_fails(learner_answer):
+    """All-reduces launched inside backward() but after its last gradient (a queue_callback) overlap
+    nothing: the checker's own gradient hooks see no launch while a gradient is still pending."""
+    source = (ROOT / "solutions" / "ddp.py").read_text(encoding="utf-8")
+    old = "self.reducer = BucketedReducer(module,"
+    assert source.count(old) == 1, old
+    source = source.replace(old, "self.reducer = _LaunchAtTheEnd(module,") + _LAUNCH_AT_THE_END
+    result = learner_answer("ddp", source)("overlapped_ddp")
+    assert result.status == "failed", str(result)
+    assert "launched while gradients were still pending" in result.message, str(result)
+    assert "as soon as it is complete" in result.message, str(result)
+
+
 def _ray_train_answer(old: str, new: str) -> str:
     """The ch07 solution with one line changed: a learner's almost-right answer."""
     source = (ROOT / "solutions" / "ray_train.py").read_text(encoding="utf-8")
@@ -186,3 +220,49 @@ def test_ray_train_loop_that_raises_reports_the_error_and_the_learners_line(
 def test_unknown_exercise():
     with pytest.raises(ValueError, match=r"unknown exercise 'nope'; available: .*ring_all_reduce"):
         check("nope")
+
+
+# --------------------------------------------------------------------------- chapter 04: FlatUnit
+
+
+def _flat_unit_answer(old: str, new: str) -> str:
+    """The ch04 solution with one line changed: a learner's almost-right FlatUnit."""
+    source = (ROOT / "solutions" / "fsdp.py").read_text(encoding="utf-8")
+    assert source.count(old) == 1, old
+    return source.replace(old, new)
+
+
+def test_flat_unit_that_keeps_the_weights_after_forward_fails_on_memory(learner_answer):
+    """No free after forward: the full weights stay between forward and backward, and no re-gather comes."""
+    run = learner_answer(
+        "fsdp",
+        _flat_unit_answer(
+            "        out = functional_call(self.module, self._views(flat), args)\n        self._free()\n",
+            "        out = functional_call(self.module, self._views(flat), args)\n",
+        ),
+    )
+    result = run("flat_unit")
+    assert result.status == "failed", str(result)
+    assert "between forward and backward the unit and autograd hold" in result.message
+    assert "free the gathered weights right after forward" in result.message
+
+
+def test_flat_unit_that_sums_the_gradients_fails_with_the_factor(learner_answer):
+    """A reduce-scatter sums: without the division the shard's gradient is N× one device's."""
+    run = learner_answer(
+        "fsdp",
+        _flat_unit_answer("return grad.div_(unit.world_size), None", "return grad, None"),
+    )
+    result = run("flat_unit")
+    assert result.status == "failed", str(result)
+    assert "it is 2× too large: the reduce-scatter sums, divide by N" in result.message
+
+
+def test_flat_unit_hints_come_in_two_layers_and_never_the_code():
+    from course_lib.checks.fsdp import HINTS, hint
+
+    assert set(HINTS) == {"flat_unit"}
+    idea, api = hint("flat_unit", 1), hint("flat_unit", 2)
+    assert idea != api and "all_gather_into_tensor" in api and "all_gather" not in idea
+    with pytest.raises(ValueError, match="level"):
+        hint("flat_unit", 3)

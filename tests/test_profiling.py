@@ -65,12 +65,15 @@ def test_the_classification_finds_every_phase_and_the_clock(one_device):
 
 
 def test_classify_inherits_from_the_innermost_enclosing_range_and_overlap_adds_up():
+    node = "autograd::engine::evaluate_function: "
     raw = [
         {"thread": "main", "name": "backward", "start": 0.0, "duration": 10.0},
-        {"thread": "main", "name": "autograd::engine::evaluate_function: MmBackward0", "start": 1.0, "duration": 4.0},
+        {"thread": "main", "name": f"{node}MmBackward0", "start": 1.0, "duration": 4.0},
         {"thread": "main", "name": "aten::mm", "start": 2.0, "duration": 1.0},
         {"thread": "main", "name": "clock: blocks.0 bwd", "start": 5.0, "duration": 3.0},
-        {"thread": "main", "name": "c10d::allreduce_", "start": 8.0, "duration": 0.1},
+        {"thread": "main", "name": f"{node}torch::autograd::AccumulateGrad", "start": 8.0, "duration": 0.5},
+        {"thread": "main", "name": "c10d::allreduce_", "start": 8.1, "duration": 0.2},  # a DDP hook launches
+        {"thread": "main", "name": "aten::copy_", "start": 9.0, "duration": 0.8},  # end of backward: copy into .grad
         {"thread": "main", "name": "aten::add", "start": 12.0, "duration": 1.0},
         {"thread": "gloo", "name": "gloo:all_reduce", "start": 7.0, "duration": 4.0},
     ]  # fmt: skip
@@ -86,8 +89,15 @@ def test_classify_inherits_from_the_innermost_enclosing_range_and_overlap_adds_u
     )
     assert (ev["gloo:all_reduce"].kind, ev["gloo:all_reduce"].phase) == ("communication", "")
     assert ev["aten::add"].kind == "other"
-    # the gloo range 7–11 overlaps backward work (the sleep, 5–8) for 1 s; the mark (0–10) is not work
-    assert P.overlap(list(ev.values())) == pytest.approx(1.0)
+    assert (ev["aten::copy_"].kind, ev["aten::copy_"].phase) == ("backward", "backward")
+    # backward computes 1–8.5 (the nodes, the sleep) less the hook's enqueueing call 8.1–8.3; not
+    # the mark (0–10), nor the copy under it after the last node (9–9.8: DDP's end of backward)
+    assert [t for span in P.computing(list(ev.values())) for t in span] == pytest.approx(
+        [1.0, 8.1, 8.3, 8.5]
+    )
+    # so the gloo range 7–11 runs beside backward's compute for 1.1 + 0.2 s
+    assert P.overlap(list(ev.values())) == pytest.approx(1.3)
+    assert P.overlap(list(ev.values()), ranges=[ev["gloo:all_reduce"]]) == pytest.approx(1.3)
     # the enqueueing c10d call sits on the training thread (it holds the "backward" mark): not counted
     assert P.training_threads(list(ev.values())) == {"main"}
     assert P.busy(list(ev.values())) == pytest.approx(4.0)

@@ -268,8 +268,13 @@ def _train_zero3(c) -> dict:
 def run_cases(names: list[str]) -> dict:
     """Rank function: every named configuration, one after the other, on this process group; then
     chapter 03's experiments (``reports``: each stage's report; clipping and resume at stages 1-3)
-    and the LR-scheduler runs (``schedulers``)."""
-    from course_lib.experiments.zero import zero_clip_and_resume, zero_stage_report
+    and the LR-scheduler runs (``schedulers``); at N = 2 also ``zero_step_times``, one round per
+    clock at a fast clock (``step_times``: its shape and α, not its timings, are tested)."""
+    from course_lib.experiments.zero import (
+        zero_clip_and_resume,
+        zero_stage_report,
+        zero_step_times,
+    )
 
     out = {
         name: (_train_zero3 if CASES[name]["stage"] == 3 else _train_zero_optimizer)(CASES[name])
@@ -279,12 +284,15 @@ def run_cases(names: list[str]) -> dict:
     out["reports"] += [zero_stage_report(3, zero3_unit="param")]
     out["reports"] += [zero_clip_and_resume(stage=stage) for stage in (1, 2, 3)]
     out["schedulers"] = {stage: _zero_with_lr_scheduler(stage) for stage in (1, 2)}
+    if dist.get_world_size() == 2:
+        out["step_times"] = zero_step_times(rounds=1, ratio=2.0, real_rounds=1, real_steps=1)
     return out
 
 
 _RESULTS: dict[int, dict] = {}
 _REPORTS: dict[int, list] = {}
 _SCHEDULERS: dict[int, dict] = {}
+_STEP_TIMES: dict[int, object] = {}
 
 
 def results(world: int) -> dict:
@@ -296,6 +304,7 @@ def results(world: int) -> dict:
         }
         _REPORTS[world] = [report for r in per_rank for report in r["reports"]]
         _SCHEDULERS[world] = per_rank[0]["schedulers"]
+        _STEP_TIMES[world] = per_rank[0].get("step_times")
     return _RESULTS[world]
 
 
@@ -721,6 +730,20 @@ def test_chapter_03_experiments_pass_every_row_on_every_rank(world):
     assert len(reports) == 8 * world
     for report in reports:
         report.assert_passed()
+
+
+def test_zero_step_times_prices_with_the_larger_alpha_and_reruns_the_same_steps_on_the_real_clock():
+    from course_lib.experiments.zero import TIMED_STAGES
+
+    results(2)
+    got = _STEP_TIMES[2]
+    assert got.clocked.clock.startswith("modelled accelerator clock")
+    assert list(got.clocked) == list(TIMED_STAGES) == list(got.predicted)
+    assert got.real.clock == "real clock" and got.real.rounds == 1
+    assert list(got.real) == [*TIMED_STAGES, "no communication"]
+    assert all(t.median > 0 for t in got.real.timings.values())
+    for op, used in got.links.alpha_s.items():  # back to back (chapter 00's), or after a sleep
+        assert used == max(got.alpha_back_to_back[op], got.alpha_after_idle[op])
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"world={w}" for w in WORLDS])

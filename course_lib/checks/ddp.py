@@ -6,7 +6,9 @@ with a plain ``dist.all_reduce`` (not counted by ``CommLog``), on this rank's ow
 :data:`results.REORDERED` (the same sums, perhaps in another order). These checkers look at
 gradients after ``backward()``, so their loops call it themselves (no optimizer step is checked).
 :func:`check_overlapped_ddp` trains k AdamW steps and compares the weights with one device on the
-full batch, and fails if any all-reduce is launched after ``backward()`` returned.
+full batch, and fails if any all-reduce is launched after ``backward()`` returned, or if none is
+launched while a gradient is still pending (its own post-accumulate-grad hooks, registered after
+the learner's, count the gradients made final by each launch).
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ HINTS: dict[str, tuple[str, str]] = {
     ),
     "overlapped_ddp": (
         "Three things make a wrapper data parallel: every replica starts from the same weights, "
-        "each bucket's all-reduce starts while backward still runs (from a hook, never after "
-        "backward returns), and the optimizer steps only after every average has arrived.",
+        "each bucket's all-reduce starts while backward still produces gradients (from a "
+        "gradient hook, the moment its bucket is complete — not all at once at the end of "
+        "backward), and the optimizer steps only after every average has arrived.",
         "dist.broadcast(t, src=0) over the parameters (and buffers) in __init__; your "
         "BucketedReducer does the hooks and the buckets; finish_gradient_synchronization() is the "
         "place to wait. The checker starts rank r from seed r, trains 3 AdamW steps on 2 ranks "
@@ -163,9 +166,15 @@ def check_overlapped_ddp(cls, steps: int = 3, bucket_size_mb: float = 0.03) -> l
 
     Rank r builds its model from seed r (the wrapper must broadcast rank 0's weights) and trains
     on its half of each global batch; one device (seed 0, same optimizer) trains on the whole of
-    it on the same rank. Fails if no all-reduce tagged 'grad' is launched during ``backward()``,
-    if any is launched after ``backward()`` returned (in ``finish_gradient_synchronization``:
-    no overlap), or if the weights differ beyond :data:`results.ADAMW`.
+    it on the same rank. Fails if no all-reduce tagged 'grad' is launched during ``backward()``;
+    if none is launched while gradients are still pending — launching every bucket from an
+    end-of-backward callback (``queue_callback``) all-reduces during ``backward()`` but overlaps
+    nothing; the checker registers its own post-accumulate-grad hook on every trainable
+    parameter after the wrapper's constructor (so it fires after the learner's hook on the same
+    parameter) and reads, each time one fires, how many 'grad' all-reduces were launched by
+    then; if any is launched after ``backward()`` returned (in
+    ``finish_gradient_synchronization``: no overlap); or if the weights differ beyond
+    :data:`results.ADAMW`.
     """
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     config = small_config()
@@ -174,41 +183,73 @@ def check_overlapped_ddp(cls, steps: int = 3, bucket_size_mb: float = 0.03) -> l
     ref = GPT(config, seed=0).to(dev)
     ref.wpe.weight.requires_grad_(False)
     ddp = cls(model, bucket_size_mb=bucket_size_mb)
-    opt = make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer("adamw", trainable)
     ref_opt = make_optimizer("adamw", [p for p in ref.parameters() if p.requires_grad])
+    log = comm.CommLog()
+    launched: list[int] = []  # launched[k]: 'grad' all-reduces launched once k + 1 grads were final
+
+    def gradient_final(_p) -> None:  # registered last: runs after the learner's hook on _p
+        launched.append(log.count(op="all_reduce", tag="grad"))
+
+    handles = [p.register_post_accumulate_grad_hook(gradient_final) for p in trainable]
     problems = []
-    for step in range(steps):
-        x, y = make_batch(4 * world, config.block_size, config.vocab_size, seed=step)
-        x, y = x.to(dev), y.to(dev)
-        mine = slice(4 * rank, 4 * rank + 4)
-        opt.zero_grad(set_to_none=True)
-        with comm.CommLog() as log:
-            ddp(x[mine], y[mine])[1].backward()
-            during = log.count(op="all_reduce", tag="grad")
-            ddp.finish_gradient_synchronization()
-            after = log.count(op="all_reduce", tag="grad") - during
-        if during == 0:
-            problems.append(
-                f"rank {rank}, step {step}: no all-reduce tagged 'grad' was launched during "
-                "backward() — launch each bucket from a gradient hook"
-            )
-        if after:
-            problems.append(
-                f"rank {rank}, step {step}: {after} all-reduce(s) tagged 'grad' were launched "
-                "after backward() returned, in finish_gradient_synchronization(): no overlap"
-            )
-        if model.wpe.weight.grad is not None:
-            problems.append(f"rank {rank}: the frozen wpe.weight got a gradient")
-        if problems:
-            return problems
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        ref(x, y)[1].backward()
-        ref_opt.step()
+    try:
+        for step in range(steps):
+            x, y = make_batch(4 * world, config.block_size, config.vocab_size, seed=step)
+            x, y = x.to(dev), y.to(dev)
+            mine = slice(4 * rank, 4 * rank + 4)
+            opt.zero_grad(set_to_none=True)
+            launched.clear()
+            log.records.clear()
+            with log:
+                ddp(x[mine], y[mine])[1].backward()
+                during = log.count(op="all_reduce", tag="grad")
+                ddp.finish_gradient_synchronization()
+                after = log.count(op="all_reduce", tag="grad") - during
+            problems += _overlap_problems(rank, step, during, after, launched, len(trainable))
+            if model.wpe.weight.grad is not None:
+                problems.append(f"rank {rank}: the frozen wpe.weight got a gradient")
+            if problems:
+                return problems
+            opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            ref(x, y)[1].backward()
+            ref_opt.step()
+    finally:
+        for h in handles:
+            h.remove()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         if not ADAMW.ok(p.detach(), q.detach()):
             problems.append(
                 f"rank {rank}: after {steps} AdamW steps {name} differs from one device on the "
                 f"full batch by max |error| {max_abs_diff(p.detach(), q.detach()):.3g} ({ADAMW})"
             )
+    return problems
+
+
+def _overlap_problems(
+    rank: int, step: int, during: int, after: int, launched: list[int], trainable: int
+) -> list[str]:
+    """What one step's launches break. ``launched[k]``: the 'grad' all-reduces launched once
+    k + 1 of the ``trainable`` gradients were final (the learner's hook on that one included)."""
+    problems = []
+    early = [n for n in launched[: trainable - 1] if n > 0]  # while >= 1 gradient was pending
+    if during == 0:
+        problems.append(
+            f"rank {rank}, step {step}: no all-reduce tagged 'grad' was launched during "
+            "backward() — launch each bucket from a gradient hook"
+        )
+    elif not early:
+        problems.append(
+            f"rank {rank}, step {step}: no all-reduce tagged 'grad' was launched while gradients "
+            f"were still pending (the first came after all {trainable} were final): launch each "
+            "bucket from a gradient hook as soon as it is complete, while backward still "
+            "produces the others — not all at the end of backward"
+        )
+    if after:
+        problems.append(
+            f"rank {rank}, step {step}: {after} all-reduce(s) tagged 'grad' were launched "
+            "after backward() returned, in finish_gradient_synchronization(): no overlap"
+        )
     return problems

@@ -8,7 +8,9 @@ Rank functions (run them with ``launch.spawn``), each returning a
 * :func:`zero_clip_and_resume` — global-norm clipping vs one device, checkpoint/resume vs the
   uninterrupted run (:class:`ClipResumeReport`);
 * :func:`zero_stage_profile` — every stage's step time, peak bytes per phase and which collectives
-  each phase issues (:class:`StageProfile`).
+  each phase issues (:class:`StageProfile`);
+* :func:`zero_step_times` — every stage's step under the modelled clock against the step-time
+  model, then on the real clock (:class:`StepTimes`).
 
 The results also read like the dicts they replace (``report["ratio"]``, :class:`results.FieldAccess`).
 Accounting helpers, usable in any rank function: :func:`model_state_accounting` (bytes held) and
@@ -21,6 +23,7 @@ import io
 import math
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +61,8 @@ __all__ = [
     "StageReport",
     "ClipResumeReport",
     "StageProfile",
+    "zero_step_times",
+    "StepTimes",
     "MEMORY_FORMULA",
 ]
 
@@ -561,14 +566,17 @@ def _profile_rows(p: StageProfile) -> None:
             )
         units = {u["name"]: u["gathered_bytes"] for u in p.units}
         g3 = max(p.peak[3][ph]["transient"] for ph in ("forward", "backward"))
-        blocks, rest = divmod(g3 - units["(root)"], units["blocks.0"])
+        root, block = units["(root)"], units["blocks.0"]
+        blocks, rest = divmod(g3 - root, block)
         n_blocks = len(units) - 1
         if n_blocks > 2:  # with 2 blocks, "at most 2 gathered" cannot fail: no row
             p.condition(
-                f"stage 3: gathered weights at the peak ({n_blocks} blocks)",
+                f"stage 3: gathered weights at the peak ({n_blocks} blocks), B",
                 g3,
                 rest == 0 and 1 <= blocks <= 2 < n_blocks,
-                "root + 1 block in use (+ 1 prefetched), < all blocks",
+                "≤, whole blocks (≥ root + 1)",
+                reference=root + 2 * block,
+                against="root + 2 blocks gathered",
             )
     acts = list(p.activation_bytes.values())
     if len(acts) < 2:  # one stage profiled: "the same at every stage" would compare it with itself
@@ -694,24 +702,42 @@ def zero_stage_profile(
 TIMED_STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
 
+class StepTimes(NamedTuple):
+    """:func:`zero_step_times`' result: the stages timed on both clocks, and the α–β it priced with."""
+
+    clocked: object  # timing.Timings under the modelled clock, a row per prediction
+    predicted: dict  # {stage: step_time.Prediction}
+    links: object  # step_time.AlphaBeta the predictions used: α after idling, β the sweep's
+    alpha_back_to_back: dict  # {op: s} the sweep's α: calls back to back (chapter 00's kind)
+    alpha_after_idle: dict  # {op: s} collectives.idle_alpha: each call after a sleep
+    real: object  # timing.Timings of the same steps on the real clock (None: real_rounds=0)
+
+
 def zero_step_times(
     rounds: int = 3,
     batch: int = 2,
     ratio: float = 20.0,
     config: GPTConfig | None = None,
     bucket_cap_mb: float = 0.2,
-):
+    real_rounds: int = 5,
+    real_steps: int = 2,
+) -> StepTimes:
     """Rank function: each stage's step under the modelled accelerator clock, against the model.
 
     The chapter's model with 4 blocks (``zero_config(n_layer=4)``; ``bucket_cap_mb`` 0.2: about
-    one block per bucket), ``batch`` sequences per rank. α–β fitted on the spot (β from a short
-    sweep, α as a collective issued after a sleep pays it, ``idle_alpha``); a clock rate at which
+    one block per bucket), ``batch`` sequences per rank. α–β fitted on the spot: β from a short
+    sweep; α per op the larger of the sweep's (1 KiB calls back to back, the smallest median:
+    ``step_time.fit_alpha_beta``, as chapter 00 fits it) and ``collectives.idle_alpha``'s (the
+    median 1 KiB call issued after a 5 ms sleep, averaged over the ranks: gloo's worker thread
+    and the peer are woken first, as a collective after a clock sleep is); a clock rate at which
     every block sleeps ≥ ``ratio`` × 2 its real compute; then bucketed DDP, ZeRO-1, ZeRO-2
     (``ZeroOptimizer``) and ZeRO-3 with prefetch (``Zero3``), each predicted by
     :func:`course_lib.step_time.ddp_step` / ``zero_step`` / ``zero3_step`` from what the object
     really holds (its buckets, its units) and timed in interleaved rounds
-    (:func:`course_lib.timing.time_steps`). Returns ``(Timings, {name: Prediction}, AlphaBeta)``;
-    the Timings' rows: each median within ``AGREEMENT_BAND`` of its prediction.
+    (:func:`course_lib.timing.time_steps`); the Timings' rows: each median within
+    ``AGREEMENT_BAND`` of its prediction. Then the same step objects once more with the clock
+    paused (the real clock: ``real_rounds`` rounds of ``real_steps`` steps), beside one rank's
+    model stepping alone ("no communication"). Returns :class:`StepTimes`.
     """
     from .. import step_time as st
     from ..clock import AcceleratorClock, calibrate, costed_parts
@@ -791,4 +817,18 @@ def zero_step_times(
         predicted={n: p.total for n, p in predicted.items()},
         title=f"one step per stage, N = {world}: measured under the clock vs the step-time model",
     )
-    return timings, predicted, ab
+    real = None
+    if real_rounds:
+        alone = GPT(config).to(dev)
+        clock.apply(alone)
+        sgd = torch.optim.SGD(alone.parameters(), lr=1e-3)
+        steps["no communication"] = lambda m=alone, o=sgd: train_step(m, o, x, y)
+        with clock.paused():  # nothing sleeps: the same steps in real time
+            real = time_steps(
+                steps,
+                rounds=real_rounds,
+                steps_per_round=real_steps,
+                clock=clock,
+                title=f"one step per stage, N = {world}: the same steps on the real clock",
+            )
+    return StepTimes(timings, predicted, ab, dict(fit.alpha_s), idle, real)

@@ -92,17 +92,13 @@ EXERCISES: dict[str, Exercise] = {
         "gradient",
         "check_sharded_linear",
     ),
-    "fsdp2_wrap_blocks": _ex(
+    "flat_unit": _ex(
         "fsdp",
-        "wrap_blocks",
-        "FSDP2 units — fully_shard every block, then the root",
-        "check_fsdp2_wrap_blocks",
-    ),
-    "sharded_checkpoint": _ex(
-        "fsdp",
-        "ShardedCheckpoint",
-        "save and restore FSDP2 model + optimizer shards with DCP",
-        "check_sharded_checkpoint",
+        "FlatUnit",
+        "one FSDP unit from scratch: a flat sharded buffer, all-gathered for forward and again "
+        "for backward, freed in between, its gradient reduce-scattered; 3 AdamW steps == one device",
+        "check_flat_unit",
+        world_sizes=(2,),
     ),
     "one_f_one_b_schedule": _ex(
         "pipeline",

@@ -39,6 +39,7 @@ import torch
 from course_lib import formulas, memory
 from course_lib.data import loss_floor, make_batch
 from course_lib.models import GPT, tiny_config
+from course_lib.results import Result
 from course_lib.train import train_single_device, train_step
 
 _ = torch.manual_seed(0)
@@ -122,8 +123,12 @@ last20 = sum(run["loss"][-20:]) / 20
 ax.set_title(f"one device, batch 32: the loss approaches the floor (last-20 mean {last20:.3f} vs {floor:.3f})")
 ax.legend()
 plt.show()
-print(f"first loss ≈ ln V: {abs(run['loss'][0] - math.log(cfg.vocab_size)) < 0.1}")
-print(f"mean loss of the last 20 steps within 25 % of the floor ln(V)/T: {last20 < 1.25 * floor}")
+claims = Result(title="sections 2 and 3, checked: the loss, the model states, the activations")  # shown in section 3
+first = run["loss"][0]
+claims.condition("first loss (nats)", round(first, 4), abs(first - math.log(cfg.vocab_size)) < 0.1, "|Δ| < 0.1",
+                 round(math.log(cfg.vocab_size), 4), "ln V: a uniform guess")
+_ = claims.condition("mean loss of the last 20 steps (nats)", round(last20, 4), last20 < 1.25 * floor,
+                     "< 1.25 × the floor", round(floor, 4), "the floor ln(V)/T")
 
 # %% [markdown]
 # <a id="flops"></a>
@@ -158,7 +163,7 @@ print(f"achieved: {achieved / 1e9:.2f} GFLOP/s; best measured fp32 matmul rate (
 
 # %% [markdown]
 # Two things can hold a tiny model's MFU down, and later sections measure each: its matrices (64 wide) may be too
-# small to keep the cores busy (section 3 prints the matmul rate at width 64 beside 512), and layer norms, GELU,
+# small to keep the cores busy (section 4 prints the matmul rate at width 64 beside 512), and layer norms, GELU,
 # softmax and the Python loop take time that counts as no model FLOP (section 5's profile prints the share of the
 # step its top ops hold, and how many `aten::` ranges a step runs).
 
@@ -179,8 +184,10 @@ psi = model.num_params()
 n_tensors = len(list(model.parameters()))
 for key in ("params", "grads", "optimizer", "total"):
     print(f"{key:<10} {states[key]:>10,} bytes  = {states[key] / psi:5.2f} bytes/param")
-print(f"16Ψ = {16 * psi:,} bytes; measured − 16Ψ = {states['total'] - 16 * psi} = 4 bytes × {n_tensors} step counters: "
-      f"{states['total'] - 16 * psi == 4 * n_tensors}")
+print(f"16Ψ = {16 * psi:,} bytes; measured − 16Ψ = {states['total'] - 16 * psi} bytes; "
+      f"{n_tensors} parameter tensors")
+_ = claims.exact("model states − 16Ψ (bytes)", states["total"] - 16 * psi, 4 * n_tensors,
+                 f"4 bytes × {n_tensors} AdamW step counters")
 
 # %% [markdown]
 # **Activations.** What autograd saves during the forward pass for the backward pass. We measure it with
@@ -198,7 +205,7 @@ est = formulas.activation_bytes_estimate(cfg, b)
 print(f"measured activations : {meter.bytes:,} bytes")
 print(f"estimated (derived)  : {est['total']:,} bytes  (per layer {est['per_layer']:,} = "
       f"{est['per_layer'] / (s * b * cfg.d_model):.1f}·s·b·h)")
-print(f"estimate equals measurement: {est['total'] == meter.bytes}")
+claims.exact(f"saved activations, b={b} (bytes)", meter.bytes, est["total"], "the derived formula")
 k16 = formulas.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_head, n_layers=cfg.n_layer)
 print(f"for comparison, the 16-bit GPU formula s·b·h·(34+5as/h)·L = {k16:,.0f} bytes")
 table = memory.saved_tensors_table(loss, exclude=model)
@@ -211,8 +218,8 @@ for row in table:
 print(f"\n{'backward node (op)':<48}{'tensors':>8}{'bytes':>12}")
 for op, (n, nb) in sorted(per_op.items(), key=lambda kv: -kv[1][1]):
     print(f"{op:<48}{n:>8}{nb:>12,}")
-print(f"{'sum':<48}{sum(n for n, _ in per_op.values()):>8}{sum(nb for _, nb in per_op.values()):>12,}"
-      f"  = measured: {sum(nb for _, nb in per_op.values()) == meter.bytes}")
+print(f"{'sum':<48}{sum(n for n, _ in per_op.values()):>8}{sum(nb for _, nb in per_op.values()):>12,}")
+_ = claims.exact("sum of the per-op table (bytes)", sum(nb for _, nb in per_op.values()), meter.bytes, "the meter")
 
 # %% [markdown]
 # <a id="korthikanti"></a>
@@ -234,13 +241,14 @@ with memory.SavedTensorMeter(exclude=m_math) as meter_math:
 with memory.SavedTensorMeter(exclude=m_sdpa) as meter_sdpa_8:
     m_sdpa(x8, y8)
 est_math, est_sdpa = formulas.activation_bytes_estimate(cfg_math, 8), formulas.activation_bytes_estimate(cfg, 8)
-print(f"math attention, b=8: measured {meter_math.bytes:,} bytes = derived {est_math['total']:,}: "
-      f"{meter_math.bytes == est_math['total']}")
-print(f"math − SDPA at b=8: measured {meter_math.bytes - meter_sdpa_8.bytes:,} bytes = derived "
-      f"{est_math['total'] - est_sdpa['total']:,}: "
-      f"{meter_math.bytes - meter_sdpa_8.bytes == est_math['total'] - est_sdpa['total']} "
-      f"= stored probabilities 4·a·s·s·b·L {4 * cfg.n_head * s * s * 8 * cfg.n_layer:,} + causal masks s·s·L "
-      f"{s * s * cfg.n_layer:,} − SDPA's log-sum-exp 4·a·s·b·L {4 * cfg.n_head * s * 8 * cfg.n_layer:,}")
+print(f"math attention, b=8: measured {meter_math.bytes:,} bytes, derived {est_math['total']:,}")
+print(f"math − SDPA at b=8: measured {meter_math.bytes - meter_sdpa_8.bytes:,} bytes, derived "
+      f"{est_math['total'] - est_sdpa['total']:,} = stored probabilities 4·a·s·s·b·L "
+      f"{4 * cfg.n_head * s * s * 8 * cfg.n_layer:,} + causal masks s·s·L {s * s * cfg.n_layer:,} − SDPA's "
+      f"log-sum-exp 4·a·s·b·L {4 * cfg.n_head * s * 8 * cfg.n_layer:,}")
+claims.exact("math attention, b=8: saved (bytes)", meter_math.bytes, est_math["total"], "the derived formula")
+_ = claims.exact("math − SDPA, b=8: saved (bytes)", meter_math.bytes - meter_sdpa_8.bytes,
+                 est_math["total"] - est_sdpa["total"], "the derived formulas' difference")
 
 # %% [markdown]
 # <a id="activation-sweep"></a>
@@ -257,10 +265,18 @@ for s_ in (8, 16, 32):
         sweep.append(dict(s=s_, b=b_, measured=m_.bytes,
                           formula=formulas.activation_bytes_estimate(cfg, b_, s_)["total"]))
 states_after = memory.model_state_bytes(model, opt)["total"]
-print(f"{len(sweep)} (b, s) points: measured = formula at every one: "
-      f"{all(p['measured'] == p['formula'] for p in sweep)}")
 print(f"activations at b=32, s=32 vs b=4, s=8: {sweep[-1]['measured'] / sweep[0]['measured']:.1f}× "
-      f"(32× the tokens); model states unchanged by the sweep: {states_after == states['total']}")
+      f"(32× the tokens)")
+claims.exact("(b, s) points where measured = formula", sum(p["measured"] == p["formula"] for p in sweep),
+             len(sweep), "every point of the sweep")
+_ = claims.exact("model states after the sweep (bytes)", states_after, states["total"],
+                 "before it: b, s change nothing")
+
+# %% tags=["nbval-ignore-output"]
+print(claims)
+
+# %%
+claims.assert_passed()
 
 # %%
 from course_lib import viz
@@ -305,7 +321,7 @@ plt.show()
 # %%
 from torch.utils.checkpoint import checkpoint
 
-from course_lib.results import REORDERED, Result
+from course_lib.results import REORDERED
 
 
 class Checkpointed(torch.nn.Module):

@@ -286,7 +286,9 @@ plt.show()
 # %% [markdown]
 # Reading the trace with code: where each all-reduce starts, which backward range it follows (the block whose
 # backward completed its bucket), how long it runs, and how much of it ran while backward still computed
-# (`profiling.overlap`: time a `gloo:` range on a worker thread coincides with backward's ops and sleeps).
+# (`profiling.overlap`: time a `gloo:` range on a worker thread coincides with backward's *compute*, which
+# `profiling.computing` finds: autograd's nodes with the ops they call, and the clock's backward sleeps — not the
+# `c10d::allreduce_` calls that enqueue the collectives, nor what runs after the last node inside `backward()`).
 
 # %% tags=["nbval-ignore-output"]
 step0 = min(e.start for e in events if e.name.startswith("ProfilerStep#"))
@@ -295,34 +297,41 @@ bwd = next(e for e in events if e.name == "backward" and e.thread in train_threa
 sleeps = sorted((e for e in events if e.kind == "clock sleep" and e.phase == "backward" and e.start >= step0),
                 key=lambda e: e.end)
 ars = sorted((e for e in events if e.name == "gloo:all_reduce" and e.start >= step0), key=lambda e: e.start)
+compute_end = max(b for a, b in profiling.computing(events, "backward") if bwd.start <= a <= bwd.end)
 
 
 def ms(t):  # seconds in the trace → ms from the start of the profiled step
     return (t - step0) * 1e3
 
 
-print(f"backward (the mark): {ms(bwd.start):.1f} → {ms(bwd.end):.1f} ms; "
-      f"its last modelled compute ends at {ms(sleeps[-1].end):.1f} ms")
+print(f"backward (the mark): {ms(bwd.start):.1f} → {ms(bwd.end):.1f} ms; its last modelled compute (sleep) ends at "
+      f"{ms(sleeps[-1].end):.1f} ms, its last node at {ms(compute_end):.1f} ms")
 for i, a in enumerate(ars):
     before = [s for s in sleeps if s.end <= a.start]
     after = f"{(a.start - before[-1].end) * 1e3:.1f} ms after '{before[-1].name}' ended" if before else "before any"
+    beside = profiling.overlap(events, ranges=[a])
     print(f"all-reduce {i}: starts {ms(a.start):6.1f} ms ({after}), runs {a.duration * 1e3:.1f} ms on "
-          f"gloo's worker {a.thread.split(' / ')[-1]}")
+          f"gloo's worker {a.thread.split(' / ')[-1]}; beside backward's compute: {beside * 1e3:.1f} ms")
 print(f"collectives running: {tr.comm_s * 1e3:.1f} ms; while backward computes (profiling.overlap): "
-      f"{tr.overlap_s * 1e3:.1f} ms ({tr.overlap_s / tr.comm_s:.0%}); exposed: {tr.exposed_s * 1e3:.1f} ms")
-print(f"backward() returns {(bwd.end - sleeps[-1].end) * 1e3:.1f} ms after its last compute: the wait for "
+      f"{tr.overlap_s * 1e3:.1f} ms ({tr.overlap_s / tr.comm_s:.0%}); exposed: {tr.exposed_s * 1e3:.1f} ms, "
+      f"of which the last all-reduce's: {(ars[-1].duration - profiling.overlap(events, ranges=[ars[-1]])) * 1e3:.1f} ms")
+print(f"backward() returns {(bwd.end - compute_end) * 1e3:.1f} ms after its last node: the wait for "
       f"the last bucket's all-reduce (it ends at {ms(ars[-1].end):.1f} ms) and the copy back into .grad")
 
 # %% [markdown]
 # **A worked reading.** Backward runs the blocks from the last to the first. An all-reduce cannot start before
 # every gradient of its bucket exists, so each one starts just after the backward range of the block that completes
 # its bucket (the printout names it) — that is what it waits on. From there it runs on gloo's thread while the
-# training thread goes on with the next blocks' backward: the part the printout counts as "while backward
-# computes" runs beside compute instead of after it. The **last** bucket holds the first layers (and the embeddings), whose gradients come last:
-# its all-reduce can only start after backward's compute is over, nothing runs beside it, and `backward()` (the
-# end-of-backward callback) waits for it — that part is *exposed*, and it is the difference between the
-# backward mark's end and its last compute printed above. This is the exposed row of section 2's table, read off
-# one trace instead of a difference of medians.
+# training thread goes on with the next blocks' backward: the part the printout counts as "beside backward's
+# compute" runs beside compute instead of after it. The **last** bucket holds the first layers (and the
+# embeddings), whose gradients come last: the hook of the very last gradient launches it, inside backward's last
+# node, so once that launch returns backward's compute is over; nothing runs beside it, and `backward()` (the
+# end-of-backward callback) waits for it — that part is *exposed*. The printout splits the exposed total into the
+# last all-reduce's share and the rest: any other all-reduce is exposed only for the moments the training thread
+# spends outside compute while it runs (inside the `c10d::allreduce_` call that enqueued it, or between nodes).
+# What `backward()` adds after its last node is that wait plus the copy of the averages into `.grad`, printed last.
+# This is the trace's counterpart of the exposed column of section 2's table, read off one step instead of a
+# difference of medians.
 
 # %% [markdown]
 # ## 3. Step time vs bucket size
@@ -345,8 +354,8 @@ print(f"backward() returns {(bwd.end - sleeps[-1].end) * 1e3:.1f} ms after its l
 # the DDP object really holds and section 2's α–β fit (α measured after idling, as the calls follow sleeps), then
 # **measures** them with `timing.time_steps` (interleaved rounds, max over ranks, median and min–max). The rows are
 # the course's ±20 % band on each step. The caps change only the communication term of section 2's table, not the
-# compute; the last cell prints whether this machine's min–max ranges tell the cap with the shortest median apart
-# from the two extremes.
+# compute; the last cell prints which caps this machine's min–max ranges tell apart from the cap with the shortest
+# median, and which they cannot.
 
 # %% tags=["nbval-ignore-output"]
 sweep = spawn(ddp.bucket_sweep_under_clock, 2, kwargs=dict(rate=exp["rate"], fit=exp["fit"]))[0]
@@ -362,7 +371,9 @@ print(sweep)
 
 # %% tags=["nbval-ignore-output"]
 best_p = min(rows, key=lambda r: r["predicted"].total)
-best_m = min(rows, key=lambda r: r["timing"].median)
+best_m = min(rows, key=lambda r: r["timing"].median)  # the shortest median: fastest only if its range separates
+vs_best = {r["label"]: sweep["timings"].compare(best_m["label"], r["label"]) for r in rows if r is not best_m}
+best_set = [best_m["label"]] + [k for k, c in vs_best.items() if not c.separated]  # ranges overlap best_m's
 ticks = [f"{r['label']}\n({r['n_buckets']} all-reduce{'s' * (r['n_buckets'] > 1)})" for r in rows]
 med = [r["timing"].median * 1e3 for r in rows]
 fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
@@ -372,17 +383,23 @@ ax.errorbar(ticks, med, yerr=[[m - r["timing"].lo * 1e3 for m, r in zip(med, row
             fmt="o", color="tab:orange", capsize=4, label=f"measured (median, min–max of {sweep['timings'].rounds} rounds)")
 ax.set_xlabel("bucket_cap_mb (categorical; all-reduces per step in brackets)")
 ax.set_ylabel("ms per step (2 ranks)")
-ax.set_title(f"step time vs bucket size ({sweep['clock']}):\nminimum at {best_p['label']} predicted, "
-             f"{best_m['label']} measured")
+ax.set_title(f"step time vs bucket size ({sweep['clock']}):\nminimum at {best_p['label']} predicted; "
+             f"measured, by min–max ranges: {' or '.join(best_set)}")
 fig.legend(loc="outside lower center", ncols=2)
 plt.show()
 
 # %% tags=["nbval-ignore-output"]
-print(f"fastest predicted: {best_p['label']} ({best_p['predicted'].total * 1e3:.1f} ms); fastest measured: "
-      f"{best_m['label']} ({best_m['timing']}); the same cap: {best_p is best_m}")
-for extreme in (rows[0], rows[-1]):
-    if extreme is not best_m:
-        print(compare(best_m["label"], best_m["timing"], extreme["label"], extreme["timing"]).verdict)
+print(f"shortest step predicted: {best_p['label']} ({best_p['predicted'].total * 1e3:.1f} ms); shortest median "
+      f"measured: {best_m['label']} ({best_m['timing']})")
+for c in vs_best.values():  # against every other cap: faster only where the min–max ranges separate
+    print(c.verdict)
+told = [k for k, c in vs_best.items() if c.separated]
+if len(best_set) == 1:
+    print(f"{best_m['label']}'s range lies below every other cap's: it is the fastest measured cap")
+else:
+    print(f"the ranges tell {best_m['label']} apart from {', '.join(told) or 'no other cap'} but not from "
+          f"{', '.join(best_set[1:])}: the fastest measured cap is one of {', '.join(best_set)}")
+print(f"the predicted minimum ({best_p['label']}) is among the measured best: {best_p['label'] in best_set}")
 
 # %% [markdown]
 # ## 4. Predict the all-reduce, then measure it
@@ -653,9 +670,9 @@ print(f"4 micro-batches per step: {acc.grad_allreduces} gradient all-reduces = o
 # splits the captured graph at DDP's bucket boundaries (read from `ddp_model.bucket_bytes_cap`) and compiles each
 # piece separately: backward then runs piece by piece, and each bucket's all-reduce starts when its piece is done.
 #
-# The rank function below compiles torch DDP on section 2's bench model (3.2M parameters, 12.6 MB of gradients) with
-# a backend that only **counts**: `GraphCounter` records each `GraphModule` Dynamo hands it and returns
-# `gm.forward`, so no code is generated (inductor, slow to compile on CPU, would change nothing in the split).
+# The rank function below compiles torch DDP on section 2's bench model (its parameters and gradient bytes are
+# printed there) with a backend that only **counts**: `GraphCounter` records each `GraphModule` Dynamo hands it and
+# returns `gm.forward`, so no code is generated (inductor, slow to compile on CPU, would change nothing in the split).
 # It trains 2 SGD steps compiled and 2 eagerly from the same init, and reads the buckets DDP's reducer holds after
 # them (`ddp_bucket_sizes`: the rebuilt buckets). The split counts the DDP optimizer's buckets, not DDP's: it always
 # takes a **1 MiB first bucket** (`dist._DEFAULT_FIRST_BUCKET_BYTES`, the graph walked from its output, i.e. the
@@ -723,8 +740,8 @@ split.assert_passed()
 
 # %% [markdown]
 # How to read the counts: one graph more than DDP buckets is the DDP optimizer's 1 MiB first piece where DDP's
-# first bucket is larger (at `bucket_cap_mb=25` all 12.6 MB fit in one DDP bucket, so any second graph is that cut).
-# With `optimize_ddp=False` the graph stays whole, and every all-reduce waits for the entire backward graph.
+# first bucket is larger (at `bucket_cap_mb=25` all of its gradients fit in one DDP bucket, as section 2's bucket
+# printout shows, so any second graph is that cut). With `optimize_ddp=False` the graph stays whole, and every all-reduce waits for the entire backward graph.
 # Production runs compile with a code-generating backend (inductor, the default): the DDP optimizer splits the
 # graph *before* it hands each piece to the backend, so the split, and the overlap it allows, are the same.
 
@@ -815,9 +832,12 @@ check("bucketed_reducer", package="solutions", world_sizes=(2,))
 # bucket is complete, and leave frozen parameters without a gradient. *Checker* (2 ranks): rank r builds the small
 # GPT from seed r; 3 AdamW steps (lr 1e-3, weight decay 0.1, eps 1e-6), each rank on its half of an 8-sequence global
 # batch; one device (seed 0) trains on the whole batch beside it. It fails if no all-reduce was launched during
-# `backward()`, if **any** all-reduce is launched after `backward()` returned (inside
-# `finish_gradient_synchronization`: no overlap), or if any weight differs from one device beyond the `AdamW`
-# tolerance. Check yours with `check("overlapped_ddp")` (or `course-lib check overlapped_ddp`); the cell runs the
+# `backward()`; if none was launched **while gradients were still pending** (the checker registers its own
+# post-accumulate-grad hook on every trainable parameter after your constructor ran, so it fires after yours, and
+# counts the gradients already final at each launch: buckets launched all at once from an end-of-backward
+# callback, `queue_callback`, run inside `backward()` but overlap nothing, and fail); if **any** all-reduce is
+# launched after `backward()` returned (inside `finish_gradient_synchronization`: no overlap); or if any weight
+# differs from one device beyond the `AdamW` tolerance. Check yours with `check("overlapped_ddp")` (or `course-lib check overlapped_ddp`); the cell runs the
 # checker on the solution.
 
 # %%
@@ -850,7 +870,7 @@ quiz("ddp")
 # - A torch DDP script with `DistributedSampler` + `set_epoch` and `no_sync()` accumulation equals one device on the
 #   global batches and issues one all-reduce per bucket per optimizer step; torchrun runs the same rank functions.
 # - A profiler trace of one step (section 2): each bucket's all-reduce starts after the backward of the block that
-#   completes it; `profiling.overlap` measures how much of it runs under backward (printed there).
+#   completes it; `profiling.overlap` measures how much of it runs beside backward's compute (printed there).
 # - `torch.compile` on torch DDP: the DDP optimizer cuts the graph into as many pieces as DDP has buckets, within
 #   one (its 1 MiB first bucket), with the eager losses (section 8's table).
 
@@ -859,7 +879,8 @@ ratios = race["ratios_vs_torch"]
 print(f"worst max|Δparam| vs one device: {max(w.max_abs_diff for w in worst.values()):.1e}")
 print("exposed communication per step (predicted / measured): " + ", ".join(
     f"{k} {p * 1e3:.1f} / {m * 1e3:.1f} ms" for k, (p, m) in exp["exposed"].items() if k != "compute only"))
-print(f"bucket sweep (modelled clock): fastest predicted {best_p['label']}, measured {best_m['label']}")
+print(f"bucket sweep (modelled clock): shortest step predicted at {best_p['label']}; measured, by min–max ranges, "
+      f"at {' or '.join(best_set)}")
 print(f"gradient all-reduce: predicted {pred['predicted_s'] * 1e3:.1f} ms, measured {pred['measured_s'] * 1e3:.1f} ms")
 print(f"vs torch DDP: own bucketed {ratios['own_bucketed']:.2f}, + bucket view {ratios['own_bucket_view']:.2f}, "
       f"+ find_unused {ratios['own_find_unused']:.2f}, own fp16 / torch fp16 "

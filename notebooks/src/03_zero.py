@@ -7,10 +7,12 @@
 #   gradients (2), then the parameters themselves (3) — measured per rank on real ranks, against the formulas;
 # - what it costs in communication (≈2Ψ for stages 1–2, like DDP; ≈3Ψ for stage 3);
 # - that ZeRO shards **model states, not activations**;
-# - that every stage is still exactly one-device training (with clipping and checkpoint/resume);
+# - that every stage (0–3) is still exactly one-device training, and stages 1, 2 and 3 also with gradient clipping
+#   and checkpoint/resume;
 # - how the libraries do it: torch's `ZeroRedundancyOptimizer` and DeepSpeed, on the same model;
 # - each stage's **peak** memory (not only what is held after the step), and each stage's step **time** under the
-#   modelled accelerator clock, predicted by the step-time model of chapter 00 before it is measured.
+#   modelled accelerator clock, predicted by the step-time model of chapter 00 before it is measured — then the same
+#   steps on the real CPU clock, with what two cores show and why.
 #
 # **What you need**: chapters 00 (collectives, α–β model) and 01 (16Ψ, activations); chapter 02's DDP helps.
 # DeepSpeed's first run compiles a C++ op, once (cached in `.cache/torch_extensions`).
@@ -167,10 +169,18 @@ for world, per_rank in reports.items():
 # Stages 1 and 2 send the same bytes; they differ in **when**. Below, one more step per stage at N = 2 with small
 # buckets (`bucket_cap_mb=0.05`, so the flat buffer is cut into several buckets; stage 0 is DDP with the same
 # buckets), its collectives counted per phase of the step (`zero.zero_stage_profile`, which also tracks the peak
-# memory, §3b):
+# memory, §3b; the same ranks then profile stage 3 alone on four blocks, read in §3b):
 
 # %%
-prof = spawn(zero.zero_stage_profile, 2, kwargs=dict(micro_batch=2, rounds=0))[0]
+def profiles():
+    four_blocks = zero.zero_config(n_layer=4)
+    return (
+        zero.zero_stage_profile(micro_batch=2, rounds=0),
+        zero.zero_stage_profile(stages=(3,), micro_batch=2, rounds=0, config=four_blocks),
+    )
+
+
+prof, prof3 = spawn(profiles, 2)[0]
 print(f"{'stage':>5} | {'forward':<22}| {'backward':<32}| {'step':<30}")
 for st in range(4):
     c = prof["calls"][st]
@@ -275,14 +285,18 @@ print(
 # Stage 3's transient is the root unit (embeddings and final LayerNorm, used at both ends of the forward) plus the
 # block in use and, with prefetch, the next one already being gathered — at most two blocks, however many the model
 # has. With two blocks that cannot fail, so the claim is checked on the same model with **four** blocks (stage 3
-# only, one step):
+# only, one step: `prof3`, profiled by the same ranks as the profile in §3), against the root's and two blocks'
+# gathered bytes as `Zero3.unit_table()` counts them:
 
 # %%
-prof3 = spawn(
-    zero.zero_stage_profile,
-    2,
-    kwargs=dict(stages=(3,), micro_batch=2, rounds=0, config=zero.zero_config(n_layer=4)),
-)[0]
+unit_bytes = {u["name"]: u["gathered_bytes"] for u in prof3["units"]}
+root_b, block_b = unit_bytes["(root)"], unit_bytes["blocks.0"]
+g3 = max(prof3["peak"][3][ph]["transient"] for ph in ("forward", "backward"))
+k, rest = divmod(g3 - root_b, block_b)
+print(
+    f"gathered bytes: root {root_b:,} B, one block {block_b:,} B; root + 2 blocks = {root_b + 2 * block_b:,} B"
+)
+print(f"at the peak: {g3:,} B = root + {k} block(s) + {rest:,} B")
 print(prof3)
 
 # %% [markdown]
@@ -307,10 +321,27 @@ print(prof3)
 # on gloo a reduce-scatter does at least an all-reduce's work on its input, and the α–β fitted below measures what
 # it costs here (its β is per ring byte; the line under the fit compares a 1 MiB reduce-scatter with an
 # all-reduce).
+#
+# **Which α.** Chapter 00 fitted α from small calls made back to back (a few calls in a row after a barrier, so
+# gloo's worker threads are awake), and `zero_step_times` runs that same sweep. In a clocked step, though, a
+# collective is mostly issued right after a sleep — a block's modelled compute — and then gloo's worker thread, and
+# the peer's, must be woken and scheduled on the two cores before a byte moves. So the code also runs
+# `collectives.idle_alpha`: twelve 1 KiB calls per op, each issued after a 5 ms sleep, their median averaged over
+# the ranks; the predictions use the larger of the two α per op (β stays the sweep's). That α is not read off the
+# clocked step itself: it is a stand-in measured just before it, in the same processes. The cell prints the two
+# beside the one used.
 
 # %% tags=["nbval-ignore-output"]
-times, step_pred, ab = spawn(zero.zero_step_times, 2)[0]
+step_times = spawn(zero.zero_step_times, 2)[0]
+times, step_pred, ab = step_times.clocked, step_times.predicted, step_times.links
 print(ab.table())
+print()
+print(
+    f"{'op':<15} {'α back to back (µs)':>20} {'α after a 5 ms sleep (µs)':>26} {'α used (µs)':>12}"
+)
+for op, used in ab.alpha_s.items():
+    b2b, idle = step_times.alpha_back_to_back[op], step_times.alpha_after_idle[op]
+    print(f"{op:<15} {b2b * 1e6:>20.0f} {idle * 1e6:>26.0f} {used * 1e6:>12.0f}")
 rs_cost = ab.predict("reduce_scatter", 2**20, 2) / ab.predict("all_reduce", 2**20, 2)
 print(
     f"on gloo here, a 1 MiB reduce-scatter costs {rs_cost:.2f}× a 1 MiB all-reduce (a ring reduce-scatter: 0.5×)"
@@ -334,6 +365,47 @@ print(times.compare("ZeRO-1", "ZeRO-2").verdict)
 # The band (±20 % of a step) is wider than the predicted differences between stages (the exposed parts above): each
 # row checks its own prediction, not the ranking. Whether two stages really differ is what their ranges say — the
 # last line compares ZeRO-1 (reduce-scatter after backward) with ZeRO-2 (during backward).
+#
+# <a id="real-clock"></a>
+# ### The same steps on the real clock
+#
+# Every timing lesson runs twice. Above, under the modelled clock; here the very same step objects (the same
+# models, buckets and units) once more with the clock paused (`clock.paused()`: nothing sleeps, nothing is counted),
+# so the table holds this machine's own compute and gloo's own communication. Beside them, **no communication**:
+# one rank's model stepping alone on the same micro-batch — the compute every stage does on each rank. Each median
+# comes with its min–max range over interleaved rounds; under the table, `Timings.compare` ranks two stages only
+# when their ranges separate ("indistinguishable" otherwise), for three pairs on both clocks.
+
+# %% tags=["nbval-ignore-output"]
+real = step_times.real
+print(real.table())
+print()
+for a, b in (("DDP", "ZeRO-1"), ("ZeRO-1", "ZeRO-2"), ("DDP", "ZeRO-3")):
+    print(f"real clock:     {real.compare(a, b).verdict}")
+    print(f"modelled clock: {times.compare(a, b).verdict}")
+alone = real["no communication"].median
+print()
+print(
+    "real clock, share of the median step beyond one rank's compute alone: "
+    + ", ".join(f"{n} {1 - alone / real[n].median:.0%}" for n in zero.TIMED_STAGES)
+)
+
+# %% [markdown]
+# **What two cores show, and why.** On a GPU node the accelerator computes while the network and the
+# communication threads move bytes: a collective launched during backward runs on hardware backward does not use.
+# Here there is none to spare. Each rank is a process on one of the two cores, and gloo runs every collective on
+# worker threads of those same processes; while a bucket's reduce-scatter is in flight, its thread competes with
+# backward for the rank's core, and the peer's core is as busy. Launching the reduce-scatter during backward
+# (ZeRO-2, DDP) rather than after it (ZeRO-1) changes *when* the work runs, not *what* runs it, so it does not
+# change how much work the two cores have to get through. What each stage adds on the real clock is host work on
+# those same cores: ZeRO-1/2 copy gradients into flat buckets and the averaged slices back, step one slice,
+# all-gather the slices and all-reduce the used flags; ZeRO-3 copies each unit's shard into a gather buffer and the
+# gathered weights out, in forward and again in backward; and on gloo every reduce-scatter is an all-reduce of its
+# whole input. The exposed communication the stages differ by on an accelerator (the parts printed under the
+# modelled clock) is a small slice of a step, and whether it stands out from two shared cores' round-to-round
+# spread is what the verdicts above say. The modelled clock is what makes design differences visible: each block
+# sleeps its modelled compute, the cores are free during the sleep, and gloo's threads move the bytes then, as a
+# GPU's copy engines do.
 #
 # ## 4. Activations are not sharded
 #
@@ -759,7 +831,7 @@ quiz("zero")
 #   the α–β fit carries that into the step-time predictions, and the table printed whether each clocked
 #   measurement met its prediction within the agreement band.
 # - Activations are not sharded: equal at an equal per-rank micro-batch, whatever N.
-# - Every stage trains exactly like one device, with clipping and checkpoint/resume (stages 1, 2 and 3).
+# - Every stage (0–3) trains exactly like one device; stages 1, 2 and 3 also with clipping and checkpoint/resume.
 # - The paper's 7.5B / 64-GPU example: 120 / 31.4 / 16.6 / 1.9 GB per GPU.
 # - This run's numbers:
 

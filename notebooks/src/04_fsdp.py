@@ -11,7 +11,9 @@
 #   under the modelled accelerator clock; what `reshard_after_forward` trades (traffic against memory);
 # - to read a **profiler trace** of one FSDP2 step: its all-gathers and reduce-scatters on gloo's threads, what
 #   gloo runs for a reduce-scatter, and the step's **memory curve** with its peak against the course's meters;
-# - to `torch.compile` each transformer block under FSDP2, checked against eager.
+# - to `torch.compile` each transformer block under FSDP2, checked against eager;
+# - to write one FSDP unit yourself (the exercise): a flat sharded buffer, gathered for forward and again for backward,
+#   freed in between, its gradient reduce-scattered.
 #
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
 # 2 CPU cores are enough (gloo); on GPUs the same rank functions run on nccl, one GPU per rank.
@@ -255,6 +257,7 @@ print(Result(title="all-gathers in one forward, 2 ranks", checked=race.checked))
 
 # %% tags=["nbval-ignore-output"]
 print(fsdp_race.format_zero3(race))
+print(race["timings"].compare("zero3 per-unit+prefetch", "zero3 per-unit").verdict)
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 3))
@@ -266,6 +269,21 @@ ax.set_title("ZeRO-3 four ways and DDP, 2 ranks (interleaved rounds; box = sprea
 plt.xticks(rotation=15)
 plt.tight_layout()
 plt.show()
+
+# %% [markdown]
+# **What two CPU cores can show.** The last line under the table reads per unit with prefetch against per unit
+# without, from the two ranges of rounds. Prefetch shortens a step only when the all-gather has idle hardware to run
+# on while the unit computes: on a GPU, a copy engine and the link, on a stream of its own. Here there is none. Each
+# rank computes on its training thread, its collectives run on gloo's worker thread, and both ranks' threads share
+# the 2 cores, so a prefetched all-gather takes a core from this rank's compute or from the other rank's. What
+# prefetch adds instead is work: one more unit gathered at once (one more buffer to allocate and fill) and a hand-off
+# to gloo's thread and back for every unit. Whichever way the medians fall, the verdict line says whether the ranges
+# can tell the two apart on this machine. FSDP2 runs the same collectives per unit, with its own per-step Python work
+# on top: its shards are `DTensor`s, whose operators go through a Python `__torch_dispatch__` (section 7's table of
+# top ops counts them as `PythonSubclass` calls per step): Python work per operator, next to the little arithmetic
+# of a model this small.
+# Prefetch's effect is measured under the modelled clock, in [Prefetch and recompute in a step](#prefetch-timing):
+# there a unit's compute is the clock's sleep, which leaves the core free for the all-gather.
 
 # %% [markdown]
 # ## 5. Mixed precision
@@ -691,35 +709,47 @@ print(f"rank 0, first step: eager {te[0] * 1e3:.0f} ms, compiled {tc[0]:.1f} s (
 # collectives; the later-step times above are this machine's measurement.
 
 # %% [markdown]
-# ## 9. Exercises
-# Both live in `exercises/fsdp.py`; the checker runs your code at worlds 2 and 3.
+# ## 9. Exercise: one FSDP unit from scratch
 #
-# (a) `wrap_blocks(model, mesh, reshard_after_forward=True)`: call `fully_shard` on every block of `model.blocks`,
-# then on `model` itself, passing `mesh=mesh` and `reshard_after_forward` to every call, and return the model. The
-# checker counts L + 1 all-gathers in forward, L + 1 in backward with `True` and 0 with `False`, L + 1
-# reduce-scatters, and compares one SGD step with one device.
+# Section 2's script lets `fully_shard` do the work; here you write what one unit does inside. Open
+# `exercises/fsdp.py`; check with `check("flat_unit")` (below) or `course-lib check flat_unit` in a terminal: it prints
+# PASS, FAIL with the first rule broken, or UNSOLVED while the `TODO` is there. Stuck? Hints come in two layers,
+# `hint("flat_unit", 1)` the idea and `hint("flat_unit", 2)` the API (`from course_lib.checks.fsdp import hint`), never
+# the code.
 #
-# (b) `ShardedCheckpoint.save(model, optimizer, path)` writes both with DCP (one file per rank plus `.metadata`);
-# `ShardedCheckpoint.load(model, optimizer, path)` fills a freshly built, identically sharded model and optimizer
-# from it. The checker trains 2 AdamW steps, saves, loads into a model built from another seed, and requires every
-# tensor (weights and optimizer state) restored exactly and 2 more steps equal to the uninterrupted run bit for bit.
+# **`FlatUnit(module, process_group=None)`, an `nn.Module`; `forward(*args)` returns the module's output.** FSDP1's
+# flat parameter for one module: all of the module's parameters, in `named_parameters()` order, flattened and laid end
+# to end, zero-padded to N·S elements with S = ⌈Ψ/N⌉. `unit.shard`, an `nn.Parameter` of S elements, is slice
+# [r·S, (r+1)·S) of that buffer and the unit's only parameter (the module keeps none of its own). The full parameters
+# exist only while they are needed: all-gathered into the flat buffer before forward, its storage freed as soon as the
+# module returns, gathered again into the same storage before the module's backward, and freed once the flat gradient
+# has been reduce-scattered into `shard.grad`, averaged over ranks. One unit, one collective of each kind per pass, no
+# prefetch: chapter 03's `Zero3` (section 4's `gather` and `_free`) does this for every block, each parameter padded
+# on its own.
 #
-# Stuck? `from course_lib.checks.fsdp import hint`; `hint("fsdp2_wrap_blocks", 1)` gives the idea, `hint(..., 2)` the API (never the code); the same for
-# `"sharded_checkpoint"`.
+# *Checker* (`check("flat_unit")`, on 2 ranks): a transformer block with biases (its Ψ is odd, so the buffer is
+# padded) wrapped by your `FlatUnit`, 3 AdamW steps, each rank on its half of the batch, beside the same block on one
+# device on the whole batch. It requires: the shard to be slice r of the padded flat parameters (exactly) and the
+# unit's only parameter; at rest, no more bytes than the shard; right after forward, the unit and autograd's saved
+# tensors to hold at most the activations one device saves plus the shard (the full weights freed); after backward,
+# the shard and its gradient only; one all-gather in forward, one all-gather and one reduce-scatter in backward
+# (counted at the dispatcher, whatever API issues them); forward's output equal to the block's within `REORDERED`;
+# the first `shard.grad` equal to slice r of one device's gradient within `SGD`; and the weights after 3 steps equal
+# to one device's within `ADAMW`.
+#
+# The first cell checks your file; the last runs the same checker on the solution.
 
 # %%
 from course_lib.check import check
+from course_lib.checks.fsdp import hint
 
-check("fsdp2_wrap_blocks")
-
-# %%
-check("sharded_checkpoint")
+check("flat_unit")
 
 # %%
-check("fsdp2_wrap_blocks", package="solutions")
+print(hint("flat_unit", 1))
 
 # %%
-check("sharded_checkpoint", package="solutions")
+check("flat_unit", package="solutions")
 
 # %% [markdown]
 # ## 10. O/X quiz
