@@ -24,7 +24,7 @@
 # GPT) and 02 (data parallelism). 2 CPU cores are enough: ranks are processes with the gloo backend; on GPUs the same
 # code runs on nccl.
 #
-# **Stored build:** 76 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 74 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/pipeline.py` (stages, schedules, the runner) and `course_lib/experiments/pipeline.py`
 # (what this notebook runs on ranks).

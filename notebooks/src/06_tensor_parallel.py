@@ -19,7 +19,7 @@
 # **What you need**: chapters 00 (collectives, α–β), 02 (DDP) and 05 (model vs data parallelism). 2 CPU cores are
 # enough: ranks are processes with the gloo backend.
 #
-# **Stored build:** 36 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 43 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/tensor_parallel.py` (the algorithm, top to bottom) and
 # `course_lib/experiments/tensor_parallel.py` (what this notebook runs on ranks).

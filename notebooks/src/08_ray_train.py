@@ -17,7 +17,7 @@
 # **What you need**: chapters 01–02 (the tiny GPT, DDP) and 04 (FSDP2). Ray 2.60 is installed by `make setup`.
 # The two fault-tolerance fits print how long they took on your machine (Ray starts worker processes for each run).
 #
-# **Stored build:** 160 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 156 s on 2 cores (0% of them busy just before it started).
 #
 # One Ray session for the whole notebook: a local single-machine cluster that joins nothing else, no dashboard,
 # shut down and its temp dir removed at the end. It is *quiet*: workers' output stays in Ray's log files, and Ray's

@@ -15,7 +15,7 @@
 #
 # **What you need**: chapter 08 (Ray Core, `TorchTrainer`, `ray.train.report`) and chapter 01's tiny GPT.
 #
-# **Stored build:** 171 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 165 s on 2 cores (0% of them busy just before it started).
 #
 # One `TorchTrainer.fit()` runs all the timed variants, and Ray Data runs in this process. One local Ray
 # session, shut down with its temp dir at the end.
