@@ -17,7 +17,7 @@
 #   real clock.
 #
 # **What you need**: Python and basic PyTorch (tensors, `backward()`); no earlier chapter.
-# **Stored build:** 52 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 57 s on 2 cores (0% of them busy just before it started).
 #
 # Everything below calls `course_lib`; open `course_lib/launch.py` and `course_lib/comm.py` to read the code.
 #
@@ -368,8 +368,10 @@ plt.show()
 # model charges a call α whatever its size. On two shared cores a small call must also wake gloo's threads and
 # the peer, and that wake-up varies from call to call: the whiskers of the small messages show the spread, and
 # the cell below prints the fit's α next to the minimum time of one small all-reduce. Right: bus bandwidth
-# climbs steeply through the latency regime and then stops growing; with gloo on one machine it can even drop for
-# the largest messages (copies through socket buffers). The rows below use wide **pass bands**, because the
+# climbs through the latency regime (where α is most of each call) and grows more slowly once messages are large
+# (the title prints the gain from 1 to 16 MiB); with gloo on one machine it can even drop for the largest messages
+# (copies through socket buffers). gloo also switches algorithm with the message size (one for small messages,
+# another for large ones): the model fits α on the smallest calls and β on the large ones only. The rows below use wide **pass bands**, because the
 # timings move with whatever else the machine is doing; they are shown, not asserted.
 
 # %% tags=["nbval-ignore-output"]
@@ -457,6 +459,9 @@ for name, (d, batch, *vocab) in cases.items():
           f"{race.ratio[name]:.1f}×")
     print(f"  all-reduces of its {grad / 2**20:.0f} MiB of gradient: {race.comm_s[name] * 1e3:.1f} ms timed alone "
           f"after idling (the prediction's), {race.comm_model_s[name] * 1e3:.1f} ms by section 4's α–β")
+    intensity, machine = flops / grad, cal.rate / beta
+    print(f"  {intensity:.2g} FLOPs per byte {'>' if intensity > machine else '<'} the machine's {machine:.1f} (rate / β): "
+          f"by bandwidth alone, {'compute outlasts its all-reduce' if intensity > machine else 'its all-reduce outlasts compute'}")
 print(race)
 
 # %% tags=["nbval-ignore-output"]

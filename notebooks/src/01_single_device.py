@@ -21,7 +21,7 @@
 # **What you need**: chapter 00 is not required; PyTorch at the level of a training loop (`loss.backward()`,
 # `optimizer.step()`).
 #
-# **Stored build:** 45 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 41 s on 2 cores (0% of them busy just before it started).
 #
 # This is the baseline the later chapters compare with: each of them checks that its distributed run equals a
 # single-device run of the same model and data (computed in that chapter, on its own configuration), and measures
@@ -195,6 +195,16 @@ _ = claims.exact("model states − 16Ψ (bytes)", states["total"] - 16 * psi, 4 
 # `formulas.activation_bytes_estimate` for this model on a CPU in fp32: per transformer layer about **64·s·b·h bytes**
 # (s sequence, b batch, h d_model). The derivation is a list of what every op saves; `memory.saved_tensors_table`
 # reads the same list off the real autograd graph (below, per op, for one forward).
+#
+# The meter is two hooks: inside `with SavedTensorMeter(...)`, `torch.autograd.graph.saved_tensors_hooks(pack,
+# unpack)` makes autograd pass every tensor an op saves for backward through `pack`, and through `unpack` when
+# backward reads it. `pack` (below) counts each storage once — `q`, `k` and `v`, views of one matmul's output, share
+# one — skips the parameters' storages (model states, counted above), and hands the tensor back unchanged.
+
+# %%
+from course_lib import show
+
+show.source(memory.SavedTensorMeter._pack, docstring=False)
 
 # %%
 b, s = 32, cfg.block_size
@@ -551,9 +561,14 @@ try:
 except (OSError, StopIteration):
     has = "CPU flags not readable here"
 print(f"torch.backends.cpu.get_cpu_capability(): {torch.backends.cpu.get_cpu_capability()}; {has}")
+fp32_rate = {}
 for n_ in (64, 512):
     r32, r16 = matmul_rate(n_, torch.float32), matmul_rate(n_, torch.bfloat16)
+    fp32_rate[n_] = r32
     print(f"{n_}×{n_} matmul: fp32 {r32 / 1e9:.1f} GFLOP/s, bf16 {r16 / 1e9:.1f} GFLOP/s (bf16 / fp32 ×{r16 / r32:.2f})")
+print(f"the training run's achieved {achieved / 1e9:.1f} GFLOP/s (MFU above) is {achieved / fp32_rate[64]:.0%} of the "
+      f"64×64 fp32 matmul rate and {achieved / fp32_rate[512]:.0%} of the 512×512 one (a 64-wide model multiplies "
+      f"64-wide matrices)")
 
 # %% [markdown]
 # ## 5. Performance engineering: a trace, torch.compile, memory over a step

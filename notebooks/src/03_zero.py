@@ -17,7 +17,7 @@
 # **What you need**: chapters 00 (collectives, α–β model) and 01 (16Ψ, activations); chapter 02's DDP helps.
 # DeepSpeed's first run compiles a C++ op, once (cached in `.cache/torch_extensions`).
 #
-# **Stored build:** 74 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 86 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/zero.py` (our ZeRO), `course_lib/experiments/zero_libraries.py` (the libraries, measured).
 
@@ -329,7 +329,8 @@ print(prof3)
 # `collectives.idle_alpha`: twelve 1 KiB calls per op, each issued after a 5 ms sleep, their median averaged over
 # the ranks; the predictions use the larger of the two α per op (β stays the sweep's). That α is not read off the
 # clocked step itself: it is a stand-in measured just before it, in the same processes. The cell prints the two
-# beside the one used.
+# beside the one used. The wake-up is noisy — the table shows, per op, which of the two came out larger in this
+# run — and taking the larger keeps the model from under-charging either way.
 
 # %% tags=["nbval-ignore-output"]
 step_times = spawn(zero.zero_step_times, 2)[0]
@@ -352,6 +353,9 @@ print()
 for p in step_pred.values():
     print(p)
 print()
+medians = times.medians()
+print("fastest to slowest, predicted:", " < ".join(sorted(step_pred, key=lambda n: step_pred[n].total)),
+      "| measured medians:", " < ".join(sorted(medians, key=medians.get)))
 print(times.compare("ZeRO-1", "ZeRO-2").verdict)
 
 # %% [markdown]
@@ -363,8 +367,10 @@ print(times.compare("ZeRO-1", "ZeRO-2").verdict)
 # reduce-scatter (nothing left to compute after it). "Used flags" is ZeRO-1/2's one-byte-per-parameter all-reduce
 # that tells every rank which parameters got a gradient (as DDP's `find_unused_parameters` does), issued in `step()`.
 # The band (±20 % of a step) is wider than the predicted differences between stages (the exposed parts above): each
-# row checks its own prediction, not the ranking. Whether two stages really differ is what their ranges say — the
-# last line compares ZeRO-1 (reduce-scatter after backward) with ZeRO-2 (during backward).
+# row checks its own prediction, not the ranking: the line above the last prints the predicted order beside the
+# order of the measured medians, and where they differ the ranking is within the model's error. Whether two stages
+# really differ is what their ranges say — the last line compares ZeRO-1 (reduce-scatter after backward) with ZeRO-2
+# (during backward).
 #
 # <a id="real-clock"></a>
 # ### The same steps on the real clock
@@ -751,7 +757,8 @@ if ds_ok:
 # Stage 0 is identical. In stages 2 and 3 DeepSpeed holds ours + its fp32 master partition (4Ψ_pad/N; stage 2 adds
 # its few-KB gradient overhang). Stage 1 differs in *when* gradients shrink: DeepSpeed's ZeRO-1 reduces them at the
 # end of `engine.backward` and keeps only its partition (4Ψ/N), while ours keeps the full flat gradient (4Ψ) until
-# `step()` — at N = 2 that saving (2Ψ) happens to equal the master copy it adds (4Ψ/N = 2Ψ), so the totals match.
+# `step()` — at N = 2 that saving (2Ψ) happens to equal the master copy it adds (4Ψ/N = 2Ψ), so the totals match
+# up to the same few-KB overhang (the `DS − ours` column).
 
 # %% [markdown]
 # So DeepSpeed stages 1/2 hold ≈ formula + 4Ψ/N (its fp32 master partition; for a 16-bit model that copy *is* the

@@ -19,7 +19,7 @@
 # `make horovod` (`make test` does it; a few minutes, the first time only); without it, its cell says how to build
 # it.
 #
-# **Stored build:** 38 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 35 s on 2 cores (0% of them busy just before it started).
 #
 # DeepSpeed's C++ op is compiled once and cached (notebook 03 usually did it).
 #
