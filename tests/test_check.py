@@ -144,6 +144,13 @@ def test_wrong_answer_names_rank_tensor_and_error(learner_answer):
     assert "rank 0, tensor of 1 elements: max |error|" in result.message
 
 
+def _solution_with(module: str, old: str, new: str) -> str:
+    """``solutions/<module>.py`` with one line changed: a learner's almost-right answer."""
+    source = (ROOT / "solutions" / f"{module}.py").read_text(encoding="utf-8")
+    assert source.count(old) == 1, old
+    return source.replace(old, new)
+
+
 _LAUNCH_AT_THE_END = """
 
 class _LaunchAtTheEnd(BucketedReducer):
@@ -168,21 +175,14 @@ class _LaunchAtTheEnd(BucketedReducer):
 def test_overlapped_ddp_launching_every_bucket_at_the_end_of_backward_fails(learner_answer):
     """All-reduces launched inside backward() but after its last gradient (a queue_callback) overlap
     nothing: the checker's own gradient hooks see no launch while a gradient is still pending."""
-    source = (ROOT / "solutions" / "ddp.py").read_text(encoding="utf-8")
-    old = "self.reducer = BucketedReducer(module,"
-    assert source.count(old) == 1, old
-    source = source.replace(old, "self.reducer = _LaunchAtTheEnd(module,") + _LAUNCH_AT_THE_END
+    source = _solution_with(
+        "ddp", "self.reducer = BucketedReducer(module,", "self.reducer = _LaunchAtTheEnd(module,"
+    )
+    source += _LAUNCH_AT_THE_END
     result = learner_answer("ddp", source)("overlapped_ddp")
     assert result.status == "failed", str(result)
     assert "launched while gradients were still pending" in result.message, str(result)
     assert "as soon as it is complete" in result.message, str(result)
-
-
-def _ray_train_answer(old: str, new: str) -> str:
-    """The ch07 solution with one line changed: a learner's almost-right answer."""
-    source = (ROOT / "solutions" / "ray_train.py").read_text(encoding="utf-8")
-    assert source.count(old) == 1, old
-    return source.replace(old, new)
 
 
 def test_ray_train_loop_without_set_epoch_fails_with_the_weight_difference(
@@ -191,7 +191,8 @@ def test_ray_train_loop_without_set_epoch_fails_with_the_weight_difference(
     """Forgetting set_epoch repeats epoch 0's order: a real TorchTrainer run, weights differ from one device."""
     run = learner_answer(
         "ray_train",
-        _ray_train_answer(
+        _solution_with(
+            "ray_train",
             "            loader.sampler.set_epoch(epoch)",
             "            pass  # forgot set_epoch(epoch)",
         ),
@@ -206,8 +207,8 @@ def test_ray_train_loop_that_raises_reports_the_error_and_the_learners_line(
     learner_answer, ray_session
 ):
     """An exception inside a Ray worker comes back as 'error' with its type, message and the learner's line."""
-    source = _ray_train_answer(
-        'size=config["global_batch"] //', 'size=config["global_batch_size"] //'
+    source = _solution_with(
+        "ray_train", 'size=config["global_batch"] //', 'size=config["global_batch_size"] //'
     )
     line = 1 + next(i for i, ln in enumerate(source.splitlines()) if '"global_batch_size"' in ln)
     result = learner_answer("ray_train", source)("ray_train_loop")
@@ -225,18 +226,12 @@ def test_unknown_exercise():
 # --------------------------------------------------------------------------- chapter 04: FlatUnit
 
 
-def _flat_unit_answer(old: str, new: str) -> str:
-    """The ch04 solution with one line changed: a learner's almost-right FlatUnit."""
-    source = (ROOT / "solutions" / "fsdp.py").read_text(encoding="utf-8")
-    assert source.count(old) == 1, old
-    return source.replace(old, new)
-
-
 def test_flat_unit_that_keeps_the_weights_after_forward_fails_on_memory(learner_answer):
     """No free after forward: the full weights stay between forward and backward, and no re-gather comes."""
     run = learner_answer(
         "fsdp",
-        _flat_unit_answer(
+        _solution_with(
+            "fsdp",
             "        out = functional_call(self.module, self._views(flat), args)\n        self._free()\n",
             "        out = functional_call(self.module, self._views(flat), args)\n",
         ),
@@ -251,7 +246,7 @@ def test_flat_unit_that_sums_the_gradients_fails_with_the_factor(learner_answer)
     """A reduce-scatter sums: without the division the shard's gradient is N× one device's."""
     run = learner_answer(
         "fsdp",
-        _flat_unit_answer("return grad.div_(unit.world_size), None", "return grad, None"),
+        _solution_with("fsdp", "return grad.div_(unit.world_size), None", "return grad, None"),
     )
     result = run("flat_unit")
     assert result.status == "failed", str(result)
