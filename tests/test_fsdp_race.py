@@ -19,7 +19,7 @@ from course_lib.launch import spawn
 
 def _clocked():
     config = parallel_config(d_model=64, n_layer=2, n_head=2, block_size=8)
-    return fsdp_race.zero3_clocked(rounds=1, ratio=4.0, config=config)
+    return fsdp_race.zero3_clocked(rounds=1, steps_per_round=1, ratio=4.0, config=config)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@
 #   real clock.
 #
 # **What you need**: Python and basic PyTorch (tensors, `backward()`); no earlier chapter.
-# **Stored build:** 57 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 62 s on 2 cores (0% of them busy just before it started).
 #
 # Everything below calls `course_lib`; open `course_lib/launch.py` and `course_lib/comm.py` to read the code.
 #
@@ -417,16 +417,22 @@ print(f"all-reduce: the fit's α {fit.alpha_s['all_reduce'] * 1e6:.0f} µs (smal
 # **The modelled accelerator clock.** On a GPU node the accelerator computes while the communication threads and
 # the network are free; on a 2-core laptop the ranks' compute and gloo's communication threads fight for the same
 # two cores, so a measurement there mixes the algorithm with that contention. `course_lib.clock.AcceleratorClock`
-# models the accelerator: every costed block of the model (here each layer) still computes for real — the
-# numbers stay exact — and then also *sleeps* its FLOPs / rate (forward, and 2× that in backward). While a rank
-# sleeps, gloo's threads have the cores. The rate is calibrated on the big batch, so that block sleeps ≥ 10× its
-# real compute; on the small batch the real step is mostly fixed overhead (Python, autograd, the clock's own
-# hooks) and the table's dense gradient written to memory, and at the same rate the sleep no longer dominates it
-# (both ratios are printed). So the small batch is picked from the rate (`MB` below): the even batch
-# whose modelled compute on one rank hits a fixed target, so that it does not shrink beside the real work of
-# writing the table's dense gradient when the calibration happens to give a high rate. Every timing table names its clock.
-# The honest limit: the Python thread is blocked while it sleeps, so unlike a real host it cannot run ahead and
-# enqueue the next kernels or issue the next collective early.
+# models the accelerator:
+#
+# * **What it does.** Every costed block of the model (here each layer) still computes for real — the numbers stay
+#   exact — and then also *sleeps* its FLOPs / rate (forward, and 2× that in backward). While a rank sleeps, gloo's
+#   threads have the cores.
+# * **How the rate is set.** It is calibrated on the big batch, so that the block sleeps many times its real
+#   compute (10×, times a margin of 2 for timing noise; the first line below prints the factor).
+# * **Why the small batch depends on it.** On the small batch the real step is mostly fixed overhead (Python,
+#   autograd, the clock's own hooks) and the table's dense gradient written to memory; at the same rate the sleep
+#   no longer dominates it (each case's line prints its modelled / real compute). So the small batch `MB` is picked from the
+#   rate: the even batch whose modelled compute on one rank hits a fixed target, so that the sleep does not shrink
+#   beside that real work when the calibration happens to give a high rate.
+# * **Its limit.** The Python thread is blocked while it sleeps, so unlike a real host it cannot run ahead and
+#   enqueue the next kernels or issue the next collective early.
+#
+# Every timing table names its clock.
 #
 # The variants run **interleaved in rounds** (1 rank alone on the whole batch, then 2 ranks on half each, in a
 # rotated order), so a program that loads the machine meanwhile slows all of them alike; each variant is reported

@@ -18,7 +18,7 @@
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
 # 2 CPU cores are enough (gloo); on GPUs the same rank functions run on nccl, one GPU per rank.
 #
-# **Stored build:** 66 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 64 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/fsdp.py`.
 
@@ -72,6 +72,10 @@ from course_lib.launch import spawn
 # accumulates two micro-batches per step with the reduce-scatters only on the last, clips the global gradient norm,
 # and saves a sharded DCP checkpoint. `load_at_world_1` builds the same model on **one** rank and loads it:
 # DCP's `.metadata` says which rows of which tensor each file holds, so the checkpoint reshards on load.
+# The cell below is a whole script but for its last four lines (the notebook's driver): saved as `fsdp_script.py`,
+# `torchrun --nproc-per-node 2 -m course_lib.launch fsdp_script:train_and_save --arg "'ckpt'"` trains and saves
+# on two processes, and `torchrun --nproc-per-node 1 -m course_lib.launch fsdp_script:load_at_world_1 --arg "'ckpt'"`
+# loads on one (`course_lib.launch` calls `init_process_group` from torchrun's environment, then the function).
 
 # %%
 import os
