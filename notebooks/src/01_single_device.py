@@ -21,7 +21,7 @@
 # **What you need**: chapter 00 is not required; PyTorch at the level of a training loop (`loss.backward()`,
 # `optimizer.step()`).
 #
-# **Stored build:** 41 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 44 s on 2 cores (0% of them busy just before it started).
 #
 # This is the baseline the later chapters compare with: each of them checks that its distributed run equals a
 # single-device run of the same model and data (computed in that chapter, on its own configuration), and measures
@@ -78,8 +78,8 @@ print(f"{run['tokens_per_s']:,.0f} tokens/s ({run['seconds']:.1f} s for 300 step
 # <a id="throughput-sweep"></a>
 # **Throughput against the batch size.** The same model, one AdamW step per call, timed with
 # `course_lib.timing.time_steps` (warm-up, interleaved rounds, median and min–max per batch size). Tokens/s =
-# b·s / step time. A step has a fixed part (Python, autograd's bookkeeping, launching ~100 small ops, the
-# optimizer over every parameter) and a part that grows with b; while the fixed part dominates, a larger batch is
+# b·s / step time. A step has a fixed part (Python, autograd's bookkeeping, launching about 1,500 op calls of
+# about 60 kinds — section 5's profile counts them —, the optimizer over every parameter) and a part that grows with b; while the fixed part dominates, a larger batch is
 # nearly free, and once the matmuls fill the cores each extra row costs its full share.
 
 # %% tags=["nbval-ignore-output"]
@@ -215,6 +215,9 @@ est = formulas.activation_bytes_estimate(cfg, b)
 print(f"measured activations : {meter.bytes:,} bytes")
 print(f"estimated (derived)  : {est['total']:,} bytes  (per layer {est['per_layer']:,} = "
       f"{est['per_layer'] / (s * b * cfg.d_model):.1f}·s·b·h)")
+print(f"  = {cfg.n_layer} layers × {est['per_layer']:,} + {est['embedding'] + est['head']:,} outside the layers "
+      f"(token ids and positions {est['embedding']:,}; final layer norm, logits' input and the loss's "
+      f"log-probabilities and targets {est['head']:,})")
 claims.exact(f"saved activations, b={b} (bytes)", meter.bytes, est["total"], "the derived formula")
 k16 = formulas.korthikanti_activation_bytes(s, b, cfg.d_model, cfg.n_head, n_layers=cfg.n_layer)
 print(f"for comparison, the 16-bit GPU formula s·b·h·(34+5as/h)·L = {k16:,.0f} bytes")
@@ -305,7 +308,9 @@ plt.show()
 # %%
 parts = {"parameters": states["params"], "gradients": states["grads"], "optimizer (Adam)": states["optimizer"],
          f"activations (b={b}, s={s})": meter.bytes}
-viz.stacked_bars({"this model": parts}, unit="MB", horizontal=True, title="one device: memory of a training step")
+viz.stacked_bars({"this model": parts}, unit="MB", horizontal=True,
+                 title=f"one device: the activations are {meter.bytes / states['total']:.1f}× the model states "
+                       f"at b={b}, s={s}")
 plt.tight_layout()
 plt.show()
 
@@ -445,10 +450,12 @@ for stage in range(4):
 # forward used, and the gradients arrive in the parameters' dtype, fp32. The loop below is
 # `train_single_device`'s, with the forward optionally under autocast; the same data, model seed and AdamW.
 #
-# **Why fp32 master weights.** bf16 keeps 8 significant bits: the gap between 1 and the next bf16 number is
-# 2⁻⁷ ≈ 0.0078, so an update smaller than half that gap, added to a weight of about 1, rounds back to the same
-# weight and is lost. Adam's steps are about lr in size whatever the gradient, so a weight much larger than lr
-# rounds them away; the weights that the optimizer updates are therefore kept in fp32 — autocast's fp32 parameters, or apex's and the ZeRO paper's
+# **Why fp32 master weights.** bf16 keeps 8 significant bits (7 explicit mantissa bits): the gap between 1 and
+# the next bf16 number is 2⁻⁷ ≈ 0.0078, so an update smaller than half that gap, added to a weight of about 1,
+# rounds back to the same weight and is lost. In general an update Δw is lost when |Δw| is less than half the gap
+# at w, 2⁻⁸·2^⌊log₂|w|⌋: roughly when **|w| ≳ 2⁸·|Δw|** = 256·|Δw| (up to 512· at the top of a power of two).
+# Adam's steps are at most about lr in size whatever the gradient, so a weight a few hundred times larger than
+# lr (here 3·10⁻³) rounds them away; the weights that the optimizer updates are therefore kept in fp32 — autocast's fp32 parameters, or apex's and the ZeRO paper's
 # separate fp32 "master" copy next to bf16/fp16 working weights (2 + 2 + 12 bytes per parameter). The cell below
 # measures both: the lost update, and how many of one optimizer step's updates of this model would round away with bf16 weights.
 
@@ -499,6 +506,13 @@ train_step(m16, o16, xb, yb)  # one more fp32 step; what if the weights had been
 lost = sum(((w.bfloat16().float() + (p_.detach() - w)).bfloat16() == w.bfloat16()).sum().item()
            for w, p_ in zip(before, m16.parameters(), strict=True))
 print(f"step 301 with bf16 weights: {lost / psi:.0%} of the {psi:,} parameters' updates would round away")
+w_abs = torch.cat([w.abs().flatten() for w in before])
+dw_abs = torch.cat([(p_.detach() - w).abs().flatten() for w, p_ in zip(before, m16.parameters(), strict=True)])
+above = {k: (w_abs > 2**k * dw_abs).float().mean().item() for k in (8, 9)}
+print(f"median |w| {w_abs.median():.3g}, median |Δw| {dw_abs.median():.2g}, median |w|/|Δw| "
+      f"{(w_abs / dw_abs).nanmedian():.0f}; an update is lost where |w| ≳ 2⁸–2⁹·|Δw|: |w| > 2⁹·|Δw| for "
+      f"{above[9]:.0%} of the parameters, > 2⁸·|Δw| for {above[8]:.0%}"
+      + (f"; the {lost / psi:.0%} lost lie between the two" if above[9] <= lost / psi <= above[8] else ""))
 
 
 def amp_step_at(batch, amp_dtype=torch.bfloat16):
@@ -645,7 +659,24 @@ ax = profiling.draw_ops(events, window=(last.start, last.end),
                        title=f"one training step of the tiny GPT, b={b}: forward "
                              f"{phase_ms['forward']:.1f} ms, backward {phase_ms['backward']:.1f} ms, "
                              f"optimizer {phase_ms['optimizer']:.1f} ms")
+drawn = [e for e in in_last if e.duration > 0 and not e.name.startswith(("ProfilerStep#", "PyTorch Profiler"))]
+stack, depth = [], {}
+for e in sorted(drawn, key=lambda e: (e.start, -e.duration)):  # the figure's lanes: nesting depth
+    while stack and stack[-1] <= e.start + 1e-9:
+        stack.pop()
+    depth[e] = len(stack)
+    stack.append(e.end)
+longest = []  # the step's longest aten:: calls, none inside another: numbered on the figure
+for e in sorted(aten, key=lambda e: -e.duration):
+    if len(longest) < 6 and depth.get(e, 5) < 5 and all(e.end <= o.start or o.end <= e.start for o in longest):
+        longest.append(e)
+for k, e in enumerate(longest, 1):
+    ax.text((e.start + e.end - 2 * last.start) / 2 * 1e3, depth[e], str(k), ha="center", va="center",
+            fontsize=8, fontweight="bold", bbox=dict(boxstyle="circle,pad=0.2", fc="white", ec="black", lw=0.5))
 plt.show()
+print("numbered on the figure, the step's longest aten:: calls:")
+for k, e in enumerate(longest, 1):
+    print(f"  {k} {e.name} ({e.phase or 'step'}, {e.duration * 1e3:.2f} ms)")
 ours = profiling.MARKS + ("ProfilerStep#",)  # our own ranges, not ops
 top = sorted((a for a in prof.key_averages() if not a.key.startswith(ours)),
              key=lambda a: -a.self_cpu_time_total)[:8]
@@ -657,8 +688,11 @@ top_share = sum(a.self_cpu_time_total for a in top) / sum(e.duration for e in st
 print(f"these {len(top)} ops hold {top_share:.0%} of the profiled steps' time")
 
 # %% [markdown]
-# **A worked reading.** The top lane holds the step from left to right: the blue `forward` range, and under it each block's `aten::layer_norm`, `aten::linear` (→ `aten::addmm`, the matmul with its bias),
-# `aten::scaled_dot_product_attention` and `aten::gelu`; then the green `backward` range, where autograd's
+# **A worked reading.** The top lane holds the step from left to right: the blue `forward` range, and under it each
+# block's `aten::layer_norm`, `aten::linear` (→ `aten::addmm`, the matmul with its bias),
+# `aten::scaled_dot_product_attention` and `aten::gelu` — most of them too short to carry a name in the figure:
+# the numbers mark the step's longest calls, named in the line printed under it, and Perfetto or chrome://tracing
+# shows every range's name (hover or click). Then the green `backward` range, where autograd's
 # `autograd::engine::evaluate_function: …Backward0` ranges run the same layers in reverse order, each calling the
 # matmuls of its input's and its weight's gradients; then the purple `optimizer` range, `Optimizer.step#AdamW.step`,
 # one `aten::lerp_`, `aten::addcdiv_`, … per parameter: on CPU tensors AdamW's default (`foreach=None`) is the
@@ -738,7 +772,9 @@ for r in explanation.break_reasons:
 # saves activations; in backward, each node frees what it saved and allocates its parameters' gradients; the
 # optimizer allocates its temporaries. The peak comes where the activations not yet freed and the gradients
 # already written add up; it is compared below with section 3's meters: model states (with gradients) + saved
-# activations. On a GPU, `torch.cuda.memory._record_memory_history()` records every allocation of the caching
+# activations. The table under the plot starts with what the step leaves allocated: the gradients (set to None before it;
+# 4 bytes × Ψ in fp32), the growth of `memory.model_state_bytes` over the step. On a GPU,
+# `torch.cuda.memory._record_memory_history()` records every allocation of the caching
 # allocator with its Python stack, and `torch.cuda.memory._dump_snapshot("snap.pickle")` writes a file that
 # https://pytorch.org/memory_viz draws as the same curve, each block coloured by the tensor that holds it.
 

@@ -25,7 +25,7 @@
 # **What you need**: chapters 00 (collectives, the α–β model) and 01 (a training step's memory); PyTorch autograd
 # at the level of `loss.backward()` and tensor hooks.
 #
-# **Stored build:** 94 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 89 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/ddp.py` (the algorithm, ~330 lines), `course_lib/experiments/ddp.py` and
 # `ddp_compression.py` (the measurements).
@@ -99,10 +99,11 @@ equality.assert_passed()
 # ## 2. Overlap: communicate while backward is still computing
 #
 # Backward produces gradients from the last layer to the first. The naive version waits until backward has finished,
-# then all-reduces every gradient. DDP registers a hook on every parameter
-# (`register_post_accumulate_grad_hook`) and launches an **asynchronous** all-reduce as soon as a gradient is final,
-# so the last layers' gradients travel while the first layers are still being differentiated. A callback queued on
-# the autograd engine waits for all of them before `backward()` returns — no extra call in the training loop.
+# then all-reduces every gradient. DDP instead hooks every parameter and launches an **asynchronous** all-reduce as
+# soon as a gradient is final, so the last layers' gradients travel while the first layers are still being
+# differentiated. Our DDP uses the public tensor hook `register_post_accumulate_grad_hook`; torch's DDP (its C++
+# `Reducer`) hooks each parameter's `AccumulateGrad` node in the autograd graph instead. In both, a callback queued
+# on the autograd engine waits for all of them before `backward()` returns — no extra call in the training loop.
 # Here is that hook in our DDP (`course_lib/grad_buckets.py`): it copies the gradient into its bucket and launches
 # every bucket that is complete, strictly in bucket order, so that every rank issues the same collectives in the
 # same order.
@@ -119,20 +120,36 @@ show.source(DDP._launch, docstring=False)
 
 # %% [markdown]
 # Many tiny all-reduces each pay a fixed latency (α in the α + β·bytes cost model), so DDP packs gradients into
-# **buckets** in *reverse* registration order — roughly the order backward produces them. Our
-# `make_buckets` packs up to `bucket_cap_mb` MiB per bucket (a larger parameter gets its own):
+# **buckets** in *reverse* registration order — roughly the order backward produces them. The two DDPs cut the
+# buckets differently:
+#
+# * our `make_buckets` (`course_lib/grad_buckets.py`) closes a bucket **before** the next parameter would
+#   overflow it, so no bucket exceeds `bucket_cap_mb` (a larger parameter gets its own): a tiny tensor followed by
+#   one that does not fit (the 1 KiB `ln_f` before a 1 MiB matrix, at 1 MiB) is left alone in a bucket;
+# * torch's C++ reducer (`dist._compute_bucket_assignment_by_size`) adds the parameter **first** and closes the
+#   bucket once it holds at least the cap, so its buckets reach the cap (overshooting by less than one tensor) and
+#   what is left forms a small last bucket.
+#
+# The cell prints our buckets at three caps, then torch's rule on the same parameters at 4 MiB:
 
 # %%
+import torch.distributed as dist
+
 cfg = ddp.bench_config()
 model = GPT(cfg)
 grad_mb = sum(p.numel() * p.element_size() for _, p in trainable_parameters(model)) / 1e6
-print(f"bench model: {model.num_params() / 1e6:.2f}M parameters, {grad_mb:.1f} MB of fp32 gradients per step")
+print(f"bench model (tied embeddings): {model.num_params() / 1e6:.2f}M parameters in "
+      f"{len(trainable_parameters(model))} tensors, {grad_mb:.1f} MB of fp32 gradients per step")
 print(f"bucket_cap_mb=None: {len(trainable_parameters(model))} all-reduces per step (one per parameter)")
 for cap_mb in (1.0, 4.0, 25.0):
     buckets = make_buckets(trainable_parameters(model), int(cap_mb * 2**20))
     sizes = [sum(p.numel() * 4 for _, p in b) / 2**20 for b in buckets]
-    print(f"bucket_cap_mb={cap_mb}: {len(buckets)} bucket(s) of {', '.join(f'{s:.2f}' for s in sizes)} MiB; "
+    print(f"bucket_cap_mb={cap_mb}: {len(buckets)} bucket(s) of {', '.join(f'{s:.3f}' for s in sizes)} MiB; "
           f"first bucket starts with {buckets[0][0][0]!r}")
+reversed_params = [p for _, p in trainable_parameters(model)][::-1]
+torch_buckets, _ = dist._compute_bucket_assignment_by_size(reversed_params, [4 * 2**20])
+torch_sizes = [sum(reversed_params[i].numel() * 4 for i in b) / 2**20 for b in torch_buckets]
+print(f"torch's rule, 4 MiB: {len(torch_sizes)} bucket(s) of {', '.join(f'{s:.3f}' for s in torch_sizes)} MiB")
 
 # %% [markdown]
 # **How torch 2.13's DDP sizes its buckets** (read in `torch/nn/parallel/distributed.py`, `_BucketCapacityConfig`).
@@ -146,7 +163,6 @@ for cap_mb in (1.0, 4.0, 25.0):
 
 # %%
 import torch
-import torch.distributed as dist
 from torch.nn.parallel.distributed import _BucketCapacityConfig
 
 for cap in (None, 25, 4):
@@ -174,17 +190,30 @@ for cap in (None, 25, 4):
 # FLOPs; a blocking variant exposes every all-reduce (Σ α + 2(N−1)/N · bytes/β, with α–β fitted on the spot); an
 # overlapped one exposes what `step_time.ddp_step` finds the link still has to do when backward ends — at least
 # the last bucket, whose gradients come from the first layers. Then it **measures** them in interleaved rounds.
-# *Exposed* = the variant's median step minus a compute-only step's (the same model, no communication). The model
-# is not section 2's bench model: it is `experiments.step_time.step_time_config()`, a GPT of 4 blocks of d_model
-# 256 with untied embeddings, 2 sequences of 16 tokens per rank (the cell prints its Ψ and parameter tensors).
-# The same ranks then profile one more step of the overlapped bucketed variant, read [below](#profiler-trace).
+# *Exposed* = the variant's median step minus a compute-only step's (the same model, no communication).
+#
+# What the prediction leaves out: its compute is the clock's sleeps alone. A measured step also holds the real CPU
+# work beside them — the ops' own compute (the calibration keeps it far below the sleeps), Python dispatch, the
+# gradient hooks and bucket copies, `zero_grad` and the SGD step over every parameter. None of it is in the
+# predicted step, so each measured step carries that extra term; the cell prints it per row as measured −
+# predicted. Most of it (the ops, dispatch, `zero_grad`, the optimizer) is the same in every variant, the
+# compute-only one included, so it cancels in the exposed column; the hooks, the copies and gloo's own CPU work
+# are not, and they stay in the exposed column, with the noise of two medians.
+#
+# The model here is the **step-time model (untied)**, `experiments.step_time.step_time_config()`: 4 blocks of
+# d_model 256, untied embeddings, 2 sequences of 16 tokens per rank. It is not the **bench model (tied
+# embeddings)** printed above: the step-time model is the one shape every clocked prediction of the course is
+# made on (DDP, ZeRO, pipeline and TP; untied because a pipeline or TP split puts the embedding and the head on
+# different ranks), while the bench model is the one of the real-clock measurements (sections 4, 5 and 7, and
+# section 8's `torch.compile` cell). The cell prints its Ψ and parameter tensors. The same ranks then profile one
+# more step of the overlapped bucketed variant, read [below](#profiler-trace).
 
 # %% tags=["nbval-ignore-output"]
 from course_lib.experiments.step_time import step_time_config
 
 st_model = GPT(step_time_config())
-print(f"model: step_time_config(), Ψ = {st_model.num_params():,} in {len(trainable_parameters(st_model))} "
-      "parameter tensors (one all-reduce each, per parameter)")
+print(f"step-time model (untied): step_time_config(), Ψ = {st_model.num_params():,} in "
+      f"{len(trainable_parameters(st_model))} parameter tensors (one all-reduce each, per parameter)")
 from course_lib import profiling
 
 
@@ -197,6 +226,8 @@ def exposed_then_one_traced_step():  # the trace is read in the subsection after
 
 exp, tr = spawn(exposed_then_one_traced_step, 2)[0]
 print(exp.exposure_table())
+print("measured − predicted step (the real work the model leaves out): " + ", ".join(
+    f"{k} {(exp['timings'][k].median - p.total) * 1e3:+.1f} ms" for k, p in exp["predicted"].items()))
 print()
 print(exp)
 
@@ -227,13 +258,47 @@ print("all-reduces per step:", ", ".join(f"{k} {calls[k]}" for k in ddp.EXPOSURE
 tl.assert_passed()  # the launch-time rows of the table above: blocking after backward, overlapped during it
 
 # %% [markdown]
-# Read the table and the picture together. Left column → right column is **overlap**: the orange bars move under
-# the green backward bar and most of their time is no longer exposed. Top → bottom is **bucketing**: many thin
-# all-reduces, each paying α, become a few thick ones. In the model, what stays exposed with both is the last
-# bucket. The measurement also holds what the model leaves out: copying the averages back into `.grad`, and the
-# cycles gloo's threads take from backward on the shared cores. The real compute beside the sleeps is the same in
-# every variant, the compute-only one included, so it cancels in the exposed column. The table's rows band only the step totals (±20 %); the exposed
-# column is a difference of two noisy medians, so read it for its order of magnitude.
+# Read the table and the picture together. Left column → right column is **overlap**: the orange bars start
+# under the green backward bar; the part of an all-reduce that runs while backward still computes leaves the step's
+# critical path, and whatever the link still has to do when backward ends stays exposed. Top → bottom is
+# **bucketing**: many thin all-reduces, each paying α, become a few thick ones. In the model, what stays exposed
+# with both is the last bucket. The cell below prints, per overlapped variant, the share of its blocking twin's
+# exposed time (the same all-reduces, issued after backward) that no longer shows: 1 − its exposed / the twin's;
+# beside it, the model's share of the variant's own all-reduce time that runs under backward (`Prediction.hidden`).
+#
+# Two things limit that share for the bucketed variant. Its **last bucket** holds the first block and the
+# embeddings (the cell prints its share of the bytes): it is complete only when the very last gradient arrives,
+# so its hook launches it when backward's compute is over and its whole all-reduce is exposed — with one call per
+# block in all, that one is a large part of the total. The per-parameter variant leaves the same gradients for the
+# end, but its blocking twin also pays α on every one of its calls (one per tensor), and once overlapped most of
+# those calls run under backward. And the **2 cores are shared**: an all-reduce launched in the short stretches of
+# real work between sleeps (a block's backward ops, the hooks, the bucket copies) competes for a core with that
+# work and with the other rank, so it can take more than α–β says, and more of it spills past the end of backward;
+# the model counts none of that, nor copying the averages back into `.grad`. The table's rows band only the step
+# totals (±20 %); the exposed column is a difference of two noisy medians, so read it, and the shares below, for
+# their order of magnitude. The profiler trace further down measures the same overlap on one step of the bucketed
+# variant.
+
+# %% tags=["nbval-ignore-output"]
+st_buckets = make_buckets(trainable_parameters(st_model), 4.0 * 2**20)
+st_bytes = [sum(p.numel() * 4 for _, p in b) for b in st_buckets]
+print(f"overlapped bucketed: its last bucket ({st_buckets[-1][0][0]} … {st_buckets[-1][-1][0]}) holds "
+      f"{st_bytes[-1] / 2**20:.2f} of {sum(st_bytes) / 2**20:.2f} MiB ({st_bytes[-1] / sum(st_bytes):.0%}), "
+      "launched when backward's compute is over")
+hidden = {}
+for over, blocking in (("overlapped per-param", "blocking per-param"), ("overlapped bucketed", "blocking bucketed")):
+    (p_over, m_over), m_block = exp["exposed"][over], exp["exposed"][blocking][1]
+    p_hidden = exp["predicted"][over].hidden.get("all_reduce", 0.0)
+    if m_block <= 0:
+        print(f"{over}: {blocking}'s measured exposure is {m_block * 1e3:.1f} ms, within noise: no share to print")
+        continue
+    hidden[over] = 1 - m_over / m_block
+    share = f"it hid {hidden[over]:.0%}" if hidden[over] >= 0 else "more, within the noise: it hid nothing here"
+    print(f"{over} exposes {m_over * 1e3:.1f} ms of the {m_block * 1e3:.1f} ms {blocking} exposes: {share} "
+          f"(the model: {p_hidden / (p_hidden + p_over):.0%} of its all-reduce time under backward)")
+if len(hidden) == 2:
+    more, less = sorted(hidden, key=hidden.get, reverse=True)
+    print(f"{more} hid the larger share here, {less} the smaller")
 
 # %% [markdown]
 # <a id="profiler-trace"></a>
@@ -354,8 +419,10 @@ print(f"backward() returns {(bwd.end - compute_end) * 1e3:.1f} ms after its last
 # the DDP object really holds and section 2's α–β fit (α measured after idling, as the calls follow sleeps), then
 # **measures** them with `timing.time_steps` (interleaved rounds, max over ranks, median and min–max). The rows are
 # the course's ±20 % band on each step. The caps change only the communication term of section 2's table, not the
-# compute; the last cell prints which caps this machine's min–max ranges tell apart from the cap with the shortest
-# median, and which they cannot.
+# compute. The prediction leaves out the same real work as in section 2 (ops, dispatch, hooks, copies, the optimizer
+# beside the sleeps), so compare the *shape* of the predicted line with the points; the last cell prints each
+# cap's measured − predicted gap beside section 2's compute-only one, and which caps this machine's min–max ranges
+# tell apart from the cap with the shortest median, and which they cannot.
 
 # %% tags=["nbval-ignore-output"]
 sweep = spawn(ddp.bucket_sweep_under_clock, 2, kwargs=dict(rate=exp["rate"], fit=exp["fit"]))[0]
@@ -377,7 +444,7 @@ best_set = [best_m["label"]] + [k for k, c in vs_best.items() if not c.separated
 ticks = [f"{r['label']}\n({r['n_buckets']} all-reduce{'s' * (r['n_buckets'] > 1)})" for r in rows]
 med = [r["timing"].median * 1e3 for r in rows]
 fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
-ax.plot(ticks, [r["predicted"].total * 1e3 for r in rows], "-", color="tab:blue", label="predicted (ddp_step)")
+ax.plot(ticks, [r["predicted"].total * 1e3 for r in rows], "-", color="tab:blue", label="predicted (ddp_step: sleeps + exposed all-reduces)")
 ax.errorbar(ticks, med, yerr=[[m - r["timing"].lo * 1e3 for m, r in zip(med, rows, strict=True)],
                               [r["timing"].hi * 1e3 - m for m, r in zip(med, rows, strict=True)]],
             fmt="o", color="tab:orange", capsize=4, label=f"measured (median, min–max of {sweep['timings'].rounds} rounds)")
@@ -400,6 +467,10 @@ else:
     print(f"the ranges tell {best_m['label']} apart from {', '.join(told) or 'no other cap'} but not from "
           f"{', '.join(best_set[1:])}: the fastest measured cap is one of {', '.join(best_set)}")
 print(f"the predicted minimum ({best_p['label']}) is among the measured best: {best_p['label'] in best_set}")
+print("measured − predicted (median): " + ", ".join(
+    f"{r['label']} {(r['timing'].median - r['predicted'].total) * 1e3:+.1f} ms" for r in rows)
+      + f"; section 2's compute-only step: "
+      f"{(exp['timings']['compute only'].median - exp['predicted']['compute only'].total) * 1e3:+.1f} ms")
 
 # %% [markdown]
 # ## 4. Predict the all-reduce, then measure it
@@ -467,8 +538,9 @@ for variant in ("own_bucket_view", "own_find_unused"):  # what the ranges can te
 # approximation P·Qᵀ of each gradient matrix, with error feedback; torch ships it as `powerSGD_hook`.
 #
 # The race above already timed `own_fp16` and `torch_fp16` against fp32. On localhost the "link" is memory, so the
-# two casts per bucket can cost about as much as the halved transfer saves — the ratios printed above say which
-# way it went here; on a slow network link the halving is what you would see. The accuracy cost: every variant
+# two casts per bucket can cost about as much as the halved transfer saves; on a slow network link the halving is
+# what you would see. Which way it went here: the cell after next compares each fp16 variant with its fp32 twin by
+# their min–max ranges (`Timings.compare`), which say "faster" or "slower" only where they separate. The accuracy cost: every variant
 # below trains 40 AdamW steps from the same init on the same data; we print the held-out loss against fp32.
 
 # %%
@@ -492,9 +564,12 @@ print(f"held-out loss after {cmp['steps']} steps:")
 for v, x in loss.items():
     ref = loss["own_fp32" if v.startswith("own") else "torch_fp32"]
     print(f"  {v:<15} {x:.5f}  ({(x / ref - 1) * 100:+.3f}% vs fp32)")
-print(f"fp16 race: own fp16 / torch fp16 = {race['own_fp16']['tokens_per_s'] / race['torch_fp16']['tokens_per_s']:.2f}; "
+print(f"fp16 race, tokens/s ratios of the medians: own fp16 / torch fp16 = "
+      f"{race['own_fp16']['tokens_per_s'] / race['torch_fp16']['tokens_per_s']:.2f}; "
       f"own fp16 / own fp32 = {race['own_fp16']['tokens_per_s'] / race['own_bucketed']['tokens_per_s']:.2f}; "
       f"torch fp16 / torch fp32 = {race['torch_fp16']['tokens_per_s'] / race['torch_ddp']['tokens_per_s']:.2f}")
+for fp16, fp32 in (("own_fp16", "own_bucketed"), ("torch_fp16", "torch_ddp")):  # what the ranges can tell apart
+    print(race["timings"].compare(fp16, fp32).verdict)
 print("torch's bf16_compress_hook here:", cmp["torch_bf16_hook"])
 
 # %% [markdown]
@@ -516,7 +591,12 @@ print("torch's bf16_compress_hook here:", cmp["torch_bf16_hook"])
 # small, while every rank still all-reduces all of the model's gradients (the cell prints how many MB). Splitting
 # 2 sequences into 1 per rank halves the FLOPs, but at this size a step is mostly its fixed part (Python, launching
 # the ops, the optimizer over all 3.16M parameters; chapter 01's batch sweep), which every rank pays in full: the
-# cell prints the step without the all-reduce on 1 and on 2 ranks. World 1 also pays for DDP with no peer: our DDP
+# cell prints the step without the all-reduce on 1 and on 2 ranks. That argument alone gives a ratio of about ×1
+# between them; what can push world 2 above it is the machine, not the model: two rank processes now occupy both
+# cores, so the notebook's kernel, the OS and gloo's threads (the barrier before every timed step) take their time
+# from a rank instead of an idle core; the two replicas share the memory bandwidth and caches that the optimizer
+# and backward stream every weight and gradient through; and a step lasts until its last rank is done (the timing
+# takes the max over ranks each round), so either rank's jitter lengthens it. World 1 also pays for DDP with no peer: our DDP
 # still copies every gradient into its buckets, calls gloo's all-reduce on a one-rank group, and copies the
 # averages back. The cell compares the two step times by their min–max ranges over interleaved rounds
 # (`timing.compare`): it says "slower" or "faster" only when the ranges separate, "indistinguishable" otherwise.
@@ -726,7 +806,7 @@ from course_lib.results import REORDERED
 split = Result(title="torch.compile(ddp_model): graphs vs DDP buckets (bench model, 2 ranks, rank 0)")
 for (cap, split_on), r in compiled_cases.items():
     c, buckets = r["compiled"], r["compiled"]["buckets"]
-    mib = ", ".join(f"{b / 2**20:.2f}" for b in buckets)
+    mib = ", ".join(f"{b / 2**20:.3f}" for b in buckets)
     print(f"bucket_cap_mb={cap:g}, optimize_ddp={split_on}: {len(buckets)} DDP bucket(s) of {mib} MiB; "
           f"{c['graphs']} compiled graph(s)")
     if split_on:
@@ -857,7 +937,7 @@ quiz("ddp")
 # ## Summary
 # - Data parallelism is exact: naive, our DDP (per parameter and bucketed) and torch DDP all reproduce one device on
 #   the full batch within the named SGD and AdamW tolerances (section 1's table).
-# - DDP = a post-accumulate-grad hook per parameter + asynchronous bucket all-reduces launched in bucket order
+# - Our DDP = a post-accumulate-grad hook per parameter + asynchronous bucket all-reduces launched in bucket order
 #   (the source shown in section 2). torch 2.13 caps its first bucket at 1 MiB only when `bucket_cap_mb` is unset.
 # - Under the modelled accelerator clock the step-time model predicted the step time of all four ways to average
 #   (verdicts with a ±20 % band in section 2's table), and the exposed communication per step is printed beside

@@ -17,7 +17,7 @@
 # **What you need**: chapters 00 (collectives, α–β model) and 01 (16Ψ, activations); chapter 02's DDP helps.
 # DeepSpeed's first run compiles a C++ op, once (cached in `.cache/torch_extensions`).
 #
-# **Stored build:** 86 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 71 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/zero.py` (our ZeRO), `course_lib/experiments/zero_libraries.py` (the libraries, measured).
 
@@ -116,18 +116,42 @@ print(
 )
 
 # %%
-from course_lib import viz
+COLOR = {  # one colour per quantity, in every plot of this notebook
+    "params": "tab:blue",
+    "grads": "tab:orange",
+    "optimizer": "tab:green",
+    "model states": "tab:purple",  # params + grads + optimizer, as one part
+    "transient": "tab:red",
+    "activations": "tab:gray",
+}
 
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+
+def stacked_mb(ax, bars, title):
+    """bars[label] = {quantity: bytes}: one stacked bar per label, in MB, one colour per quantity."""
+    bottom = [0.0] * len(bars)
+    for part in next(iter(bars.values())):
+        mb = [b[part] / 1e6 for b in bars.values()]
+        ax.bar(list(bars), mb, bottom=bottom, color=COLOR[part], label=part)
+        bottom = [s + v for s, v in zip(bottom, mb, strict=True)]
+    ax.set_ylim(0, max(bottom) * 1.15)
+    ax.set_ylabel("MB per rank")
+    ax.set_title(title, fontsize=10)
+
+
+def legend_below(ax):
+    kw = dict(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4, frameon=False)
+    ax.legend(fontsize=8, markerscale=0.6, **kw)
+
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
 for ax, (world, per_rank) in zip(axes, reports.items(), strict=True):
     rows = per_rank[0]
-    viz.stacked_bars(
+    stacked_mb(
+        ax,
         {
             f"stage {r['stage']}": {k: r["measured"][k] for k in ("params", "grads", "optimizer")}
             for r in rows
         },
-        ax=ax,
-        unit="MB",
         title=f"N = {world} ranks: model states per rank, after a step",
     )
     ax.plot(
@@ -137,7 +161,7 @@ for ax, (world, per_rank) in zip(axes, reports.items(), strict=True):
         markersize=30,
         label="formula",
     )
-    ax.set_ylabel("MB per rank")
+    legend_below(ax)
 plt.tight_layout()
 plt.show()
 
@@ -227,9 +251,10 @@ print(
 # %%
 peak = {f"stage {st}": prof.peak_of(st) for st in range(4)}
 after = {f"stage {st}": prof["peak"][st]["after step"]["model states"] for st in range(4)}
-ax = viz.stacked_bars(
+fig, ax = plt.subplots(figsize=(7.8, 3.6))
+stacked_mb(
+    ax,
     {k: {c: v[c] for c in ("model states", "transient", "activations")} for k, v in peak.items()},
-    unit="MB",
     title="N = 2: peak bytes per rank during one step (model states after the step: ×)",
 )
 ax.plot(
@@ -239,7 +264,7 @@ ax.plot(
     markersize=10,
     label="model states after the step",
 )
-ax.set_ylabel("MB per rank")
+legend_below(ax)
 plt.tight_layout()
 plt.show()
 print(
@@ -303,6 +328,14 @@ print(prof3)
 # <a id="step-time"></a>
 # ### Step time under the modelled clock
 #
+# **What to look for** here and on the real clock below:
+# - under the modelled clock the stages differ only in which collectives are left exposed around compute — where
+#   each is issued: during backward, after it, or before the first unit's compute;
+# - the model prices compute and exposed communication, not the host's own work (copies, hooks): each measured step
+#   is printed beside its prediction, and so is any pair whose ranges separate against the predicted order;
+# - on the real clock gloo's threads share the two cores with compute; two stages rank only where their ranges
+#   separate.
+#
 # On a 2-core laptop compute and gloo's threads fight for the same cores, so wall time says little about the
 # mechanisms. Under `course_lib.clock.AcceleratorClock` every block *sleeps* its modelled compute (FLOPs / rate) while
 # the real, tiny compute still produces the exact numbers, so communication runs beside compute as on an accelerator.
@@ -354,8 +387,26 @@ for p in step_pred.values():
     print(p)
 print()
 medians = times.medians()
-print("fastest to slowest, predicted:", " < ".join(sorted(step_pred, key=lambda n: step_pred[n].total)),
-      "| measured medians:", " < ".join(sorted(medians, key=medians.get)))
+order = sorted(step_pred, key=lambda n: step_pred[n].total)  # predicted, fastest first
+print(
+    "fastest to slowest, predicted:",
+    " < ".join(order),
+    "| measured medians:",
+    " < ".join(sorted(medians, key=medians.get)),
+)
+against = [  # a pair predicted a < b whose measured ranges separate the other way
+    times.compare(a, b)
+    for i, a in enumerate(order)
+    for b in order[i + 1 :]
+    if times.compare(a, b).sign == 1
+]
+print(
+    "measured ranges that contradict the predicted order:",
+    len(against) or "none (where the medians' order differs, the two ranges overlap)",
+)
+for c in against:
+    gap = step_pred[c.b].total - step_pred[c.a].total
+    print(f"  {c.verdict}; predicted: {c.a} {gap * 1e3:.1f} ms faster")
 print(times.compare("ZeRO-1", "ZeRO-2").verdict)
 
 # %% [markdown]
@@ -366,11 +417,21 @@ print(times.compare("ZeRO-1", "ZeRO-2").verdict)
 # ZeRO-2's last bucket and its all-gathers, ZeRO-3's first all-gather (nothing to compute before it) and last
 # reduce-scatter (nothing left to compute after it). "Used flags" is ZeRO-1/2's one-byte-per-parameter all-reduce
 # that tells every rank which parameters got a gradient (as DDP's `find_unused_parameters` does), issued in `step()`.
-# The band (±20 % of a step) is wider than the predicted differences between stages (the exposed parts above): each
-# row checks its own prediction, not the ranking: the line above the last prints the predicted order beside the
-# order of the measured medians, and where they differ the ranking is within the model's error. Whether two stages
-# really differ is what their ranges say — the last line compares ZeRO-1 (reduce-scatter after backward) with ZeRO-2
-# (during backward).
+# The band (±20 % of a step) is wider than the predicted differences between stages (the exposed parts above), so
+# each row checks its own prediction, not the ranking. The ranking is read from the ranges: the order lines print
+# the predicted order beside the measured medians', then every pair the model puts one way whose measured min–max
+# ranges separate the other way, with its verdict; the last line compares ZeRO-1 (reduce-scatter after backward)
+# with ZeRO-2 (during backward).
+#
+# **What the model leaves out.** It charges a stage its compute (the clock's sleeps) and its exposed communication,
+# nothing else. The host's own work on the CPU is not in it, and that term only ever adds to a step. ZeRO-3 has the
+# most kinds of it: for every unit, in forward and again in backward, it copies this rank's shard into the
+# all-gather's input buffer and the gathered weights out of its output, runs the module hooks that issue, wait for
+# and free those gathers, and copies each gradient into its reduce-scatter's input. ZeRO-1/2 copy gradients into
+# flat buckets and the averaged slices back; DDP's buckets are its gradients. Chapter 04 adds this term to the
+# prediction as **host work** (the same step under a clock that never sleeps, less its waits for collectives) and
+# puts each measured part beside its predicted one:
+# [chapter 04's breakdown](04_fsdp.ipynb#prefetch-timing).
 #
 # <a id="real-clock"></a>
 # ### The same steps on the real clock
@@ -442,6 +503,12 @@ a2, a4 = prof["activation_bytes"], prof4["activation_bytes"]
 print(
     f"micro-batch 2: N=2 {a2[0]:,} bytes, N=4 {a4[0]:,} bytes; equal at every stage: "
     f"{all(a2[st] == a4[st] for st in range(4))}"
+)
+viewed = reports[4][0][0]["activation_bytes"]  # §4's N=4 row: there x, y were views of the global batch
+ids = 2 * (8 - 2) * cfg.block_size * 8  # x and y, saved for backward by the embedding and the loss: int64
+print(
+    f"(§4's N=4 row, {viewed:,} B, is {viewed - a4[0]:,} B more: there x and y were views of the global batch "
+    f"of 8, and a saved view counts its whole storage: 2 · (8 − 2) · {cfg.block_size} · 8 B = {ids:,} B)"
 )
 
 # %% [markdown]

@@ -18,7 +18,7 @@
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
 # 2 CPU cores are enough (gloo); on GPUs the same rank functions run on nccl, one GPU per rank.
 #
-# **Stored build:** 64 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 68 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/fsdp.py`.
 
@@ -173,6 +173,33 @@ print(script)
 script.assert_passed()
 
 # %% [markdown]
+# **Without `course_lib`.** The script leans on four helpers: `course_lib.launch` sets up the process group,
+# `launch.device()` picks the device, `step_batch` and `shard_batch` hand each rank its slice of a step's batch, and
+# `CollectiveCounter` only counts collectives for the table above (drop it). The same script in plain torch, run by
+# `torchrun --nproc-per-node 2 fsdp_script.py` (`build_fsdp2` with `device` in place of `launch.device()`):
+#
+# ```python
+# from torch.utils.data import DataLoader, DistributedSampler
+#
+# def main(dataset, path, epochs=1):  # dataset: (x, y) pairs of token ids, e.g. a TensorDataset
+#     gpu = torch.cuda.is_available()
+#     dist.init_process_group("nccl" if gpu else "gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT: torchrun's env
+#     if gpu:
+#         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per process
+#     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+#     sampler = DistributedSampler(dataset, shuffle=True, seed=0)  # this rank's 1/N of the samples
+#     loader = DataLoader(dataset, batch_size=4, sampler=sampler, drop_last=True)  # 4 per rank
+#     model, opt = build_fsdp2(dist.get_world_size())
+#     for epoch in range(epochs):
+#         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+#         for x, y in loader:  # in place of step_batch + shard_batch
+#             x, y = x.to(device), y.to(device)
+#             ...  # train_and_save's step: micro-batches, clip_grad_norm_, opt.step(), opt.zero_grad()
+#     ...  # get_state_dict + dcp.save, as in train_and_save
+#     dist.destroy_process_group()
+# ```
+
+# %% [markdown]
 # ## 3. Exactly one device
 
 # %%
@@ -283,10 +310,11 @@ plt.show()
 # the 2 cores, so a prefetched all-gather takes a core from this rank's compute or from the other rank's. What
 # prefetch adds instead is work: one more unit gathered at once (one more buffer to allocate and fill) and a hand-off
 # to gloo's thread and back for every unit. Whichever way the medians fall, the verdict line says whether the ranges
-# can tell the two apart on this machine. FSDP2 runs the same collectives per unit, with its own per-step Python work
-# on top: its shards are `DTensor`s, whose operators go through a Python `__torch_dispatch__` (section 7's table of
-# top ops counts them as `PythonSubclass` calls per step): Python work per operator, next to the little arithmetic
-# of a model this small.
+# can tell the two apart on this machine. FSDP2 runs the same collectives per unit. Where the verdict lines put it
+# behind our Zero3, the likely cause is its own per-step Python work: its shards are `DTensor`s, whose operators go
+# through a Python `__torch_dispatch__`, next to the little arithmetic of a model this small. Section 7's table of top
+# ops counts those `PythonSubclass` calls for one step of its smaller model (3 units); nothing here times them for
+# this one, so this is a likely cause, not a measured attribution.
 # Prefetch's effect is measured under the modelled clock, in [Prefetch and recompute in a step](#prefetch-timing):
 # there a unit's compute is the clock's sleep, which leaves the core free for the all-gather.
 
@@ -389,6 +417,14 @@ viz.fsdp_timeline(pf.events, title="when each all-gather (AG) and reduce-scatter
 plt.show()
 
 # %% [markdown]
+# Read the chart for *when* each collective is issued against the blocks' compute, not for how long a step takes:
+# each plan is one recorded step, not repeated, each on its own time axis from that step's start, so where the two
+# runs end is not a timing comparison. Each tick on a *comm* row spans the issuing call on rank 0's training thread
+# (from the call into `torch.distributed` until it returns; the transfer runs on gloo's thread and is not drawn):
+# a faint hairline is a call that returned at once, a solid tick one that held the training thread longer. On the
+# compute rows the number is the block's index.
+
+# %% [markdown]
 # <a id="prefetch-timing"></a>
 # ### Prefetch and recompute in a step: predicted, then measured
 # Our `Zero3` issues asynchronous all-gathers, so its prefetch really runs communication during compute once
@@ -412,6 +448,10 @@ plt.show()
 clk = f2[0]["clocked"]
 print(clk.timings)
 print(clk.breakdown())
+comm = {n: sum(clk.waits[n].values()) - clk.predicted[n].parts.get("exposed all_gather + reduce_scatter", 0.0)
+        for n in clk.measured}
+print("communication, measured waits − predicted exposed: "
+      + ", ".join(f"{n} {d * 1e3:+.1f} ms" for n, d in comm.items()))
 print(clk)
 ag = {n: clk.waits[n]["all_gather"] for n in ("no prefetch", "prefetch")}
 pf_saved, pf_model = clk.saving("no prefetch", "prefetch", "measured"), clk.saving("no prefetch", "prefetch", "predicted")
@@ -420,10 +460,20 @@ print(f"prefetch: the all-gather waits fall from {ag['no prefetch'] * 1e3:.1f} t
       f"step; the step shrinks by {pf_saved * 1e3:.1f} ms (medians), the model said {pf_model * 1e3:.1f} ms")
 
 # %% [markdown]
-# **Reading the breakdown.** Each measured line sits above its prediction. *Communication*: without prefetch the
-# step waits for every all-gather; with prefetch each one ran during the previous unit's sleep, so its wait nearly
-# vanishes (the ratio row), and what the model still charges is the first unit of each pass and the last
-# reduce-scatter. *Host work* is predicted from the same step run with nothing sleeping, where gloo's thread and the
+# **Reading the breakdown.** The table prints each variant's measured row above its predicted row.
+# *Communication*: without prefetch the step waits for every all-gather; with prefetch each one ran during the
+# previous unit's sleep, so its wait nearly vanishes (the ratio row), and what the model still charges is the first
+# unit of each pass and the last reduce-scatter. The two communication figures (their difference is the line under
+# the table) are not the same quantity. The model prices each collective as a whole blocking call — a line through
+# two sizes (the root's message and a block's) fitted to the step's own collectives replayed alone, back to back
+# (the mean call, the max over ranks) — and runs all of them on **one link**, one at a time: in backward, a unit's
+# all-gather starts only once the previous unit's reduce-scatter is done, so without prefetch every reduce-scatter
+# counts as exposed. The measured figure is only the time spent inside `work.wait()`. `Zero3` launches a unit's
+# reduce-scatter asynchronously and waits for it only after the next unit's backward, and gloo's worker threads (two
+# per process group) can run it beside that unit's all-gather, so only what is still running then is a wait; and any
+# part of a collective that runs while the host works between issuing it and waiting for it falls in the host-work
+# column. Either figure can be the larger: a wait also holds the other rank's lateness (a collective ends only once
+# both ranks have joined it), which the replay, its ranks in step from call to call, does not see. *Host work* is predicted from the same step run with nothing sleeping, where gloo's thread and the
 # training thread compete for the two cores; under the clock a collective mostly runs while the training thread
 # sleeps or waits, so the two host figures can differ by a few ms either way, and with prefetch the host also fills
 # one more gather buffer per unit. The difference of the two steps carries both steps' errors, a larger share of it
@@ -502,8 +552,11 @@ print(m)
 
 # %%
 fl = f2[0]["flat"]
-print("FSDP1 flat parameter per unit (rank 0):", {k: v for k, v in list(fl.fsdp1_flat_params.items())[:2]})
-print("FSDP2 c_attn.weight (global, local):", fl.fsdp2_param_shapes["blocks.0.attn.c_attn.weight"])
+for unit, (shape, numel, names) in list(fl.fsdp1_flat_params.items())[:2]:
+    print(f"FSDP1 unit {unit}: rank 0's FlatParameter shard, shape {shape}, {numel:,} elements "
+          f"(1/{fl.world_size} of the unit's padded flat vector), flattened from {names}")
+global_shape, local_shape = fl.fsdp2_param_shapes["blocks.0.attn.c_attn.weight"]
+print(f"FSDP2 c_attn.weight: global shape {global_shape}, rank 0's local shard {local_shape}")
 print("CPUOffloadPolicy here:", fl.cpu_offload_error)
 print(fl)
 
@@ -721,15 +774,16 @@ print(same_c)
 same_c.assert_passed()
 te, tc = cb[0]["eager"]["seconds"], cb[0]["compiled"]["seconds"]
 print(f"rank 0, first step: eager {te[0] * 1e3:.0f} ms, compiled {tc[0]:.1f} s (the compile); "
-      f"later steps: eager {sum(te[1:]) / len(te[1:]) * 1e3:.0f} ms, "
-      f"compiled {sum(tc[1:]) / len(tc[1:]) * 1e3:.0f} ms")
+      f"the {len(te) - 1} later steps: eager {sum(te[1:]) / len(te[1:]) * 1e3:.0f} ms, "
+      f"compiled {sum(tc[1:]) / len(tc[1:]) * 1e3:.0f} ms — one run each, not repeated: "
+      "a difference between them is not a measurement")
 
 # %% [markdown]
 # What compiling changes is the code each block runs: with inductor, each block's elementwise ops are fused into
 # generated kernels, the reason to compile on a GPU. `aot_eager` changes nothing in the kernels — it is the quick way
 # to check that a model compiles at all under FSDP2 (graph capture and the backward graph, around FSDP2's hooks).
-# On a model this small on CPU a step is mostly Python and the
-# collectives; the later-step times above are this machine's measurement.
+# On a model this small on CPU a step is mostly Python and the collectives; the later-step times above come from one
+# unrepeated run of each, there to set the first step's compile beside them, not to compare eager with compiled.
 
 # %% [markdown]
 # ## 9. Exercise: one FSDP unit from scratch
