@@ -437,9 +437,9 @@ print(f"all-reduce: the fit's α {fit.alpha_s['all_reduce'] * 1e6:.0f} µs (smal
 # * **Why the small batch depends on it.** On the small batch the real step is mostly fixed overhead (Python,
 #   autograd, the clock's own hooks) and the table's dense gradient written to memory; at the same rate the sleep
 #   no longer dominates it (each case's line prints its modelled / real compute). So the small batch `MB` is
-#   picked from the rate: the smallest even batch whose modelled compute on one rank reaches a fixed target
-#   (set in the code below), so that the sleep does not shrink beside that real work, whatever rate the
-#   calibration gives.
+#   picked from the rate: the even batch whose modelled compute on one rank is nearest a fixed target (set in the
+#   code below), so that its compute stays small beside the all-reduce, and at least 4 rows, so that the sleep
+#   does not shrink beside that real work.
 # * **Its limit.** The Python thread is blocked while it sleeps, so unlike a real host it cannot run ahead and
 #   enqueue the next kernels or issue the next collective early.
 #
@@ -457,14 +457,12 @@ print(f"all-reduce: the fit's α {fit.alpha_s['all_reduce'] * 1e6:.0f} µs (smal
 # computes; the α–β estimate of the same bytes is printed beside it, with their ratio.
 
 # %% tags=["nbval-ignore-output"]
-import math
-
 from course_lib.clock import format_rate
 
 D, CB, V = 1024, 32, 4096  # compute-bound: batch 32; communication-bound: a 4096-row table at a small batch
 cal = collectives.calibrate_rate(D, CB)  # real forward+backward at batch 32, one thread per rank
 print(f"rate: {cal}")
-MB = 2 * max(1, math.ceil(0.010 * cal.rate / (12 * D * D)))  # smallest even batch: ≥ 10 ms modelled on 1 rank
+MB = max(4, 2 * round(0.010 * cal.rate / (12 * D * D)))  # the even batch nearest 10 ms modelled on 1 rank, ≥ 4
 cases = {"compute-bound": (D, CB), "communication-bound": (D, MB, V)}
 beta = fit.beta_bytes_per_s["all_reduce"]
 print(f"FLOPs per byte: rate / β = {format_rate(cal.rate)} / {beta / 1e9:.2f} GB/s = {cal.rate / beta:.1f}")
@@ -644,5 +642,5 @@ print(f"all-reduce on 2 ranks: α = {fit.alpha_s['all_reduce'] * 1e6:.0f} µs, "
       f"{ar[2**24]['busbw_GBps']:.2f} GB/s at 16 MiB")
 print(f"held-out 8 MiB predicted / measured: {held_out[0]:.2f} … {held_out[-1]:.2f} over the 4 ops")
 for name in cases:
-    print(f"{name}, {race.clock}: {race.verdict(name)}")
+    print(f"{name}, {race.clock}: predicted 2 ranks {race.expect(name)} than 1; measured: {race.verdict(name)}")
 print(f"notebook runtime: {time.perf_counter() - _t_notebook:.1f} s")

@@ -25,7 +25,7 @@
 # **What you need**: chapters 00 (collectives, the α–β model) and 01 (a training step's memory); PyTorch autograd
 # at the level of `loss.backward()` and tensor hooks.
 #
-# **Stored build:** 89 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 99 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/ddp.py` (the algorithm, ~330 lines), `course_lib/experiments/ddp.py` and
 # `ddp_compression.py` (the measurements).
@@ -197,8 +197,10 @@ for cap in (None, 25, 4):
 # gradient hooks and bucket copies, `zero_grad` and the SGD step over every parameter. None of it is in the
 # predicted step, so each measured step carries that extra term; the cell prints it per row as measured −
 # predicted. Most of it (the ops, dispatch, `zero_grad`, the optimizer) is the same in every variant, the
-# compute-only one included, so it cancels in the exposed column; the hooks, the copies and gloo's own CPU work
-# are not, and they stay in the exposed column, with the noise of two medians.
+# compute-only one included, so in principle it cancels in the exposed column; the hooks, the copies and gloo's
+# own CPU work are not, and they stay in it. How far apart the printed measured − predicted values lie is how far
+# that extra term differs between variants on this run: read the exposed column as an estimate whose error is
+# about that spread, not as exact milliseconds.
 #
 # The model here is the **step-time model (untied)**, `experiments.step_time.step_time_config()`: 4 blocks of
 # d_model 256, untied embeddings, 2 sequences of 16 tokens per rank. It is not the **bench model (tied
@@ -395,13 +397,15 @@ print(f"backward() returns {(bwd.end - compute_end) * 1e3:.1f} ms after its last
 # last all-reduce's share and the rest: any other all-reduce is exposed only for the moments the training thread
 # spends outside compute while it runs (inside the `c10d::allreduce_` call that enqueued it, or between nodes).
 # What `backward()` adds after its last node is that wait plus the copy of the averages into `.grad`, printed last.
-# This is the trace's counterpart of the exposed column of section 2's table, read off one step instead of a
-# difference of medians.
+# This is the trace's counterpart of the exposed column of section 2's table, but not the same number: the trace
+# reads one step and counts as exposed only the all-reduce time that no backward node runs beside, while the table's
+# column is a difference of two medians over rounds (this variant's step less the compute-only step), so it also
+# holds the hooks' and copies' host work and the noise of both medians.
 
 # %% [markdown]
 # ## 3. Step time vs bucket size
 #
-# **The sweet spot, predicted, then found.** The textbook trade-off, in the step-time model's terms
+# **The sweet spot, predicted, then looked for.** The textbook trade-off, in the step-time model's terms
 # (`step_time.ddp_step`): a bucket's all-reduce starts when its last gradient is ready and runs while the rest of
 # backward computes; the link runs one all-reduce at a time. What is **exposed** is what the link still has to do
 # when backward ends.
@@ -844,6 +848,28 @@ split.assert_passed()
 # mymodule:train` — the process group comes from torchrun's environment (env:// rendezvous) instead of `spawn`.
 # Torch's own DDP is used the same way: `DistributedDataParallel(model)` after the process group exists. The cell
 # runs section 1's equality check once that way: `torchrun --standalone --nproc-per-node 2` on this machine.
+#
+# Without `course_lib.launch`, a script does those steps itself (chapter 00 ran them by hand); around
+# `train_torch_ddp` above, the whole file is:
+#
+# ```python
+# import os
+# import torch
+# import torch.distributed as dist
+#
+# def main():
+#     gpu = torch.cuda.is_available()
+#     dist.init_process_group("nccl" if gpu else "gloo")  # env:// — torchrun sets RANK, WORLD_SIZE, MASTER_*
+#     if gpu:
+#         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per process on each node
+#     try:
+#         train_torch_ddp()  # its device() would be torch.device("cuda") or "cpu" here
+#     finally:
+#         dist.destroy_process_group()
+#
+# if __name__ == "__main__":
+#     main()  # torchrun --nproc-per-node 2 train.py
+# ```
 
 # %%
 import re

@@ -17,7 +17,7 @@
 # **What you need**: chapters 00 (collectives, α–β model) and 01 (16Ψ, activations); chapter 02's DDP helps.
 # DeepSpeed's first run compiles a C++ op, once (cached in `.cache/torch_extensions`).
 #
-# **Stored build:** 71 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 79 s on 2 cores (0% of them busy just before it started).
 #
 # Read along: `course_lib/zero.py` (our ZeRO), `course_lib/experiments/zero_libraries.py` (the libraries, measured).
 
@@ -279,7 +279,9 @@ for k, v in peak.items():
 # %% [markdown]
 # Stage 0 is DDP with the same small buckets and `gradient_as_bucket_view=True`: its buckets *are* its 4Ψ of
 # gradients, allocated once, so its model states are 16Ψ all the time and its peak is at the end of forward, with the
-# most activations alive. Stage 2's transient bar is its staging: as each gradient is ready it is copied into its
+# most activations alive. At stage 3's peak, in backward, the gradient shards (4Ψ/N) are not allocated yet — each
+# unit's is set once its reduce-scatter is done — so its model-state bar lacks them, while the × after the
+# step counts them. Stage 2's transient bar is its staging: as each gradient is ready it is copied into its
 # bucket's staging buffer and the full `.grad` is dropped; when a bucket is complete its reduce-scatter starts. At most
 # `ZeroOptimizer.MAX_IN_FLIGHT` = 2 reduce-scatters are in flight: launching a third first waits for the oldest, keeps
 # this rank's averaged slice and drops the staging buffer, which frees it —

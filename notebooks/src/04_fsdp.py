@@ -18,7 +18,7 @@
 # **What you need**: chapter 03 (ZeRO-3, our `Zero3`), chapter 00 (all-gather, reduce-scatter, the modelled clock);
 # 2 CPU cores are enough (gloo); on GPUs the same rank functions run on nccl, one GPU per rank.
 #
-# **Stored build:** 68 s on 2 cores (0% of them busy just before it started).
+# **Stored build:** 70 s on 2 cores (1% of them busy just before it started).
 #
 # Read along: `course_lib/fsdp.py`.
 
@@ -423,6 +423,8 @@ plt.show()
 # (from the call into `torch.distributed` until it returns; the transfer runs on gloo's thread and is not drawn):
 # a faint hairline is a call that returned at once, a solid tick one that held the training thread longer. On the
 # compute rows the number is the block's index.
+# The rows named *implicit* are FSDP2 with no prefetch plan, its default (on GPUs that default overlaps through CUDA
+# streams; here, on gloo, nothing overlaps); *explicit* is the same model with `set_modules_to_forward_prefetch`.
 
 # %% [markdown]
 # <a id="prefetch-timing"></a>
@@ -461,23 +463,31 @@ print(f"prefetch: the all-gather waits fall from {ag['no prefetch'] * 1e3:.1f} t
 
 # %% [markdown]
 # **Reading the breakdown.** The table prints each variant's measured row above its predicted row.
-# *Communication*: without prefetch the step waits for every all-gather; with prefetch each one ran during the
-# previous unit's sleep, so its wait nearly vanishes (the ratio row), and what the model still charges is the first
-# unit of each pass and the last reduce-scatter. The two communication figures (their difference is the line under
-# the table) are not the same quantity. The model prices each collective as a whole blocking call — a line through
-# two sizes (the root's message and a block's) fitted to the step's own collectives replayed alone, back to back
-# (the mean call, the max over ranks) — and runs all of them on **one link**, one at a time: in backward, a unit's
-# all-gather starts only once the previous unit's reduce-scatter is done, so without prefetch every reduce-scatter
-# counts as exposed. The measured figure is only the time spent inside `work.wait()`. `Zero3` launches a unit's
-# reduce-scatter asynchronously and waits for it only after the next unit's backward, and gloo's worker threads (two
-# per process group) can run it beside that unit's all-gather, so only what is still running then is a wait; and any
-# part of a collective that runs while the host works between issuing it and waiting for it falls in the host-work
-# column. Either figure can be the larger: a wait also holds the other rank's lateness (a collective ends only once
-# both ranks have joined it), which the replay, its ranks in step from call to call, does not see. *Host work* is predicted from the same step run with nothing sleeping, where gloo's thread and the
-# training thread compete for the two cores; under the clock a collective mostly runs while the training thread
-# sleeps or waits, so the two host figures can differ by a few ms either way, and with prefetch the host also fills
-# one more gather buffer per unit. The difference of the two steps carries both steps' errors, a larger share of it
-# than of either step, which is why it is printed beside its prediction rather than banded.
+#
+# * **Communication, what prefetch changes.** Without prefetch the step waits for every all-gather; with prefetch
+#   each one ran during the previous unit's sleep, so its wait nearly vanishes (the ratio row), and what the model
+#   still charges is the first unit of each pass and the last reduce-scatter.
+# * **Communication, why the two figures differ** (their difference is the line under the table). The model prices
+#   each collective as a whole blocking call — a line through two sizes (the root's message and a block's) fitted
+#   to the step's own collectives replayed alone, back to back (the mean call, the max over ranks) — and runs all
+#   of them on **one link**, one at a time: in backward, a unit's all-gather starts only once the previous unit's
+#   reduce-scatter is done, so without prefetch every reduce-scatter counts as exposed. The measured figure is only
+#   the time spent inside `work.wait()`. `Zero3` waits for a unit's reduce-scatter only after the next unit's
+#   backward, and gloo's worker threads (two per process group) can run it beside that unit's all-gather, so only
+#   what is still running then is a wait; a collective's time that passes while the host works falls in the
+#   host-work column. Either figure can be the larger: a wait also holds the other rank's lateness (a collective
+#   ends only once both ranks have joined it), which the replay, its ranks in step from call to call, does not see.
+# * **Host work.** It is predicted from the same step run with nothing sleeping, where gloo's thread and the
+#   training thread compete for the two cores; under the clock a collective mostly runs while the training thread
+#   sleeps or waits, so the host's work is measured in other conditions than the clocked step's, and with prefetch
+#   the host also fills one more gather buffer per unit. The cell below prints measured − predicted host work for
+#   each variant.
+# * **The saving.** The difference of the two steps carries both steps' errors, a larger share of it than of either
+#   step, which is why it is printed beside its prediction rather than banded.
+
+# %% tags=["nbval-ignore-output"]
+print("host work, measured − predicted: " + ", ".join(
+    f"{n} {(clk.host(n) - clk.predicted[n].parts.get('host work', 0.0)) * 1e3:+.1f} ms" for n in clk.measured))
 
 # %% [markdown]
 # ### Gradient accumulation without the reduce-scatters
